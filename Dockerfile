@@ -1,0 +1,16 @@
+# Sluice server image. Serves the bundled model unless SLUICE_MODEL points elsewhere.
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY protos protos
+COPY server server
+COPY client client
+COPY perf perf
+COPY models models
+RUN pip install --no-cache-dir .
+# In a container the server must listen beyond loopback; the node id defaults to the
+# hostname, which Kubernetes sets to the pod name.
+ENV SLUICE_HOST=0.0.0.0 SLUICE_PORT=8001 SLUICE_MODEL=/app/models/digits.onnx
+EXPOSE 8001
+STOPSIGNAL SIGTERM
+CMD ["sluice-server"]

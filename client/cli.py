@@ -1,0 +1,136 @@
+"""`sluice`: predict, health and metadata against a server or a balancer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf.json_format import MessageToDict
+
+from client.client import Prediction, SluiceClient
+from sluice.datatypes import DATATYPES, name_of
+
+DEFAULT_TARGET = "127.0.0.1:8001"
+
+
+def parse_input(text: str, datatypes: dict[str, str]) -> tuple[str, np.ndarray]:
+    """`NAME=FILE.npy`, `NAME=FILE.json` or `NAME=JSON`; JSON takes the model's datatype."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"input {text!r} is not NAME=FILE.npy, NAME=FILE.json or NAME=JSON")
+    if value.endswith(".npy"):
+        return name, np.load(value, allow_pickle=False)
+    data = json.loads(Path(value).read_text()) if value.endswith(".json") else json.loads(value)
+    datatype = datatypes.get(name)
+    dtype = DATATYPES[datatype].dtype if datatype in DATATYPES else None
+    return name, np.asarray(data, dtype=dtype)
+
+
+def render(answer: Prediction, as_json: bool) -> str:
+    if as_json:
+        outputs = {
+            name: {
+                "datatype": name_of(array.dtype),
+                "shape": list(array.shape),
+                "data": array.tolist(),
+            }
+            for name, array in answer.outputs.items()
+        }
+        return json.dumps({"outputs": outputs, "metadata": answer.metadata})
+    lines = []
+    with np.printoptions(precision=4, suppress=True, threshold=64, linewidth=100):
+        for name, array in answer.outputs.items():
+            head = f"{name} {name_of(array.dtype)}{list(array.shape)}:"
+            body = np.array2string(array)
+            lines.append(f"{head} {body}" if "\n" not in body else f"{head}\n{body}")
+    lines.append(f"(node {answer.node_id}, request {answer.request_id})")
+    warning = answer.metadata.get("x-nonfinite-inputs")
+    if warning:
+        lines.append(f"note: input {warning} holds NaN or infinity")
+    return "\n".join(lines)
+
+
+def cmd_predict(client: SluiceClient, args: argparse.Namespace) -> str:
+    datatypes = {}
+    if any(not v.partition("=")[2].endswith(".npy") for v in args.inputs):
+        datatypes = {t.name: t.datatype for t in client.metadata().model.inputs}
+    inputs = dict(parse_input(text, datatypes) for text in args.inputs)
+    answer = client.infer(inputs, outputs=args.output or ())
+    return render(answer, args.json)
+
+
+def cmd_health(client: SluiceClient, args: argparse.Namespace) -> str:
+    health = MessageToDict(client.health(), preserving_proto_field_name=True)
+    return json.dumps(health, indent=None if args.json else 2)
+
+
+def cmd_metadata(client: SluiceClient, args: argparse.Namespace) -> str:
+    meta = client.metadata()
+    if args.json:
+        return json.dumps(MessageToDict(meta, preserving_proto_field_name=True))
+    lines = [f"model {meta.model.name} ({meta.platform}, {meta.provider})"]
+    for kind, specs in (("input", meta.model.inputs), ("output", meta.model.outputs)):
+        for spec in specs:
+            dims = ", ".join("N" if d < 0 else str(d) for d in spec.shape)
+            lines.append(f"  {kind:6} {spec.name}: {spec.datatype}[{dims}]")
+    return "\n".join(lines)
+
+
+Command = Callable[[SluiceClient, argparse.Namespace], str]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="Sluice command-line client.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def client_command(name: str, fn: Command, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument(
+            "--target",
+            default=os.environ.get("SLUICE_TARGET", DEFAULT_TARGET),
+            help=f"HOST:PORT of a server or balancer [env SLUICE_TARGET; {DEFAULT_TARGET}]",
+        )
+        sub.add_argument(
+            "--timeout",
+            type=float,
+            default=float(os.environ.get("SLUICE_TIMEOUT", "10")),
+            help="seconds per call [env SLUICE_TIMEOUT; 10]",
+        )
+        sub.add_argument("--json", action="store_true", help="print JSON for scripts")
+        sub.set_defaults(fn=fn)
+        return sub
+
+    predict = client_command("predict", cmd_predict, "Run the model on inputs.")
+    predict.add_argument(
+        "inputs", nargs="+", metavar="NAME=VALUE", help="NAME=FILE.npy, NAME=FILE.json or NAME=JSON"
+    )
+    predict.add_argument("--output", action="append", help="return only this output (repeatable)")
+    client_command("health", cmd_health, "Show node, model and serving statistics.")
+    client_command("metadata", cmd_metadata, "Show the model's inputs and outputs.")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    fn: Any = args.fn
+    try:
+        with SluiceClient(args.target, timeout=args.timeout) as client:
+            print(fn(client, args))
+    except grpc.RpcError as exc:
+        print(f"sluice: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"sluice: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

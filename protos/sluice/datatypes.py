@@ -1,0 +1,46 @@
+"""The API's tensor datatypes (KServe v2 names) and their numpy dtypes. No protobuf here,
+so the transport-free core can use it too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DataType:
+    name: str
+    dtype: np.dtype[np.generic]  # little-endian, as on the wire
+    typed_field: str  # the Tensor field that carries the values when not raw
+
+
+DATATYPES: dict[str, DataType] = {
+    d.name: d
+    for d in (
+        DataType("BOOL", np.dtype("bool"), "bool_data"),
+        DataType("UINT8", np.dtype("uint8"), "uint_data"),
+        DataType("UINT16", np.dtype("<u2"), "uint_data"),
+        DataType("UINT32", np.dtype("<u4"), "uint_data"),
+        DataType("UINT64", np.dtype("<u8"), "uint64_data"),
+        DataType("INT8", np.dtype("int8"), "int_data"),
+        DataType("INT16", np.dtype("<i2"), "int_data"),
+        DataType("INT32", np.dtype("<i4"), "int_data"),
+        DataType("INT64", np.dtype("<i8"), "int64_data"),
+        DataType("FP16", np.dtype("<f2"), "fp32_data"),
+        DataType("FP32", np.dtype("<f4"), "fp32_data"),
+        DataType("FP64", np.dtype("<f8"), "fp64_data"),
+    )
+}
+_BY_KIND = {(d.dtype.kind, d.dtype.itemsize): d for d in DATATYPES.values()}
+
+
+def datatype_of(dtype: np.dtype[np.generic]) -> DataType | None:
+    """The API datatype for a numpy dtype, or None if the API has none."""
+    return _BY_KIND.get((dtype.kind, dtype.itemsize))
+
+
+def name_of(dtype: np.dtype[np.generic]) -> str:
+    """The API name for a numpy dtype, or numpy's own name when the API has none."""
+    found = datatype_of(dtype)
+    return found.name if found else str(dtype)

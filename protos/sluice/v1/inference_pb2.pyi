@@ -1,0 +1,134 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "datatype", "shape", "raw_data", "bool_data", "int_data", "int64_data", "uint_data", "uint64_data", "fp32_data", "fp64_data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATATYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    RAW_DATA_FIELD_NUMBER: _ClassVar[int]
+    BOOL_DATA_FIELD_NUMBER: _ClassVar[int]
+    INT_DATA_FIELD_NUMBER: _ClassVar[int]
+    INT64_DATA_FIELD_NUMBER: _ClassVar[int]
+    UINT_DATA_FIELD_NUMBER: _ClassVar[int]
+    UINT64_DATA_FIELD_NUMBER: _ClassVar[int]
+    FP32_DATA_FIELD_NUMBER: _ClassVar[int]
+    FP64_DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    datatype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    raw_data: bytes
+    bool_data: _containers.RepeatedScalarFieldContainer[bool]
+    int_data: _containers.RepeatedScalarFieldContainer[int]
+    int64_data: _containers.RepeatedScalarFieldContainer[int]
+    uint_data: _containers.RepeatedScalarFieldContainer[int]
+    uint64_data: _containers.RepeatedScalarFieldContainer[int]
+    fp32_data: _containers.RepeatedScalarFieldContainer[float]
+    fp64_data: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw_data: _Optional[bytes] = ..., bool_data: _Optional[_Iterable[bool]] = ..., int_data: _Optional[_Iterable[int]] = ..., int64_data: _Optional[_Iterable[int]] = ..., uint_data: _Optional[_Iterable[int]] = ..., uint64_data: _Optional[_Iterable[int]] = ..., fp32_data: _Optional[_Iterable[float]] = ..., fp64_data: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class PredictRequest(_message.Message):
+    __slots__ = ("inputs", "outputs", "typed_outputs")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    TYPED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    typed_outputs: bool
+    def __init__(self, inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., typed_outputs: _Optional[bool] = ...) -> None: ...
+
+class PredictResponse(_message.Message):
+    __slots__ = ("model", "outputs")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, model: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "datatype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATATYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    datatype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "inputs", "outputs")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    inputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    outputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, name: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class MetadataRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MetadataResponse(_message.Message):
+    __slots__ = ("model", "platform", "provider")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    platform: str
+    provider: str
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., platform: _Optional[str] = ..., provider: _Optional[str] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LatencySummary(_message.Message):
+    __slots__ = ("count", "p50_ms", "p90_ms", "p99_ms", "max_ms")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    P50_MS_FIELD_NUMBER: _ClassVar[int]
+    P90_MS_FIELD_NUMBER: _ClassVar[int]
+    P99_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MS_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    max_ms: float
+    def __init__(self, count: _Optional[int] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., max_ms: _Optional[float] = ...) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("node_id", "status", "model", "provider", "uptime_s", "requests", "errors", "errors_by_code", "latency", "in_flight")
+    class ErrorsByCodeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_BY_CODE_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    status: str
+    model: ModelInfo
+    provider: str
+    uptime_s: float
+    requests: int
+    errors: int
+    errors_by_code: _containers.ScalarMap[str, int]
+    latency: LatencySummary
+    in_flight: int
+    def __init__(self, node_id: _Optional[str] = ..., status: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., provider: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., errors_by_code: _Optional[_Mapping[str, int]] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., in_flight: _Optional[int] = ...) -> None: ...

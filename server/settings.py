@@ -1,0 +1,52 @@
+"""The server's settings: every one a flag and a `SLUICE_` environment variable."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model: str = field(default="models/digits.onnx", metadata={"help": "ONNX model file"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8001, metadata={"help": "port to listen on; 0 picks a free one"})
+    node_id: str = field(
+        default="", metadata={"help": "name reported in x-node-id and Health (default hostname)"}
+    )
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    intra_op_threads: int = field(
+        default=1, metadata={"help": "ONNX Runtime threads inside one run (0: its default)"}
+    )
+    inference_threads: int = field(
+        default=2, metadata={"help": "model runs allowed at the same time"}
+    )
+    max_message_bytes: int = field(
+        default=64 * 1024 * 1024, metadata={"help": "largest request or response message"}
+    )
+    grace_s: float = field(
+        default=10.0, metadata={"help": "on SIGTERM, how long in-flight calls may take to finish"}
+    )
+    drain_delay_s: float = field(
+        default=0.0,
+        metadata={"help": "on SIGTERM, how long to report NOT_SERVING before refusing calls"},
+    )
+    log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, not {self.device!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be 0-65535, not {self.port}")
+        if self.inference_threads < 1:
+            raise ValueError("--inference-threads must be at least 1")
+        if self.intra_op_threads < 0:
+            raise ValueError("--intra-op-threads must be 0 or more")
+        if self.max_message_bytes < 1024:
+            raise ValueError("--max-message-bytes must be at least 1024")
+        if self.grace_s < 0 or self.drain_delay_s < 0:
+            raise ValueError("--grace-s and --drain-delay-s must not be negative")
+        if not self.node_id:
+            object.__setattr__(self, "node_id", socket.gethostname())
