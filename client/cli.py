@@ -114,10 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--output", action="append", help="return only this output (repeatable)")
     client_command("health", cmd_health, "Show node, model and serving statistics.")
     client_command("metadata", cmd_metadata, "Show the model's inputs and outputs.")
+    commands.add_parser(
+        "perf", help="Load sweep (ghz-style); `sluice perf --help` for its options.", add_help=False
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["perf"]:  # the sweep parses its own options
+        from perf.sweep import main as perf_main
+
+        return perf_main(argv[1:])
     args = build_parser().parse_args(argv)
     fn: Any = args.fn
     try:

@@ -1,133 +1,21 @@
-"""Real server processes for end-to-end tests: port 0, readiness by health check, always
-stopped by pid."""
+"""Real processes for end-to-end tests, on top of perf.processes."""
 
 from __future__ import annotations
 
-import os
-import re
-import selectors
-import signal
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from perf.processes import BIN, MODEL, ROOT, Process, running
+from perf.processes import server_argv as _server_argv
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL = ROOT / "models" / "digits.onnx"
-BIN = Path(sys.executable).parent
-LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
-
-
-class Process:
-    """A started Sluice process; its stderr is kept in `lines` for failure messages."""
-
-    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
-        self.argv = list(argv)
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, **(env or {})},
-        )
-        self.address = self._wait_for_address(timeout=30.0)
-        self._drain = threading.Thread(target=self._keep_reading, daemon=True)
-        self._drain.start()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def _wait_for_address(self, timeout: float) -> str:
-        assert self.proc.stderr is not None
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stderr, selectors.EVENT_READ)
-            while (left := deadline - time.monotonic()) > 0:
-                if not sel.select(left):
-                    break
-                line = self.proc.stderr.readline()
-                if not line:
-                    break
-                self.lines.append(line)
-                found = LISTENING.search(line)
-                if found:
-                    return f"{found[1]}:{found[2]}"
-        self.kill()
-        raise RuntimeError(f"{self.argv[0]} did not start:\n{self.log()}")
-
-    def _keep_reading(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def wait_serving(self, timeout: float = 30.0) -> None:
-        with grpc.insecure_channel(self.address) as channel:
-            grpc.channel_ready_future(channel).result(timeout=timeout)
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=True
-            )
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
-
-    def terminate(self, timeout: float = 30.0) -> int:
-        """SIGTERM, then wait for the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-        self.close()
-        return code
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.close()
-
-    def close(self) -> None:
-        """Collect the rest of stderr once the process has exited."""
-        drain = getattr(self, "_drain", None)
-        if drain is not None:
-            drain.join(timeout=10)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
+__all__ = ["BIN", "MODEL", "ROOT", "Process", "running_server", "server_argv"]
 
 
 def server_argv(*extra: str, node_id: str = "test-node") -> list[str]:
-    return [
-        str(BIN / "sluice-server"),
-        "--model",
-        str(MODEL),
-        "--port",
-        "0",
-        "--node-id",
-        node_id,
-        "--device",
-        "cpu",
-        *extra,
-    ]
+    return _server_argv("--device", "cpu", *extra, node_id=node_id)
 
 
 @contextmanager
 def running_server(*extra: str, node_id: str = "test-node") -> Iterator[Process]:
-    proc = Process(server_argv(*extra, node_id=node_id))
-    try:
-        proc.wait_serving()
+    with running(server_argv(*extra, node_id=node_id)) as proc:
         yield proc
-    finally:
-        proc.kill()

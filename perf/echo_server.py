@@ -1,0 +1,94 @@
+"""The echo floor: a bare grpc.aio server for the sluice.v1 API on uvloop, with identity
+serializers and no model. Predict answers every call with one fixed reply the size of the
+bundled digits model's reply; Metadata describes the digits input, so the sweep can drive it.
+
+  python -m perf.echo_server --port 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from server.main import event_loop
+from sluice import codec
+from sluice.v1 import inference_pb2 as pb
+
+log = logging.getLogger("sluice.echo")
+
+REPLY = pb.PredictResponse(
+    model="echo",
+    outputs=codec.encode_all(
+        {"label": np.zeros(1, np.int64), "probabilities": np.zeros((1, 10), np.float32)}
+    ),
+).SerializeToString()
+INPUT = pb.TensorSpec(name="input", datatype="FP32", shape=[-1, 64])
+METADATA = pb.MetadataResponse(
+    model=pb.ModelInfo(name="echo", inputs=[INPUT]), platform="echo", provider="none"
+).SerializeToString()
+
+
+async def serve(host: str, port: int) -> None:
+    calls = 0
+
+    async def predict(body: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        nonlocal calls
+        calls += 1
+        return REPLY
+
+    async def health_info(body: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        return pb.HealthResponse(
+            node_id="echo", status="SERVING", requests=calls
+        ).SerializeToString()
+
+    async def metadata(body: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        return METADATA
+
+    handlers = {
+        "Predict": predict,
+        "Health": health_info,
+        "Metadata": metadata,
+    }
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "sluice.v1.Inference",
+                {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in handlers.items()},
+            )
+        ]
+    )
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info("echo floor listening on %s:%d", host, bound)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(1.0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.echo_server", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    with asyncio.Runner(loop_factory=event_loop) as runner:
+        runner.run(serve(args.host, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

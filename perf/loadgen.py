@@ -1,0 +1,232 @@
+"""The load generator that runs inside each sweep process: closed-loop (fixed concurrency)
+or open-loop (fixed arrival rate) calls with pre-serialized bodies, into an HDR histogram.
+
+Open loop: arrivals follow a schedule and never wait for earlier responses; latency counts
+from the scheduled send time, so a stall shows up in every call it delays (no coordinated
+omission)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from perf import stats
+from sluice.datatypes import DATATYPES
+
+Call = Callable[[bytes], Awaitable[str]]  # sends one body; returns the status name
+Clock = Callable[[], float]
+UNIQUE_ELEMENTS = 5  # base-100 digits of the call number: 10^10 distinct bodies
+
+
+@dataclass(frozen=True)
+class Bodies:
+    """Request bodies to cycle through; with `unique_offset`, each call gets its own body by
+    writing the call number into the first elements of the first input's raw data."""
+
+    bodies: tuple[bytes, ...]
+    unique_offset: int = -1
+    unique_datatype: str = "FP32"
+
+    def body(self, k: int) -> bytes:
+        base = self.bodies[k % len(self.bodies)]
+        if self.unique_offset < 0:
+            return base
+        dtype = DATATYPES[self.unique_datatype].dtype
+        digits = [(k // 100**j) % 100 for j in range(UNIQUE_ELEMENTS)]
+        values = np.array(digits, np.float64) / 10 if dtype.kind == "f" else np.array(digits)
+        patch = values.astype(dtype).tobytes()
+        end = self.unique_offset + len(patch)
+        return base[: self.unique_offset] + patch + base[end:]
+
+
+@dataclass(frozen=True)
+class LevelSpec:
+    """One process's share of one level: `concurrency` workers or `rate` calls/s."""
+
+    target: str
+    method: str
+    bodies: Bodies
+    concurrency: int = 0
+    rate: float = 0.0
+    total: int = 0  # calls; 0 means run for `duration`
+    duration: float = 0.0
+    warmup: float = 0.0
+    connections: int = 1
+    timeout: float = 10.0
+    first_call: int = 0  # numbering offset, so processes send different unique bodies
+
+
+PROCESS_STRIDE = 10**9  # first_call of process i is i * PROCESS_STRIDE
+
+
+@dataclass
+class LevelResult:
+    histogram: bytes = b""
+    statuses: Counter[str] = field(default_factory=Counter)
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    max_outstanding: int = 0  # open loop: calls sent but not yet answered, at most
+
+
+async def closed_loop(
+    call: Call,
+    bodies: Bodies,
+    *,
+    concurrency: int,
+    total: int,
+    duration: float,
+    clock: Clock = time.perf_counter,
+    first_call: int = 0,
+) -> LevelResult:
+    """`concurrency` workers, each sending its next call when the last one returns."""
+    result = LevelResult()
+    histogram = stats.new_histogram()
+    stop_at = clock() + duration if duration else math.inf
+    issued = 0
+
+    async def worker() -> None:
+        nonlocal issued
+        while (not total or issued < total) and clock() < stop_at:
+            k = first_call + issued
+            issued += 1
+            started = clock()
+            status = await call(bodies.body(k))
+            stats.record(histogram, clock() - started)
+            result.statuses[status] += 1
+
+    started = clock()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    result.wall_s = clock() - started
+    result.histogram = histogram.encode()
+    return result
+
+
+async def open_loop(
+    call: Call,
+    bodies: Bodies,
+    *,
+    rate: float,
+    total: int,
+    duration: float,
+    clock: Clock = time.perf_counter,
+    first_call: int = 0,
+) -> LevelResult:
+    """Calls at `rate` per second on a fixed schedule, whatever the responses do."""
+    result = LevelResult()
+    histogram = stats.new_histogram()
+    count = total or max(1, int(duration * rate))
+    interval = 1.0 / rate
+    outstanding: set[asyncio.Task[None]] = set()
+
+    async def one(k: int, scheduled: float) -> None:
+        status = await call(bodies.body(k))
+        stats.record(histogram, clock() - scheduled)
+        result.statuses[status] += 1
+
+    start = clock()
+    for i in range(count):
+        scheduled = start + i * interval
+        delay = scheduled - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(one(first_call + i, scheduled))
+        outstanding.add(task)  # held until done: a task nobody holds can be collected
+        task.add_done_callback(outstanding.discard)
+        result.max_outstanding = max(result.max_outstanding, len(outstanding))
+    await asyncio.gather(*outstanding)
+    result.wall_s = clock() - start
+    result.histogram = histogram.encode()
+    return result
+
+
+def grpc_call(channels: Sequence[grpc.aio.Channel], method: str, timeout: float) -> Call:
+    """A Call over raw bytes, spreading calls over the channels in turn."""
+    stubs = [
+        ch.unary_unary(method, request_serializer=None, response_deserializer=None)
+        for ch in channels
+    ]
+    turn = 0
+
+    async def call(body: bytes) -> str:
+        nonlocal turn
+        stub = stubs[turn % len(stubs)]
+        turn += 1
+        try:
+            await stub(body, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            return str(exc.code().name)
+        return "OK"
+
+    return call
+
+
+async def run_level(spec: LevelSpec) -> LevelResult:
+    # Separate subchannel pools: each channel is its own TCP connection.
+    channels = [
+        grpc.aio.insecure_channel(
+            spec.target,
+            options=[
+                ("grpc.use_local_subchannel_pool", 1),
+                ("grpc.max_receive_message_length", -1),
+            ],
+        )
+        for _ in range(spec.connections)
+    ]
+    try:
+        call = grpc_call(channels, spec.method, spec.timeout)
+
+        async def phase(total: int, duration: float, first: int) -> LevelResult:
+            if spec.rate:
+                return await open_loop(
+                    call,
+                    spec.bodies,
+                    rate=spec.rate,
+                    total=total,
+                    duration=duration,
+                    first_call=first,
+                )
+            return await closed_loop(
+                call,
+                spec.bodies,
+                concurrency=spec.concurrency,
+                total=total,
+                duration=duration,
+                first_call=first,
+            )
+
+        first = spec.first_call
+        if spec.warmup:  # its bodies are numbered too, so unique stays unique after it
+            first += (await phase(0, spec.warmup, first)).statuses.total()
+        cpu = time.process_time()
+        result = await phase(spec.total, spec.duration, first)
+        result.cpu_s = time.process_time() - cpu
+        return result
+    finally:
+        for channel in channels:
+            await channel.close(grace=None)
+
+
+def ready(hold_s: float) -> int:
+    """Pool warm-up task: holding each process briefly makes the pool start all of them."""
+    time.sleep(hold_s)
+    return os.getpid()
+
+
+def run_level_in_process(spec: LevelSpec) -> LevelResult:
+    """Entry point for sweep worker processes."""
+    try:
+        import uvloop
+
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(run_level(spec))

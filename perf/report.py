@@ -1,0 +1,154 @@
+"""Sweep output: the live table on the terminal, and JSON, CSV, Markdown and PNG files."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+COLUMNS = (
+    ("level", 12),
+    ("calls", 8),
+    ("calls/s", 9),
+    ("errors", 7),
+    ("p50 ms", 8),
+    ("p90 ms", 8),
+    ("p99 ms", 8),
+    ("p99.9 ms", 9),
+    ("max ms", 8),
+    ("client cpu", 11),
+)
+
+
+def _cells(level: Any) -> list[str]:
+    lat = level["latency"] if isinstance(level, dict) else vars(level["latency"])
+    value = level["value"]
+    name = f"c={value:g}" if level["mode"] == "concurrency" else f"{value:g}/s"
+    errors = level["calls"] - level["ok"]
+    cpu = f"{level['client_cpu']:.0%}" + (" SAT" if level["client_saturated"] else "")
+    return [
+        name,
+        str(level["calls"]),
+        f"{level['throughput']:.0f}",
+        str(errors),
+        f"{lat['p50']:.3f}",
+        f"{lat['p90']:.3f}",
+        f"{lat['p99']:.3f}",
+        f"{lat['p999']:.3f}",
+        f"{lat['max']:.3f}",
+        cpu,
+    ]
+
+
+def live_header() -> None:
+    print("  ".join(name.rjust(width) for name, width in COLUMNS), flush=True)
+
+
+def live_row(level: Any) -> None:
+    row = _cells(asdict(level))
+    _clear_progress()
+    print("  ".join(c.rjust(w) for c, (_, w) in zip(row, COLUMNS, strict=True)), flush=True)
+
+
+def progress(mode: str, value: float, elapsed: float, expected: float) -> None:
+    if not sys.stderr.isatty():
+        return
+    name = f"c={value:g}" if mode == "concurrency" else f"{value:g}/s"
+    share = f" of ~{expected:.0f}s" if expected else ""
+    sys.stderr.write(f"\r  running {name}: {elapsed:.1f}s{share} ")
+    sys.stderr.flush()
+
+
+def _clear_progress() -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + " " * 60 + "\r")
+
+
+def live_footer(result: dict[str, Any]) -> None:
+    knee = result["knee"]
+    if knee is None:
+        print("knee: not reached (p99 never doubled and throughput kept growing)")
+    else:
+        print(f"knee: {_cells(result['levels'][knee])[0]}")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        f"### {result['title']}",
+        "",
+        f"`{result['command']}`",
+        "",
+        "| " + " | ".join(name for name, _ in COLUMNS) + " |",
+        "|" + "---:|" * len(COLUMNS),
+    ]
+    for i, level in enumerate(result["levels"]):
+        cells = _cells(level)
+        if i == result["knee"]:
+            cells[0] += " (knee)"
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *(f"**Warning:** {w}" for w in result["warnings"])]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_csv(result: dict[str, Any], path: Path) -> None:
+    server_keys = sorted({k for lv in result["levels"] for k in lv["server"]})
+    latency_keys = ["min", "p50", "p90", "p99", "p999", "max", "mean"]
+    header = ["mode", "value", "calls", "ok", "throughput", "goodput", "client_cpu"]
+    header += (
+        [f"{k}_ms" for k in latency_keys] + ["statuses"] + [f"server_{k}" for k in server_keys]
+    )
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        for lv in result["levels"]:
+            writer.writerow(
+                [lv[k] for k in header[:7]]
+                + [lv["latency"][k] for k in latency_keys]
+                + [json.dumps(lv["statuses"], sort_keys=True)]
+                + [lv["server"].get(k, "") for k in server_keys]
+            )
+
+
+def write_png(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = result["levels"]
+    x = [lv["value"] for lv in levels]
+    fig, left = plt.subplots(figsize=(8, 4.5), dpi=100)
+    left.plot(x, [lv["throughput"] for lv in levels], "o-", color="tab:blue", label="calls/s")
+    left.set_ylabel("calls/s", color="tab:blue")
+    modes = {lv["mode"] for lv in levels}
+    left.set_xlabel("concurrency" if modes == {"concurrency"} else "level (concurrency or calls/s)")
+    if len(x) > 1 and min(x) > 0 and max(x) / min(x) >= 8:
+        left.set_xscale("log", base=2)
+    right = left.twinx()
+    right.plot(x, [lv["latency"]["p50"] for lv in levels], "s--", color="tab:green", label="p50")
+    right.plot(x, [lv["latency"]["p99"] for lv in levels], "^--", color="tab:red", label="p99")
+    right.set_ylabel("latency ms")
+    right.set_ylim(bottom=0)
+    left.set_ylim(bottom=0)
+    handles = left.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    left.legend(handles, ["calls/s", "p50 ms", "p99 ms"], loc="upper left")
+    left.set_title(result["title"])
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_all(result: dict[str, Any], out: Path) -> list[Path]:
+    """OUT.json, OUT.csv, OUT.md and OUT.png (OUT may name a folder: OUT/sweep.*)."""
+    if out.is_dir():
+        out = out / "sweep"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paths = [out.with_suffix(s) for s in (".json", ".csv", ".md", ".png")]
+    paths[0].write_text(json.dumps(result, indent=1) + "\n")
+    write_csv(result, paths[1])
+    paths[2].write_text(markdown(result))
+    write_png(result, paths[3])
+    return paths

@@ -1,0 +1,300 @@
+"""`sluice perf` / `python -m perf.sweep`: a ghz-style load sweep against a server or a
+balancer. Each level runs in `--procs` load-generator processes whose HDR histograms are
+merged; every level reports throughput, errors by status, latency percentiles, the load
+generator's own CPU use, and the target's Health deltas.
+
+  python -m perf.sweep --target 127.0.0.1:8001 -c 1,4,16 -z 5s --out perf/results/run1
+  python -m perf.sweep --target 127.0.0.1:8001 --rps 500,1000,2000 -z 5s --unique
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from perf import loadgen, report, stats
+from perf.loadgen import PROCESS_STRIDE, Bodies, LevelResult, LevelSpec, run_level_in_process
+from sluice import codec
+from sluice.datatypes import DATATYPES
+from sluice.v1 import inference_pb2 as pb
+from sluice.v1 import inference_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "models" / "samples"
+METHODS = {"predict": "/sluice.v1.Inference/Predict"}
+SATURATED = 0.85  # a load-generator process busier than this share of a core is the limit
+
+
+@dataclass
+class Level:
+    mode: str  # "concurrency" or "rate"
+    value: float
+    calls: int = 0
+    ok: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+    throughput: float = 0.0  # answered calls per second, errors included
+    goodput: float = 0.0  # OK calls per second
+    latency: stats.Latency = field(default_factory=lambda: stats.summarize(stats.new_histogram()))
+    client_cpu: float = 0.0  # busiest load-generator process, share of one core
+    client_saturated: bool = False
+    max_outstanding: int = 0
+    server: dict[str, float] = field(default_factory=dict)
+
+
+def duration(text: str) -> float:
+    """Seconds from `5`, `5s`, `500ms` or `1m`."""
+    text = text.strip().lower()
+    for suffix, scale in (("ms", 0.001), ("s", 1.0), ("m", 60.0)):
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * scale
+    return float(text)
+
+
+def number_list(text: str) -> list[float]:
+    values = [float(v) for v in text.split(",") if v.strip()]
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas: {text}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(
+        prog="sluice perf",
+        description="Load sweep against a Sluice server or balancer (ghz-style).",
+    )
+    p.add_argument("--target", default=env("SLUICE_TARGET", "127.0.0.1:8001"), help="HOST:PORT")
+    p.add_argument("--call", choices=sorted(METHODS), default="predict", help="RPC to load")
+    p.add_argument(
+        "--data",
+        default="samples",
+        help="'samples' (the bundled digits), FILE.npy, FILE.json or inline JSON",
+    )
+    p.add_argument("--input-name", default="", help="input to fill (default: the model's first)")
+    p.add_argument(
+        "--unique", action="store_true", help="a fresh input per call, so no cache can answer"
+    )
+    p.add_argument("-c", "--concurrency", type=number_list, help="closed-loop levels, e.g. 1,4,16")
+    p.add_argument("--rps", type=number_list, help="open-loop levels in calls/s, e.g. 500,1000")
+    p.add_argument("-n", "--total", type=int, default=0, help="calls per level")
+    p.add_argument("-z", "--duration", type=duration, default=0.0, help="time per level (5s)")
+    p.add_argument("--warmup", type=duration, default=0.5, help="unrecorded time before a level")
+    p.add_argument("--connections", type=int, default=1, help="connections per process")
+    p.add_argument("--procs", type=int, default=1, help="load-generator processes")
+    p.add_argument("--timeout", type=duration, default=10.0, help="deadline per call")
+    p.add_argument("--out", default="", help="write OUT.json, .csv, .md and .png")
+    p.add_argument("--title", default="", help="title for the report and plot")
+    p.add_argument("--quiet", action="store_true", help="no live table")
+    return p
+
+
+def model_input(target: str, name: str, timeout: float) -> tuple[str, str]:
+    """The input to fill and its datatype, from the target's Metadata."""
+    with grpc.insecure_channel(target) as channel:
+        meta = pb_grpc.InferenceStub(channel).Metadata(pb.MetadataRequest(), timeout=timeout)
+    inputs = {t.name: t.datatype for t in meta.model.inputs}
+    if not inputs:
+        raise SystemExit(f"{target} reports no model inputs")
+    chosen = name or next(iter(inputs))
+    if chosen not in inputs:
+        raise SystemExit(f"{target} has no input {chosen!r}; it has {', '.join(inputs)}")
+    return chosen, inputs[chosen]
+
+
+def load_arrays(data: str, datatype: str) -> list[np.ndarray]:
+    dtype = DATATYPES[datatype].dtype
+    if data == "samples":
+        return [np.load(p) for p in sorted(SAMPLES.glob("digit-*.npy"))]
+    if data.endswith(".npy"):
+        return [np.load(data, allow_pickle=False)]
+    loaded = json.loads(Path(data).read_text() if data.endswith(".json") else data)
+    return [np.asarray(loaded, dtype=dtype)]
+
+
+def make_bodies(arrays: Sequence[np.ndarray], name: str, unique: bool) -> Bodies:
+    bodies = tuple(
+        pb.PredictRequest(inputs=[codec.encode(name, a)]).SerializeToString() for a in arrays
+    )
+    if not unique:
+        return Bodies(bodies)
+    first = arrays[0]  # unique bodies vary the first data set's values
+    if first.dtype.kind == "b" or first.size < 2:
+        raise SystemExit("--unique needs a numeric input of two or more elements")
+    raw = codec.encode(name, first).raw_data
+    return Bodies(
+        bodies[:1],
+        unique_offset=bodies[0].rindex(raw),
+        unique_datatype=codec.datatype_of(first.dtype).name,
+    )
+
+
+def split(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def server_health(target: str, timeout: float) -> pb.HealthResponse | None:
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply: pb.HealthResponse = pb_grpc.InferenceStub(channel).Health(
+                pb.HealthRequest(), timeout=timeout
+            )
+            return reply
+    except grpc.RpcError:
+        return None
+
+
+def server_deltas(
+    before: pb.HealthResponse | None, after: pb.HealthResponse | None
+) -> dict[str, float]:
+    if before is None or after is None:
+        return {}
+    return {
+        "requests": float(after.requests - before.requests),
+        "errors": float(after.errors - before.errors),
+        "in_flight_after": float(after.in_flight),
+        "p50_ms_window": after.latency.p50_ms,
+    }
+
+
+def run_level(
+    pool: ProcessPoolExecutor, args: argparse.Namespace, bodies: Bodies, mode: str, value: float
+) -> Level:
+    procs = args.procs if mode == "rate" else min(args.procs, int(value))
+    shares = split(int(value), procs) if mode == "concurrency" else [value / procs] * procs
+    totals = split(args.total, procs) if args.total else [0] * procs
+    specs = [
+        LevelSpec(
+            target=args.target,
+            method=METHODS[args.call],
+            bodies=bodies,
+            concurrency=int(share) if mode == "concurrency" else 0,
+            rate=float(share) if mode == "rate" else 0.0,
+            total=totals[i],
+            duration=args.duration,
+            warmup=args.warmup,
+            connections=args.connections,
+            timeout=args.timeout,
+            first_call=i * PROCESS_STRIDE,
+        )
+        for i, share in enumerate(shares)
+    ]
+    before = server_health(args.target, args.timeout)
+    started = time.monotonic()
+    futures: list[Future[LevelResult]] = [pool.submit(run_level_in_process, s) for s in specs]
+    while True:
+        _, pending = wait(futures, timeout=0.25)
+        if not pending:
+            break
+        if not args.quiet:
+            report.progress(mode, value, time.monotonic() - started, args.warmup + args.duration)
+    results = [f.result() for f in futures]
+    after = server_health(args.target, args.timeout)
+    return summarize_level(mode, value, results, server_deltas(before, after))
+
+
+def summarize_level(
+    mode: str, value: float, results: Sequence[LevelResult], server: dict[str, float]
+) -> Level:
+    statuses: Counter[str] = Counter()
+    for r in results:
+        statuses.update(r.statuses)
+    wall = max(r.wall_s for r in results)
+    calls = statuses.total()
+    busiest = max(r.cpu_s / r.wall_s if r.wall_s else 0.0 for r in results)
+    return Level(
+        mode=mode,
+        value=value,
+        calls=calls,
+        ok=statuses["OK"],
+        statuses=dict(statuses),
+        wall_s=wall,
+        throughput=calls / wall if wall else 0.0,
+        goodput=statuses["OK"] / wall if wall else 0.0,
+        latency=stats.summarize(stats.merge([r.histogram for r in results])),
+        client_cpu=busiest,
+        client_saturated=busiest > SATURATED,
+        max_outstanding=sum(r.max_outstanding for r in results),
+        server=server,
+    )
+
+
+def sweep(args: argparse.Namespace) -> dict[str, Any]:
+    name, datatype = model_input(args.target, args.input_name, args.timeout)
+    bodies = make_bodies(load_arrays(args.data, datatype), name, args.unique)
+    levels: list[tuple[str, float]] = [("concurrency", c) for c in args.concurrency or []]
+    levels += [("rate", r) for r in args.rps or []]
+    results: list[Level] = []
+    if not args.quiet:
+        report.live_header()
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=args.procs, mp_context=context) as pool:
+        # Start every process before the first level, so none of them starts late.
+        list(pool.map(loadgen.ready, [0.2] * args.procs))
+        for mode, value in levels:
+            level = run_level(pool, args, bodies, mode, value)
+            results.append(level)
+            if not args.quiet:
+                report.live_row(level)
+    knee = stats.find_knee([lv.throughput for lv in results], [lv.latency.p99 for lv in results])
+    return {
+        "title": args.title or f"sluice perf against {args.target}",
+        "command": " ".join(["sluice perf", *sys.argv[1:]]),
+        "target": args.target,
+        "call": args.call,
+        "data": args.data,
+        "unique": args.unique,
+        "procs": args.procs,
+        "connections": args.connections,
+        "cpus": os.cpu_count(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "knee": knee,
+        "levels": [asdict(lv) for lv in results],
+        "warnings": [
+            f"load generator saturated at {lv.mode} {lv.value:g}: its busiest process used "
+            f"{lv.client_cpu:.0%} of a core, so these figures bound the client, not the target"
+            for lv in results
+            if lv.client_saturated
+        ],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.concurrency and not args.rps:
+        args.concurrency = [1.0]
+    if not args.total and not args.duration:
+        args.duration = 5.0
+    if args.procs < 1 or args.connections < 1:
+        parser.error("--procs and --connections must be at least 1")
+    try:
+        result = sweep(args)
+    except grpc.RpcError as exc:
+        print(f"sluice perf: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    for warning in result["warnings"]:
+        print(f"WARNING: {warning}", file=sys.stderr)
+    if not args.quiet:
+        report.live_footer(result)
+    if args.out:
+        for path in report.write_all(result, Path(args.out)):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
