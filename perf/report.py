@@ -14,6 +14,7 @@ COLUMNS = (
     ("calls", 8),
     ("calls/s", 9),
     ("errors", 7),
+    ("min ms", 8),
     ("p50 ms", 8),
     ("p90 ms", 8),
     ("p99 ms", 8),
@@ -27,13 +28,17 @@ def _cells(level: Any) -> list[str]:
     lat = level["latency"] if isinstance(level, dict) else vars(level["latency"])
     value = level["value"]
     name = f"c={value:g}" if level["mode"] == "concurrency" else f"{value:g}/s"
-    errors = level["calls"] - level["ok"]
+    errors = str(level["calls"] - level["ok"])
+    failed = {k: v for k, v in level["statuses"].items() if k != "OK"}
+    if failed:
+        errors += " (" + ", ".join(f"{k}:{v}" for k, v in sorted(failed.items())) + ")"
     cpu = f"{level['client_cpu']:.0%}" + (" SAT" if level["client_saturated"] else "")
     return [
         name,
         str(level["calls"]),
         f"{level['throughput']:.0f}",
-        str(errors),
+        errors,
+        f"{lat['min']:.3f}",
         f"{lat['p50']:.3f}",
         f"{lat['p90']:.3f}",
         f"{lat['p99']:.3f}",

@@ -35,6 +35,7 @@ from sluice.v1 import inference_pb2_grpc as pb_grpc
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "models" / "samples"
 METHODS = {"predict": "/sluice.v1.Inference/Predict"}
+CONTROL_TIMEOUT = 10.0  # Metadata and Health calls, whatever --timeout says
 SATURATED = 0.85  # a load-generator process busier than this share of a core is the limit
 
 
@@ -192,7 +193,7 @@ def run_level(
         )
         for i, share in enumerate(shares)
     ]
-    before = server_health(args.target, args.timeout)
+    before = server_health(args.target, CONTROL_TIMEOUT)
     started = time.monotonic()
     futures: list[Future[LevelResult]] = [pool.submit(run_level_in_process, s) for s in specs]
     while True:
@@ -202,7 +203,7 @@ def run_level(
         if not args.quiet:
             report.progress(mode, value, time.monotonic() - started, args.warmup + args.duration)
     results = [f.result() for f in futures]
-    after = server_health(args.target, args.timeout)
+    after = server_health(args.target, CONTROL_TIMEOUT)
     return summarize_level(mode, value, results, server_deltas(before, after))
 
 
@@ -232,8 +233,8 @@ def summarize_level(
     )
 
 
-def sweep(args: argparse.Namespace) -> dict[str, Any]:
-    name, datatype = model_input(args.target, args.input_name, args.timeout)
+def sweep(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
+    name, datatype = model_input(args.target, args.input_name, CONTROL_TIMEOUT)
     bodies = make_bodies(load_arrays(args.data, datatype), name, args.unique)
     levels: list[tuple[str, float]] = [("concurrency", c) for c in args.concurrency or []]
     levels += [("rate", r) for r in args.rps or []]
@@ -252,7 +253,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     knee = stats.find_knee([lv.throughput for lv in results], [lv.latency.p99 for lv in results])
     return {
         "title": args.title or f"sluice perf against {args.target}",
-        "command": " ".join(["sluice perf", *sys.argv[1:]]),
+        "command": command,
         "target": args.target,
         "call": args.call,
         "data": args.data,
@@ -273,6 +274,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.concurrency and not args.rps:
@@ -282,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.procs < 1 or args.connections < 1:
         parser.error("--procs and --connections must be at least 1")
     try:
-        result = sweep(args)
+        result = sweep(args, " ".join(["sluice perf", *argv]))
     except grpc.RpcError as exc:
         print(f"sluice perf: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
