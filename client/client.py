@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 
 from sluice import codec
+from sluice.keys import NO_CACHE_HEADER, NO_CACHE_VALUE
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 
@@ -56,8 +57,9 @@ def predict_request(
     return pb.PredictRequest(inputs=codec.encode_all(inputs), outputs=outputs)
 
 
-def call_metadata(request_id: str | None) -> Metadata:
-    return (("x-request-id", request_id or os.urandom(8).hex()),)
+def call_metadata(request_id: str | None, no_cache: bool = False) -> Metadata:
+    metadata: Metadata = (("x-request-id", request_id or os.urandom(8).hex()),)
+    return (*metadata, (NO_CACHE_HEADER, NO_CACHE_VALUE)) if no_cache else metadata
 
 
 def prediction(response: pb.PredictResponse, metadata: Iterable[Any] | None) -> Prediction:
@@ -92,9 +94,13 @@ class SluiceClient:
         outputs: Sequence[str] = (),
         timeout: float | None = None,
         request_id: str | None = None,
+        no_cache: bool = False,
     ) -> dict[str, np.ndarray]:
-        """Run the model; returns its outputs by name."""
-        return self.infer(inputs, outputs=outputs, timeout=timeout, request_id=request_id).outputs
+        """Run the model; returns its outputs by name. `no_cache` keeps the call out of the
+        result cache (and out of cache-affinity routing)."""
+        return self.infer(
+            inputs, outputs=outputs, timeout=timeout, request_id=request_id, no_cache=no_cache
+        ).outputs
 
     def infer(
         self,
@@ -103,12 +109,13 @@ class SluiceClient:
         outputs: Sequence[str] = (),
         timeout: float | None = None,
         request_id: str | None = None,
+        no_cache: bool = False,
     ) -> Prediction:
         """Run the model; returns its outputs with the response metadata."""
         response, call = self._stub.Predict.with_call(
             predict_request(inputs, outputs),
             timeout=timeout or self.timeout,
-            metadata=call_metadata(request_id),
+            metadata=call_metadata(request_id, no_cache),
         )
         return prediction(response, call.trailing_metadata())
 
@@ -161,9 +168,13 @@ class AsyncSluiceClient:
         outputs: Sequence[str] = (),
         timeout: float | None = None,
         request_id: str | None = None,
+        no_cache: bool = False,
     ) -> dict[str, np.ndarray]:
-        """Run the model; returns its outputs by name."""
-        answer = await self.infer(inputs, outputs=outputs, timeout=timeout, request_id=request_id)
+        """Run the model; returns its outputs by name. `no_cache` keeps the call out of the
+        result cache (and out of cache-affinity routing)."""
+        answer = await self.infer(
+            inputs, outputs=outputs, timeout=timeout, request_id=request_id, no_cache=no_cache
+        )
         return answer.outputs
 
     async def infer(
@@ -173,12 +184,13 @@ class AsyncSluiceClient:
         outputs: Sequence[str] = (),
         timeout: float | None = None,
         request_id: str | None = None,
+        no_cache: bool = False,
     ) -> Prediction:
         """Run the model; returns its outputs with the response metadata."""
         call = self._stub.Predict(
             predict_request(inputs, outputs),
             timeout=timeout or self.timeout,
-            metadata=call_metadata(request_id),
+            metadata=call_metadata(request_id, no_cache),
         )
         response = await call
         return prediction(response, await call.trailing_metadata())

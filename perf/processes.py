@@ -64,7 +64,10 @@ class Process:
                 if found:
                     return f"{found[1]}:{found[2]}"
         self.kill()
-        raise RuntimeError(f"{self.argv[0]} did not start:\n{self.log()}")
+        raise RuntimeError(
+            f"{' '.join(self.argv)} did not start (exit status {self.proc.returncode}):\n"
+            + self.log()
+        )
 
     def _keep_reading(self) -> None:
         assert self.proc.stderr is not None

@@ -1,20 +1,28 @@
-"""ONNX Runtime engine: loads a model, picks the execution provider, checks and runs inputs.
+"""ONNX Runtime engine: loads a model as one or more instances, picks the execution
+provider, checks inputs and runs batches.
 
 Transport-free: takes and returns numpy arrays, raises `server.errors` exceptions.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
+import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument as OrtInvalidArgument
 
+from server import gpu, staging
+from server.batcher import Pending
+from server.buffers import BufferPool, numpy_allocator
 from server.errors import InvalidInput, ModelFailed, Unavailable
 from sluice.datatypes import DATATYPES, name_of
 
@@ -90,10 +98,123 @@ def choose_providers(device: str) -> list[str]:
     return [CUDA, CPU] if has_cuda_build and cuda_device_count() > 0 else [CPU]
 
 
-class Engine:
-    """One model loaded into ONNX Runtime. `run` is thread-safe and releases the GIL."""
+class Instance:
+    """One ONNX Runtime session: runs one batch at a time through IO binding, inline on the
+    event loop when its runs are tiny (the thread hop would cost more), else in a thread."""
 
-    def __init__(self, model_path: str | Path, *, device: str = "auto", intra_op_threads: int = 1):
+    def __init__(
+        self,
+        index: int,
+        session: ort.InferenceSession,
+        *,
+        pool: BufferPool,
+        executor: Executor,
+        output_specs: Sequence[TensorSpec],
+        stage_always: bool = False,
+        inline_max_s: float = 0.0,
+        stream: Any = None,
+    ) -> None:
+        self.index = index
+        self.session = session
+        self.pool = pool
+        self.executor = executor
+        self.stage_always = stage_always  # CUDA with pinned memory: even one request is staged
+        self.inline_max_s = inline_max_s
+        self.stream = stream  # keeps a user compute stream alive as long as the session
+        self._row_shapes = {
+            s.name: tuple(d for d in s.shape[1:] if d is not None)
+            if s.shape and all(d is not None for d in s.shape[1:])
+            else None
+            for s in output_specs
+        }
+        self._dtypes = {s.name: s.dtype for s in output_specs}
+        self.runs = 0
+        self.seconds_per_row = 0.0  # decaying average of model time per row
+
+    def _inline(self, rows: int) -> bool:
+        return self.runs >= 8 and self.seconds_per_row * rows <= self.inline_max_s
+
+    async def run(self, batch: Sequence[Pending]) -> list[dict[str, np.ndarray]]:
+        rows = [p.rows for p in batch]
+        total = sum(rows)
+        outputs = batch[0].outputs
+        if len(batch) == 1 and not self.stage_always:
+            inputs, buffers = dict(batch[0].inputs), list[np.ndarray]()
+        else:
+            inputs, buffers = staging.merge([p.inputs for p in batch], self.pool)
+        try:
+            if self._inline(total):
+                results, out_buffers = self.run_sync(inputs, outputs, total)
+            else:
+                loop = asyncio.get_running_loop()
+                results, out_buffers = await loop.run_in_executor(
+                    self.executor, self.run_sync, inputs, outputs, total
+                )
+        finally:
+            for buffer in buffers:
+                self.pool.give(buffer)
+        split = staging.split(results, rows) if out_buffers or len(batch) > 1 else [results]
+        for buffer in out_buffers:
+            self.pool.give(buffer)
+        return split
+
+    def run_sync(
+        self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int
+    ) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+        """Run on checked inputs; returns the outputs and the pooled buffers that hold them
+        (the caller copies out and gives them back)."""
+        binding = self.session.io_binding()
+        for name, given in inputs.items():
+            array = np.ascontiguousarray(given)
+            binding.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+        results: dict[str, np.ndarray] = {}
+        pooled: list[np.ndarray] = []
+        dynamic: list[str] = []
+        for name in outputs:
+            row_shape = self._row_shapes.get(name)
+            if row_shape is None:
+                dynamic.append(name)
+                binding.bind_output(name, "cpu")
+                continue
+            if self.stage_always:
+                buffer = self.pool.take(self._dtypes[name], row_shape, rows)
+                pooled.append(buffer)
+                array = buffer[:rows]
+            else:
+                array = np.empty((rows, *row_shape), self._dtypes[name])
+            binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+            results[name] = array
+        started = time.perf_counter()
+        try:
+            self.session.run_with_iobinding(binding)
+        except OrtInvalidArgument as exc:
+            raise InvalidInput(f"the model rejected the input: {exc}") from None
+        except Exception as exc:  # any other ONNX Runtime failure is ours, not the caller's
+            raise ModelFailed(f"the model failed to run: {exc}") from None
+        elapsed = time.perf_counter() - started
+        self.runs += 1
+        weight = 0.2 if self.runs > 1 else 1.0
+        self.seconds_per_row += weight * (elapsed / max(rows, 1) - self.seconds_per_row)
+        if dynamic:
+            for name, value in zip(outputs, binding.get_outputs(), strict=True):
+                if name in dynamic:
+                    results[name] = value.numpy()
+        return {name: results[name] for name in outputs}, pooled
+
+
+class Engine:
+    """A model loaded into ONNX Runtime as one or more instances (sessions)."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device: str = "auto",
+        intra_op_threads: int = 1,
+        instances: int = 1,
+        pool_bytes: int = 256 << 20,
+        inline_max_s: float = 0.0,
+    ) -> None:
         path = Path(model_path)
         if not path.is_file():
             raise FileNotFoundError(f"model file {str(path)!r} does not exist")
@@ -103,26 +224,61 @@ class Engine:
         options.inter_op_num_threads = 1
         options.log_severity_level = 3  # errors only: CUDA probing warnings are not news.
         providers = choose_providers(device)
-        self.session = ort.InferenceSession(str(path), options, providers=providers)
-        self.provider = self.session.get_providers()[0]
+        allocator = gpu.pinned_allocator() if CUDA in providers else None
+        self.pinned = allocator is not None
+        self.pool = BufferPool(pool_bytes, allocator or numpy_allocator)
+        self.executor = ThreadPoolExecutor(instances, thread_name_prefix="sluice-run")
+        sessions: list[tuple[ort.InferenceSession, Any]] = []
+        for _ in range(instances):
+            stream = gpu.new_stream() if CUDA in providers else None
+            chosen: list[Any] = list(providers)
+            if stream is not None:
+                chosen[0] = (CUDA, {"user_compute_stream": str(stream[1])})
+            session = ort.InferenceSession(str(path), options, providers=chosen)
+            sessions.append((session, stream))
+        first = sessions[0][0]
+        self.provider = first.get_providers()[0]
         if device == "cuda" and self.provider != CUDA:
             raise Unavailable(
                 "--device cuda, but ONNX Runtime could not start its CUDA provider "
                 "(check the driver and the CUDA and cuDNN libraries)"
             )
-        self.name = self.session.get_modelmeta().graph_name or path.stem
-        self.inputs = [_spec(a) for a in self.session.get_inputs()]
-        self.outputs = [_spec(a) for a in self.session.get_outputs()]
+        self.name = first.get_modelmeta().graph_name or path.stem
+        self.inputs = [_spec(a) for a in first.get_inputs()]
+        self.outputs = [_spec(a) for a in first.get_outputs()]
         self._inputs_by_name = {s.name: s for s in self.inputs}
         self._output_names = [s.name for s in self.outputs]
+        # Requests batch along the first dimension only if every input and output has it.
+        self.batchable = all(s.shape and s.shape[0] is None for s in self.inputs + self.outputs)
+        on_cuda = self.provider == CUDA
+        self.instances = [
+            Instance(
+                i,
+                session,
+                pool=self.pool,
+                executor=self.executor,
+                output_specs=self.outputs,
+                stage_always=on_cuda and self.pinned,
+                inline_max_s=0.0 if on_cuda else inline_max_s,
+                stream=stream,
+            )
+            for i, (session, stream) in enumerate(sessions)
+        ]
         log.info(
-            "loaded %s (%s) on %s; inputs %s; outputs %s",
+            "loaded %s (%s) on %s x%d%s; inputs %s; outputs %s",
             path.name,
             self.name,
             self.provider,
+            instances,
+            " with pinned staging buffers" if on_cuda and self.pinned else "",
             ", ".join(f"{s.name} {s.describe()}" for s in self.inputs),
             ", ".join(f"{s.name} {s.describe()}" for s in self.outputs),
         )
+        if on_cuda and not self.pinned:
+            log.warning("CuPy is not installed: pageable staging memory, ORT's own streams")
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
     @property
     def platform(self) -> str:
@@ -182,15 +338,3 @@ class Engine:
                     + ", ".join(repr(n) for n in self._output_names)
                 )
         return list(dict.fromkeys(names))
-
-    def run(
-        self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]
-    ) -> dict[str, np.ndarray]:
-        """Run the model on checked inputs."""
-        try:
-            results = self.session.run(list(outputs), dict(inputs))
-        except OrtInvalidArgument as exc:
-            raise InvalidInput(f"the model rejected the input: {exc}") from None
-        except Exception as exc:  # any other ONNX Runtime failure is ours, not the caller's
-            raise ModelFailed(f"the model failed to run: {exc}") from None
-        return dict(zip(outputs, results, strict=True))

@@ -8,13 +8,14 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from server import config
+from server.batcher import Batcher
+from server.cache import LRUCache
 from server.engine import Engine
 from server.errors import SluiceError
 from server.service import SERVICE, InferenceService
@@ -44,10 +45,21 @@ def event_loop() -> asyncio.AbstractEventLoop:
 
 async def serve(settings: ServerSettings) -> int:
     engine = Engine(
-        settings.model, device=settings.device, intra_op_threads=settings.intra_op_threads
+        settings.model,
+        device=settings.device,
+        intra_op_threads=settings.intra_op_threads,
+        instances=settings.instances,
+        pool_bytes=settings.buffer_pool_bytes,
+        inline_max_s=settings.inline_max_us / 1e6,
     )
-    executor = ThreadPoolExecutor(settings.inference_threads, thread_name_prefix="sluice-run")
-    service = InferenceService(engine, executor, node_id=settings.node_id)
+    batcher = Batcher(
+        engine.instances,
+        max_rows=settings.max_batch,
+        budget_s=settings.batch_budget_ms / 1000,
+        max_queue=settings.max_queue,
+    )
+    cache = LRUCache(settings.cache_entries, settings.cache_bytes)
+    service = InferenceService(engine, batcher, cache, node_id=settings.node_id)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -81,10 +93,12 @@ async def serve(settings: ServerSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info(
-        "node %s serving %s on %s, listening on %s:%d",
+        "node %s serving %s on %s (max batch %d, cache %d entries), listening on %s:%d",
         settings.node_id,
         engine.name,
         engine.provider,
+        settings.max_batch,
+        settings.cache_entries,
         settings.host,
         port,
     )
@@ -98,7 +112,8 @@ async def serve(settings: ServerSettings) -> int:
     if settings.drain_delay_s:
         await asyncio.sleep(settings.drain_delay_s)
     await server.stop(settings.grace_s)
-    executor.shutdown(wait=True, cancel_futures=True)
+    await batcher.close()
+    engine.close()
     log.info("stopped after %d calls", service.stats.requests)
     return 0
 

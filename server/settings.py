@@ -20,8 +20,27 @@ class ServerSettings:
     intra_op_threads: int = field(
         default=1, metadata={"help": "ONNX Runtime threads inside one run (0: its default)"}
     )
-    inference_threads: int = field(
-        default=2, metadata={"help": "model runs allowed at the same time"}
+    instances: int = field(
+        default=1, metadata={"help": "model instances (sessions), each runs one batch at a time"}
+    )
+    max_batch: int = field(
+        default=1, metadata={"help": "most rows per batch; 1 turns the micro-batcher off"}
+    )
+    batch_budget_ms: float = field(
+        default=5.0,
+        metadata={"help": "a batch takes only requests that arrived within this of its oldest"},
+    )
+    max_queue: int = field(
+        default=1024, metadata={"help": "requests that may wait; beyond, RESOURCE_EXHAUSTED"}
+    )
+    cache_entries: int = field(default=10_000, metadata={"help": "result cache entries; 0: off"})
+    cache_bytes: int = field(default=64 << 20, metadata={"help": "result cache size in bytes"})
+    buffer_pool_bytes: int = field(
+        default=256 << 20, metadata={"help": "staging buffers kept for reuse, in bytes"}
+    )
+    inline_max_us: float = field(
+        default=100.0,
+        metadata={"help": "on the CPU, runs expected to take less than this run on the event loop"},
     )
     max_message_bytes: int = field(
         default=64 * 1024 * 1024, metadata={"help": "largest request or response message"}
@@ -40,8 +59,12 @@ class ServerSettings:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, not {self.device!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be 0-65535, not {self.port}")
-        if self.inference_threads < 1:
-            raise ValueError("--inference-threads must be at least 1")
+        for name in ("instances", "max_batch", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("cache_entries", "cache_bytes", "buffer_pool_bytes", "batch_budget_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative")
         if self.intra_op_threads < 0:
             raise ValueError("--intra-op-threads must be 0 or more")
         if self.max_message_bytes < 1024:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from client import SluiceClient
 from perf.processes import BIN, MODEL, ROOT, Process, running
 from perf.processes import server_argv as _server_argv
 
-__all__ = ["BIN", "MODEL", "ROOT", "Process", "running_server", "server_argv"]
+__all__ = ["BIN", "MODEL", "ROOT", "Process", "running_server", "server_argv", "wait_arrived"]
 
 
 def server_argv(*extra: str, node_id: str = "test-node") -> list[str]:
@@ -19,3 +21,14 @@ def server_argv(*extra: str, node_id: str = "test-node") -> list[str]:
 def running_server(*extra: str, node_id: str = "test-node") -> Iterator[Process]:
     with running(server_argv(*extra, node_id=node_id)) as proc:
         yield proc
+
+
+def wait_arrived(address: str, count: int, timeout: float = 30.0) -> int:
+    """Until the server reports `count` Predict calls begun (bounded); returns how many are in
+    flight then. Health goes over its own connection so it does not queue behind big requests."""
+    deadline = time.monotonic() + timeout
+    with SluiceClient(address, options=[("grpc.use_local_subchannel_pool", 1)]) as watcher:
+        while (health := watcher.health()).requests < count:
+            assert time.monotonic() < deadline, "calls never arrived at the server"
+            time.sleep(0.005)
+    return health.in_flight

@@ -6,7 +6,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from server.engine import Engine, choose_providers
+from server.batcher import Pending
+from server.buffers import BufferPool
+from server.engine import Engine, Instance, choose_providers
 from server.errors import InvalidInput
 from tests.conftest import SAMPLES
 from tests.procs import MODEL
@@ -27,11 +29,43 @@ def test_specs_describe_the_model(engine: Engine) -> None:
 def test_run_matches_onnxruntime(engine: Engine, reference: ort.InferenceSession) -> None:
     batch = np.concatenate([s.input for s in SAMPLES])
     assert engine.check({"input": batch}) == []
-    got = engine.run({"input": batch}, engine.check_outputs([]))
+    got, pooled = engine.instances[0].run_sync({"input": batch}, engine.check_outputs([]), 10)
+    assert pooled == []
     label, probabilities = reference.run(None, {"input": batch})
     np.testing.assert_array_equal(got["label"], label)
     np.testing.assert_array_equal(got["probabilities"], probabilities)
     assert engine.check_outputs(["probabilities", "probabilities"]) == ["probabilities"]
+
+
+@pytest.mark.parametrize("stage_always", [False, True], ids=["direct", "staged"])
+async def test_batches_through_onnxruntime_split_back_exactly(
+    engine: Engine, reference: ort.InferenceSession, stage_always: bool
+) -> None:
+    """Requests of 1, 3 and 2 rows merged into one run and split back; `staged` is the path
+    CUDA takes (inputs and outputs in pooled buffers), exercised here on the CPU."""
+    instance = Instance(
+        0,
+        engine.instances[0].session,
+        pool=BufferPool(),
+        executor=engine.executor,
+        output_specs=engine.outputs,
+        stage_always=stage_always,
+    )
+    rows = np.concatenate([s.input for s in SAMPLES])
+    parts = [rows[0:1], rows[1:4], rows[4:6]]
+    outputs = ("label", "probabilities")
+    batch = [Pending({"input": p}, outputs, len(p), "g", 0.0) for p in parts]
+    for _ in range(2):  # the second time, the staging buffers come from the pool
+        results = await instance.run(batch)
+        for part, result in zip(parts, results, strict=True):
+            label, probabilities = reference.run(None, {"input": part})
+            np.testing.assert_array_equal(result["label"], label)
+            np.testing.assert_array_equal(result["probabilities"], probabilities)
+    assert instance.pool.stats().reused >= 1
+    alone = await instance.run(batch[:1])
+    np.testing.assert_array_equal(
+        alone[0]["label"], reference.run(["label"], {"input": parts[0]})[0]
+    )
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -12,23 +11,12 @@ import onnxruntime as ort
 import pytest
 
 from client import SluiceClient
-from tests.procs import Process, running_server, server_argv
+from tests.procs import Process, running_server, server_argv, wait_arrived
 
 pytestmark = pytest.mark.e2e
 
 CALLS = 4
 ROWS = 60_000  # about 0.15 s of model time per call here, one call at a time
-
-
-def wait_arrived(address: str, count: int, timeout: float = 30.0) -> int:
-    """Until the server reports `count` calls begun (bounded); returns how many are in flight.
-    Health goes over its own connection so it does not queue behind the big requests."""
-    deadline = time.monotonic() + timeout
-    with SluiceClient(address, options=[("grpc.use_local_subchannel_pool", 1)]) as watcher:
-        while (health := watcher.health()).requests < count:
-            assert time.monotonic() < deadline, "calls never arrived at the server"
-            time.sleep(0.005)
-    return health.in_flight
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -37,7 +25,7 @@ def test_signal_drains_in_flight_calls_then_exits_zero(
 ) -> None:
     rng = np.random.default_rng(0)
     batches = [rng.uniform(0, 16, (ROWS, 64)).astype(np.float32) for _ in range(CALLS)]
-    with running_server("--inference-threads", "1", "--grace-s", "60") as server:
+    with running_server("--instances", "1", "--grace-s", "60") as server:
         client = SluiceClient(server.address, timeout=60)
         with ThreadPoolExecutor(CALLS) as pool:
             futures = [pool.submit(client.predict, {"input": b}) for b in batches]

@@ -103,7 +103,7 @@ class LatencySummary(_message.Message):
     def __init__(self, count: _Optional[int] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., max_ms: _Optional[float] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("node_id", "status", "model", "provider", "uptime_s", "requests", "errors", "errors_by_code", "latency", "in_flight")
+    __slots__ = ("node_id", "status", "model", "provider", "uptime_s", "requests", "errors", "errors_by_code", "latency", "in_flight", "batcher", "cache", "buffers")
     class ErrorsByCodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,9 @@ class HealthResponse(_message.Message):
     ERRORS_BY_CODE_FIELD_NUMBER: _ClassVar[int]
     LATENCY_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    BATCHER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     status: str
     model: ModelInfo
@@ -131,4 +134,81 @@ class HealthResponse(_message.Message):
     errors_by_code: _containers.ScalarMap[str, int]
     latency: LatencySummary
     in_flight: int
-    def __init__(self, node_id: _Optional[str] = ..., status: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., provider: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., errors_by_code: _Optional[_Mapping[str, int]] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    batcher: BatcherStats
+    cache: CacheStats
+    buffers: BufferPoolStats
+    def __init__(self, node_id: _Optional[str] = ..., status: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., provider: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., errors_by_code: _Optional[_Mapping[str, int]] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., in_flight: _Optional[int] = ..., batcher: _Optional[_Union[BatcherStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., buffers: _Optional[_Union[BufferPoolStats, _Mapping]] = ...) -> None: ...
+
+class BatcherStats(_message.Message):
+    __slots__ = ("batches", "requests", "rows", "mean_batch_size", "flush_full", "flush_budget", "flush_drained", "queue_depth", "rejected", "expired", "max_batch", "budget_ms", "instances", "busy_instances", "instance_batches")
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_FULL_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_DRAINED_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    BUSY_INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    batches: int
+    requests: int
+    rows: int
+    mean_batch_size: float
+    flush_full: int
+    flush_budget: int
+    flush_drained: int
+    queue_depth: int
+    rejected: int
+    expired: int
+    max_batch: int
+    budget_ms: float
+    instances: int
+    busy_instances: int
+    instance_batches: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batches: _Optional[int] = ..., requests: _Optional[int] = ..., rows: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., flush_full: _Optional[int] = ..., flush_budget: _Optional[int] = ..., flush_drained: _Optional[int] = ..., queue_depth: _Optional[int] = ..., rejected: _Optional[int] = ..., expired: _Optional[int] = ..., max_batch: _Optional[int] = ..., budget_ms: _Optional[float] = ..., instances: _Optional[int] = ..., busy_instances: _Optional[int] = ..., instance_batches: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CacheStats(_message.Message):
+    __slots__ = ("enabled", "entries", "bytes", "hits", "misses", "evictions", "hit_rate", "shared", "max_entries", "max_bytes")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    entries: int
+    bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    hit_rate: float
+    shared: int
+    max_entries: int
+    max_bytes: int
+    def __init__(self, enabled: _Optional[bool] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., hit_rate: _Optional[float] = ..., shared: _Optional[int] = ..., max_entries: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class BufferPoolStats(_message.Message):
+    __slots__ = ("pinned", "buffers", "bytes", "reused", "allocated", "dropped")
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    REUSED_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    pinned: bool
+    buffers: int
+    bytes: int
+    reused: int
+    allocated: int
+    dropped: int
+    def __init__(self, pinned: _Optional[bool] = ..., buffers: _Optional[int] = ..., bytes: _Optional[int] = ..., reused: _Optional[int] = ..., allocated: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,103 @@
+"""Result cache: a true LRU over serialized responses, bounded by entries and bytes, and
+single-flight so identical requests in flight at once compute once. Transport-free."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+Trailers = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Entry:
+    body: bytes
+    trailers: Trailers = ()
+
+    @property
+    def size(self) -> int:
+        return len(self.body) + sum(len(k) + len(v) for k, v in self.trailers)
+
+
+class LRUCache:
+    """Least recently *used*: a hit moves the entry to the young end."""
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_entries > 0 and self.max_bytes > 0
+
+    def get(self, key: bytes) -> Entry | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry
+
+    def put(self, key: bytes, entry: Entry) -> None:
+        if not self.enabled or entry.size > self.max_bytes:
+            return  # too big to keep: caching it would flush everything else
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old.size
+        self._entries[key] = entry
+        self.bytes += entry.size
+        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes -= evicted.size
+            self.evictions += 1
+
+    def keys(self) -> list[bytes]:
+        """Oldest first."""
+        return list(self._entries)
+
+    @property
+    def hit_rate(self) -> float:
+        looked = self.hits + self.misses
+        return self.hits / looked if looked else 0.0
+
+
+class SingleFlight:
+    """Runs one computation per key at a time; callers arriving meanwhile share its result.
+
+    The computation runs in its own task, so a caller that cancels leaves it running for the
+    others; its outcome (result or exception) goes to every caller."""
+
+    def __init__(self) -> None:
+        self._flights: dict[bytes, asyncio.Task[Entry]] = {}
+        self.joined = 0  # callers that shared another caller's computation
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    def __contains__(self, key: bytes) -> bool:
+        """Whether `key` is being computed now."""
+        return key in self._flights
+
+    async def run(self, key: bytes, compute: Callable[[], Awaitable[Entry]]) -> Entry:
+        task = self._flights.get(key)
+        if task is None:
+            task = asyncio.ensure_future(compute())
+            self._flights[key] = task
+            task.add_done_callback(lambda _: self._flights.pop(key, None))
+        else:
+            self.joined += 1
+        return await asyncio.shield(task)
