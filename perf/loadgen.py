@@ -23,7 +23,7 @@ from sluice.datatypes import DATATYPES
 
 Call = Callable[[bytes], Awaitable[str]]  # sends one body; returns the status name
 Clock = Callable[[], float]
-UNIQUE_ELEMENTS = 5  # base-100 digits of the call number: 10^10 distinct bodies
+UNIQUE_ELEMENTS = 8  # base-100 digits of the call number: 10^16 distinct bodies
 
 
 @dataclass(frozen=True)
@@ -34,13 +34,14 @@ class Bodies:
     bodies: tuple[bytes, ...]
     unique_offset: int = -1
     unique_datatype: str = "FP32"
+    unique_elements: int = UNIQUE_ELEMENTS  # fewer when the tensor is smaller
 
     def body(self, k: int) -> bytes:
         base = self.bodies[k % len(self.bodies)]
         if self.unique_offset < 0:
             return base
         dtype = DATATYPES[self.unique_datatype].dtype
-        digits = [(k // 100**j) % 100 for j in range(UNIQUE_ELEMENTS)]
+        digits = [(k // 100**j) % 100 for j in range(self.unique_elements)]
         values = np.array(digits, np.float64) / 10 if dtype.kind == "f" else np.array(digits)
         patch = values.astype(dtype).tobytes()
         end = self.unique_offset + len(patch)
@@ -64,7 +65,10 @@ class LevelSpec:
     first_call: int = 0  # numbering offset, so processes send different unique bodies
 
 
-PROCESS_STRIDE = 10**9  # first_call of process i is i * PROCESS_STRIDE
+# Call numbering: level l, process i starts at l * LEVEL_STRIDE + i * PROCESS_STRIDE, so
+# unique bodies never repeat across processes or levels.
+PROCESS_STRIDE = 10**10
+LEVEL_STRIDE = 10**12
 
 
 @dataclass

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -22,7 +21,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from perf import sweep
+from perf import paired
 from perf.processes import MODEL, ROOT, module_argv, running, server_argv
 
 
@@ -45,13 +44,6 @@ def ort_run_ms(model: Path, runs: int = 3000, intra_op_threads: int = 1) -> dict
     return {"p50": float(np.median(times) * 1e3), "p99": float(np.percentile(times, 99) * 1e3)}
 
 
-def sweep_once(target: str, levels: str, duration: str, extra: Sequence[str]) -> dict[str, Any]:
-    args = sweep.build_parser().parse_args(
-        ["--target", target, "-c", levels, "-z", duration, "--warmup", "0.5s", "--quiet", *extra]
-    )
-    return sweep.sweep(args)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.overhead", description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
@@ -61,34 +53,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     ort_ms = ort_run_ms(MODEL)
-    runs: dict[str, list[dict[str, Any]]] = {"echo": [], "server": []}
     with (
         running(module_argv("perf.echo_server")) as echo,
         running(server_argv("--device", "cpu")) as server,
     ):
-        targets = {"echo": echo.address, "server": server.address}
-        for r in range(args.rounds):
-            order = ["echo", "server"] if r % 2 == 0 else ["server", "echo"]
-            for name in order:
-                runs[name].append(sweep_once(targets[name], args.levels, args.duration, []))
-                print(f"round {r + 1}/{args.rounds}: {name} done", file=sys.stderr)
-
+        runs = paired.rounds(
+            {"echo": echo.address, "server": server.address},
+            ["-c", args.levels, "-z", args.duration, "--warmup", "0.5s"],
+            args.rounds,
+        )
     levels = [float(v) for v in args.levels.split(",")]
-
-    def median(name: str, i: int, key: str) -> float:
-        values = [
-            run["levels"][i]["latency"][key] if key != "throughput" else run["levels"][i][key]
-            for run in runs[name]
-        ]
-        return float(statistics.median(values))
-
     rows = []
     for i, level in enumerate(levels):
         rows.append(
             {
                 "concurrency": level,
                 **{
-                    f"{name}_{key}": median(name, i, key)
+                    f"{name}_{key}": paired.median(runs[name], i, key)
                     for name in runs
                     for key in ("p50", "p99", "throughput")
                 },
@@ -101,9 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ort_ms": ort_ms,
         "rows": rows,
         "ratio_c1_p50": c1["server_p50"] / floor,
-        "saturated": any(
-            lv["client_saturated"] for rs in runs.values() for run in rs for lv in run["levels"]
-        ),
+        "saturated": paired.saturated(runs),
     }
     print(markdown(result))
     if args.out:

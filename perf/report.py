@@ -21,6 +21,7 @@ COLUMNS = (
     ("p99.9 ms", 9),
     ("max ms", 8),
     ("client cpu", 11),
+    ("server", 24),
 )
 
 
@@ -45,7 +46,18 @@ def _cells(level: Any) -> list[str]:
         f"{lat['p999']:.3f}",
         f"{lat['max']:.3f}",
         cpu,
+        _server_cell(level["server"]),
     ]
+
+
+def _server_cell(server: dict[str, float]) -> str:
+    parts = []
+    if "mean_batch" in server:
+        parts.append(f"batch {server['mean_batch']:.1f}")
+        parts.append(f"queue<={server['queue_depth_max']:.0f}")
+    if "cache_hit_rate" in server:
+        parts.append(f"hits {server['cache_hit_rate']:.0%}")
+    return " ".join(parts) or "-"
 
 
 def live_header() -> None:

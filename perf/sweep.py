@@ -26,7 +26,15 @@ import grpc
 import numpy as np
 
 from perf import loadgen, report, stats
-from perf.loadgen import PROCESS_STRIDE, Bodies, LevelResult, LevelSpec, run_level_in_process
+from perf.loadgen import (
+    LEVEL_STRIDE,
+    PROCESS_STRIDE,
+    UNIQUE_ELEMENTS,
+    Bodies,
+    LevelResult,
+    LevelSpec,
+    run_level_in_process,
+)
 from sluice import codec
 from sluice.datatypes import DATATYPES
 from sluice.v1 import inference_pb2 as pb
@@ -140,6 +148,7 @@ def make_bodies(arrays: Sequence[np.ndarray], name: str, unique: bool) -> Bodies
         bodies[:1],
         unique_offset=bodies[0].rindex(raw),
         unique_datatype=codec.datatype_of(first.dtype).name,
+        unique_elements=min(first.size, UNIQUE_ELEMENTS),
     )
 
 
@@ -159,20 +168,36 @@ def server_health(target: str, timeout: float) -> pb.HealthResponse | None:
 
 
 def server_deltas(
-    before: pb.HealthResponse | None, after: pb.HealthResponse | None
+    before: pb.HealthResponse | None,
+    after: pb.HealthResponse | None,
+    samples: Sequence[pb.HealthResponse] = (),
 ) -> dict[str, float]:
+    """What the target saw during the level, from its Health before, during and after."""
     if before is None or after is None:
         return {}
-    return {
+    deltas = {
         "requests": float(after.requests - before.requests),
         "errors": float(after.errors - before.errors),
-        "in_flight_after": float(after.in_flight),
-        "p50_ms_window": after.latency.p50_ms,
     }
+    batches = after.batcher.batches - before.batcher.batches
+    if batches:
+        deltas["batches"] = float(batches)
+        deltas["mean_batch"] = (after.batcher.requests - before.batcher.requests) / batches
+        deltas["queue_depth_max"] = float(max((s.batcher.queue_depth for s in samples), default=0))
+        deltas["rejected"] = float(after.batcher.rejected - before.batcher.rejected)
+    looked = (after.cache.hits + after.cache.misses) - (before.cache.hits + before.cache.misses)
+    if after.cache.enabled and looked:
+        deltas["cache_hit_rate"] = (after.cache.hits - before.cache.hits) / looked
+    return deltas
 
 
 def run_level(
-    pool: ProcessPoolExecutor, args: argparse.Namespace, bodies: Bodies, mode: str, value: float
+    pool: ProcessPoolExecutor,
+    args: argparse.Namespace,
+    bodies: Bodies,
+    index: int,
+    mode: str,
+    value: float,
 ) -> Level:
     procs = args.procs if mode == "rate" else min(args.procs, int(value))
     shares = split(int(value), procs) if mode == "concurrency" else [value / procs] * procs
@@ -189,22 +214,25 @@ def run_level(
             warmup=args.warmup,
             connections=args.connections,
             timeout=args.timeout,
-            first_call=i * PROCESS_STRIDE,
+            first_call=index * LEVEL_STRIDE + i * PROCESS_STRIDE,
         )
         for i, share in enumerate(shares)
     ]
     before = server_health(args.target, CONTROL_TIMEOUT)
     started = time.monotonic()
     futures: list[Future[LevelResult]] = [pool.submit(run_level_in_process, s) for s in specs]
+    samples = []  # the target's Health while the level runs: queue depth is a snapshot
     while True:
         _, pending = wait(futures, timeout=0.25)
         if not pending:
             break
+        if before is not None and (sample := server_health(args.target, CONTROL_TIMEOUT)):
+            samples.append(sample)
         if not args.quiet:
             report.progress(mode, value, time.monotonic() - started, args.warmup + args.duration)
     results = [f.result() for f in futures]
     after = server_health(args.target, CONTROL_TIMEOUT)
-    return summarize_level(mode, value, results, server_deltas(before, after))
+    return summarize_level(mode, value, results, server_deltas(before, after, samples))
 
 
 def summarize_level(
@@ -245,8 +273,8 @@ def sweep(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
     with ProcessPoolExecutor(max_workers=args.procs, mp_context=context) as pool:
         # Start every process before the first level, so none of them starts late.
         list(pool.map(loadgen.ready, [0.2] * args.procs))
-        for mode, value in levels:
-            level = run_level(pool, args, bodies, mode, value)
+        for index, (mode, value) in enumerate(levels):
+            level = run_level(pool, args, bodies, index, mode, value)
             results.append(level)
             if not args.quiet:
                 report.live_row(level)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -124,10 +123,9 @@ class InferenceService:
                     no_cache = value == NO_CACHE_VALUE
             remaining = context.time_remaining()
             info = Call(
-                trailers=[
-                    ("x-node-id", self.node_id),
-                    ("x-request-id", request_id or os.urandom(8).hex()),
-                ],
+                trailers=[("x-node-id", self.node_id), ("x-request-id", request_id)]
+                if request_id
+                else [("x-node-id", self.node_id)],
                 deadline=None if remaining is None else self.clock() + remaining,
                 no_cache=no_cache,
             )

@@ -80,8 +80,9 @@ def test_unique_bodies_differ_and_still_parse() -> None:
     body = pb.PredictRequest(inputs=[codec.encode("input", x)]).SerializeToString()
     raw = codec.encode("input", x).raw_data
     bodies = Bodies((body,), unique_offset=body.rindex(raw), unique_datatype="FP32")
-    seen = {bodies.body(k) for k in range(2000)}
-    assert len(seen) == 2000
+    numbers = [*range(2000), *(10**12 + k for k in range(50)), 10**15]
+    seen = {bodies.body(k) for k in numbers}
+    assert len(seen) == len(numbers)
     decoded = codec.decode(pb.PredictRequest.FromString(bodies.body(1234)).inputs[0])
     assert decoded[0, :3].tolist() == pytest.approx([3.4, 1.2, 0.0])
     assert len(bodies.body(7)) == len(body)

@@ -52,6 +52,8 @@ def test_sweep_writes_every_output_with_sane_numbers(server: Process, tmp_path: 
         assert 0 < lv["client_cpu"] < 1.5
         # The server saw (at least) every call the sweep counted: warm-up calls come on top.
         assert lv["server"]["requests"] >= lv["calls"]
+        assert lv["server"]["mean_batch"] == 1.0  # the batcher is off on this server
+        assert lv["server"]["cache_hit_rate"] == 0.0  # unique inputs: no cache can answer
         assert lv["throughput"] == pytest.approx(lv["calls"] / lv["wall_s"])
     with out.with_suffix(".csv").open() as f:
         rows = list(csv.DictReader(f))

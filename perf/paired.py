@@ -1,0 +1,50 @@
+"""Side-by-side measurement: the same sweep against several targets in alternating rounds,
+so drift on a shared machine hits each alike; medians across rounds."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from perf import sweep
+
+
+def sweep_once(target: str, extra: Sequence[str]) -> dict[str, Any]:
+    args = sweep.build_parser().parse_args(["--target", target, "--quiet", *extra])
+    return sweep.sweep(args)
+
+
+def rounds(
+    targets: Mapping[str, str], extra: Sequence[str], count: int, label: str = ""
+) -> dict[str, list[dict[str, Any]]]:
+    """Each target swept `count` times, the order rotating every round."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
+    names = list(targets)
+    for r in range(count):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            runs[name].append(sweep_once(targets[name], extra))
+            print(f"{label} round {r + 1}/{count}: {name} done", file=sys.stderr)
+    return runs
+
+
+def median(runs: Sequence[dict[str, Any]], level: int, key: str) -> float:
+    """Median over rounds of a level's latency percentile ('p50', 'p99', ...) or field."""
+    values = [
+        run["levels"][level]["latency"][key]
+        if key in run["levels"][level]["latency"]
+        else run["levels"][level][key]
+        for run in runs
+    ]
+    return float(statistics.median(values))
+
+
+def median_server(runs: Sequence[dict[str, Any]], level: int, key: str) -> float:
+    values = [run["levels"][level]["server"].get(key, 0.0) for run in runs]
+    return float(statistics.median(values))
+
+
+def saturated(runs: Mapping[str, Sequence[dict[str, Any]]]) -> bool:
+    return any(lv["client_saturated"] for rs in runs.values() for r in rs for lv in r["levels"])

@@ -1,0 +1,149 @@
+"""Server speed, side by side in one run (docs/BENCHMARKS.md):
+
+1. batching: a compute-heavy MLP (perf/make_mlp.py, 4096 wide) saturated with unique inputs,
+   micro-batcher on against batch-of-one; p99 against the budget plus one batch's compute;
+2. idle cost: at concurrency 1 on the digits model, the batcher on against the fast path;
+3. cache: hits of the digits model's server against the bare echo floor.
+
+  python -m perf.speed --rounds 2 --duration 5s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from perf import paired
+from perf.make_mlp import build
+from perf.processes import MODEL, ROOT, module_argv, running, server_argv
+
+HEAVY = ROOT / "perf" / "models" / "mlp4096.onnx"
+
+
+def batch_compute_ms(model: Path, rows: int, intra_op_threads: int, runs: int = 10) -> float:
+    """ONNX Runtime alone on one batch of `rows`, as the server configures it: the median."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).uniform(0, 16, (rows, 64)).astype(np.float32)
+    session.run(None, {"input": x})
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        session.run(None, {"input": x})
+        times.append(time.perf_counter() - started)
+    return float(np.median(times) * 1e3)
+
+
+def batching(args: argparse.Namespace) -> dict[str, Any]:
+    if not HEAVY.exists():
+        HEAVY.parent.mkdir(parents=True, exist_ok=True)
+        HEAVY.write_bytes(build(width=4096, depth=2))
+    common = ["--device", "cpu", "--intra-op-threads", "2", "--cache-entries", "0"]
+    batch = ["--max-batch", str(args.max_batch), "--batch-budget-ms", str(args.budget_ms)]
+    with ExitStack() as stack:
+        one = stack.enter_context(running(server_argv(*common, model=HEAVY, node_id="one")))
+        batched = stack.enter_context(
+            running(server_argv(*common, *batch, model=HEAVY, node_id="batched"))
+        )
+        runs = paired.rounds(
+            {"batch_of_one": one.address, "batched": batched.address},
+            ["-c", args.heavy_levels, "-z", args.duration, "--warmup", "1s", "--unique"],
+            args.rounds,
+            "batching",
+        )
+    compute = batch_compute_ms(HEAVY, args.max_batch, 2)
+    levels: list[dict[str, Any]] = []
+    for i, level in enumerate(args.heavy_levels.split(",")):
+        row: dict[str, Any] = {"concurrency": int(level)}
+        for name, r in runs.items():
+            row[name] = {k: paired.median(r, i, k) for k in ("throughput", "p50", "p99", "max")}
+            row[name]["mean_batch"] = paired.median_server(r, i, "mean_batch")
+        row["throughput_ratio"] = row["batched"]["throughput"] / row["batch_of_one"]["throughput"]
+        levels.append(row)
+    return {
+        "levels": levels,
+        "one_batch_compute_ms": compute,
+        "bound_ms": args.budget_ms + compute,
+        "saturated": paired.saturated(runs),
+    }
+
+
+def idle_cost(args: argparse.Namespace) -> dict[str, Any]:
+    with ExitStack() as stack:
+        fast = stack.enter_context(running(server_argv("--device", "cpu", node_id="fast")))
+        batched = stack.enter_context(
+            running(server_argv("--device", "cpu", "--max-batch", "32", node_id="batched"))
+        )
+        runs = paired.rounds(
+            {"fast_path": fast.address, "batcher_on": batched.address},
+            ["-c", "1", "-z", args.duration, "--warmup", "1s", "--unique"],
+            args.rounds,
+            "idle",
+        )
+    result: dict[str, Any] = {
+        name: {k: paired.median(r, 0, k) for k in ("p50", "p99", "throughput")}
+        for name, r in runs.items()
+    }
+    result["p50_ratio"] = result["batcher_on"]["p50"] / result["fast_path"]["p50"]
+    result["saturated"] = paired.saturated(runs)
+    return result
+
+
+def cache_hits(args: argparse.Namespace) -> dict[str, Any]:
+    with ExitStack() as stack:
+        echo = stack.enter_context(running(module_argv("perf.echo_server")))
+        server = stack.enter_context(running(server_argv("--device", "cpu", model=MODEL)))
+        runs = paired.rounds(
+            {"echo": echo.address, "cache_hits": server.address},
+            ["-c", "1,16", "-z", args.duration, "--warmup", "1s"],  # the ten samples, repeated
+            args.rounds,
+            "cache",
+        )
+    result: dict[str, Any] = {}
+    for i, level in enumerate((1, 16)):
+        row: dict[str, Any] = {
+            name: {k: paired.median(r, i, k) for k in ("throughput", "p50", "p99")}
+            for name, r in runs.items()
+        }
+        row["hit_rate"] = paired.median_server(runs["cache_hits"], i, "cache_hit_rate")
+        row["rate_ratio"] = row["cache_hits"]["throughput"] / row["echo"]["throughput"]
+        result[f"c{level}"] = row
+    result["saturated"] = paired.saturated(runs)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.speed", description=__doc__)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--duration", default="5s", help="per level per round")
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--budget-ms", type=float, default=20.0)
+    parser.add_argument("--heavy-levels", default="16,32,64", help="concurrency levels")
+    parser.add_argument("--only", choices=["batching", "idle", "cache"], action="append")
+    parser.add_argument("--out", default="", help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    scenarios = {"batching": batching, "idle": idle_cost, "cache": cache_hits}
+    result = {
+        "command": "python -m perf.speed " + " ".join(argv if argv is not None else sys.argv[1:]),
+        **{name: fn(args) for name, fn in scenarios.items() if not args.only or name in args.only},
+    }
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
