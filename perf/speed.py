@@ -58,17 +58,22 @@ def batching(args: argparse.Namespace) -> dict[str, Any]:
         )
         runs = paired.rounds(
             {"batch_of_one": one.address, "batched": batched.address},
-            ["-c", args.heavy_levels, "-z", args.duration, "--warmup", "1s", "--unique"],
+            [
+                *("-c", args.heavy_levels, "--rps", str(args.heavy_rate)),
+                *("-z", args.duration, "--warmup", "1s", "--unique"),
+            ],
             args.rounds,
             "batching",
         )
     compute = batch_compute_ms(HEAVY, args.max_batch, 2)
     levels: list[dict[str, Any]] = []
-    for i, level in enumerate(args.heavy_levels.split(",")):
-        row: dict[str, Any] = {"concurrency": int(level)}
+    names = [f"c={c}" for c in args.heavy_levels.split(",")] + [f"{args.heavy_rate:g}/s"]
+    for i, level in enumerate(names):
+        row: dict[str, Any] = {"level": level}
         for name, r in runs.items():
             row[name] = {k: paired.median(r, i, k) for k in ("throughput", "p50", "p99", "max")}
             row[name]["mean_batch"] = paired.median_server(r, i, "mean_batch")
+            row[name]["errors"] = paired.median(r, i, "calls") - paired.median(r, i, "ok")
         row["throughput_ratio"] = row["batched"]["throughput"] / row["batch_of_one"]["throughput"]
         levels.append(row)
     return {
@@ -130,6 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--budget-ms", type=float, default=20.0)
     parser.add_argument("--heavy-levels", default="16,32,64", help="concurrency levels")
+    parser.add_argument(
+        "--heavy-rate", type=float, default=600, help="open-loop rate within batched capacity"
+    )
     parser.add_argument("--only", choices=["batching", "idle", "cache"], action="append")
     parser.add_argument("--out", default="", help="write the figures as JSON here")
     args = parser.parse_args(argv)
