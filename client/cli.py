@@ -17,7 +17,7 @@ from google.protobuf.json_format import MessageToDict
 from client.client import Prediction, SluiceClient
 from sluice.datatypes import DATATYPES, name_of
 
-DEFAULT_TARGET = "127.0.0.1:8001"
+DEFAULT_TARGET = "127.0.0.1:8000"
 
 
 def parse_input(text: str, datatypes: dict[str, str]) -> tuple[str, np.ndarray]:
@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     client_command("health", cmd_health, "Show node, model and serving statistics.")
     client_command("metadata", cmd_metadata, "Show the model's inputs and outputs.")
     commands.add_parser(
+        "up",
+        help="Start a local cluster: servers behind a balancer; `sluice up --help`.",
+        add_help=False,
+    )
+    commands.add_parser(
         "perf", help="Load sweep (ghz-style); `sluice perf --help` for its options.", add_help=False
     )
     return parser
@@ -126,6 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from perf.sweep import main as perf_main
 
         return perf_main(argv[1:])
+    if argv[:1] == ["up"]:
+        from client.cluster import main as up_main
+
+        return up_main(argv[1:])
     args = build_parser().parse_args(argv)
     fn: Any = args.fn
     try:

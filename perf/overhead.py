@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ort_ms = ort_run_ms(MODEL)
     with (
         running(module_argv("perf.echo_server")) as echo,
-        running(server_argv("--device", "cpu")) as server,
+        running(server_argv("--device", "cpu", "--cache-entries", "0")) as server,
     ):
         runs = paired.rounds(
             {"echo": echo.address, "server": server.address},

@@ -111,6 +111,7 @@ async def serve(settings: ServerSettings) -> int:
     await health_servicer.enter_graceful_shutdown()
     if settings.drain_delay_s:
         await asyncio.sleep(settings.drain_delay_s)
+    service.start_draining()
     await server.stop(settings.grace_s)
     await batcher.close()
     engine.close()

@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -89,6 +89,7 @@ class InferenceService:
         self.clock = clock
         self.stats = stats or ServingStats(clock=clock)
         self.serving = True
+        self._draining = asyncio.Event()
         self._model_info = pb.ModelInfo(
             name=engine.name,
             inputs=spec_messages(engine.inputs),
@@ -101,54 +102,125 @@ class InferenceService:
             "Health": self.health,
             "Metadata": self.metadata,
         }
-        return grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                name: grpc.unary_unary_rpc_method_handler(self._wrap(fn, counted=name == "Predict"))
-                for name, fn in methods.items()
-            },
+        handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {
+            name: grpc.unary_unary_rpc_method_handler(self._wrap(fn, counted=name == "Predict"))
+            for name, fn in methods.items()
+        }
+        handlers["PredictStream"] = grpc.stream_stream_rpc_method_handler(self.predict_stream)
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    def start_draining(self) -> None:
+        """Report NOT_SERVING, refuse new stream calls (retryable elsewhere), and let each
+        stream end once its calls in flight are answered."""
+        self.serving = False
+        self._draining.set()
+
+    def _call(self, metadata: Iterable[tuple[str, Any]], remaining: float | None) -> Call:
+        request_id = ""
+        no_cache = False
+        for key, value in metadata:
+            if key == "x-request-id":
+                request_id = str(value)
+            elif key == NO_CACHE_HEADER:
+                no_cache = value == NO_CACHE_VALUE
+        trailers = [("x-node-id", self.node_id)]
+        if request_id:
+            trailers.append(("x-request-id", request_id))
+        return Call(
+            trailers=trailers,
+            deadline=None if remaining is None else self.clock() + remaining,
+            no_cache=no_cache,
         )
+
+    async def _invoke(
+        self, fn: Method, body: bytes, info: Call, stats: ServingStats
+    ) -> bytes | tuple[grpc.StatusCode, str]:
+        """The reply, or the status and message of the failure, counted in `stats`."""
+        started = stats.begin()
+        try:
+            reply = await fn(body, info)
+        except SluiceError as exc:
+            stats.end(started, exc.status)
+            return status_of(exc), str(exc)
+        except asyncio.CancelledError:
+            stats.end(started, "CANCELLED")
+            raise
+        except Exception:
+            log.exception("unexpected failure")
+            stats.end(started, "INTERNAL")
+            return grpc.StatusCode.INTERNAL, "internal error"
+        stats.end(started)
+        return reply
 
     def _wrap(self, fn: Method, *, counted: bool) -> Handler:
         """Request id, node id, error mapping; `counted` calls go into the serving stats."""
         stats = self.stats if counted else ServingStats(window=1)
 
         async def call(body: bytes, context: Context) -> bytes:
-            request_id = ""
-            no_cache = False
-            for key, value in context.invocation_metadata() or ():
-                if key == "x-request-id":
-                    request_id = str(value)
-                elif key == NO_CACHE_HEADER:
-                    no_cache = value == NO_CACHE_VALUE
-            remaining = context.time_remaining()
-            info = Call(
-                trailers=[("x-node-id", self.node_id), ("x-request-id", request_id)]
-                if request_id
-                else [("x-node-id", self.node_id)],
-                deadline=None if remaining is None else self.clock() + remaining,
-                no_cache=no_cache,
-            )
-            started = stats.begin()
-            try:
-                reply = await fn(body, info)
-            except SluiceError as exc:
-                error, code, message = exc.status, status_of(exc), str(exc)
-            except asyncio.CancelledError:
-                stats.end(started, "CANCELLED")
-                raise
-            except Exception:
-                log.exception("unexpected failure")
-                error, code, message = "INTERNAL", grpc.StatusCode.INTERNAL, "internal error"
-            else:
-                stats.end(started)
-                context.set_trailing_metadata(info.trailers)
-                return reply
-            stats.end(started, error)
+            info = self._call(context.invocation_metadata() or (), context.time_remaining())
+            outcome = await self._invoke(fn, body, info, stats)
             context.set_trailing_metadata(info.trailers)
-            await context.abort(code, message)
+            if isinstance(outcome, bytes):
+                return outcome
+            await context.abort(*outcome)
 
         return call
+
+    async def predict_stream(self, requests: AsyncIterator[bytes], context: Context) -> None:
+        """Predict calls multiplexed on one stream: each message runs as its own task and its
+        reply is written, in completion order, by this one writer (grpc.aio allows one
+        pending write per stream)."""
+        replies: asyncio.Queue[bytes | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def one(message: pb.StreamRequest) -> None:
+            info = self._call(
+                message.metadata.items(), message.timeout_s if message.timeout_s > 0 else None
+            )
+            outcome = await self._invoke(self.predict, message.request, info, self.stats)
+            reply = pb.StreamResponse(id=message.id, trailers=dict(info.trailers))
+            if isinstance(outcome, bytes):
+                reply.response = outcome
+            else:
+                reply.code, reply.message = outcome[0].value[0], outcome[1]
+            replies.put_nowait(reply.SerializeToString())
+
+        async def read() -> None:
+            async for raw in requests:
+                message = pb.StreamRequest.FromString(raw)
+                if self._draining.is_set():
+                    refusal = pb.StreamResponse(
+                        id=message.id,
+                        code=grpc.StatusCode.UNAVAILABLE.value[0],
+                        message=f"node {self.node_id} is draining",
+                        retryable=True,
+                    )
+                    replies.put_nowait(refusal.SerializeToString())
+                    continue
+                task = asyncio.create_task(one(message))
+                running.add(task)  # held until done: a task nobody holds can be collected
+                task.add_done_callback(running.discard)
+
+        async def finish() -> None:
+            # The stream ends when the caller closes it or this node drains, once every call
+            # read so far is answered.
+            reading = asyncio.ensure_future(read())
+            draining = asyncio.ensure_future(self._draining.wait())
+            await asyncio.wait([reading, draining], return_when=asyncio.FIRST_COMPLETED)
+            for task in (reading, draining):
+                task.cancel()
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+            replies.put_nowait(None)
+
+        finishing = asyncio.create_task(finish())
+        try:
+            while (reply := await replies.get()) is not None:
+                await context.write(reply)
+        finally:
+            finishing.cancel()
+            for task in running:
+                task.cancel()
 
     async def predict(self, body: bytes, call: Call) -> bytes:
         if call.deadline is not None and call.deadline <= self.clock():
@@ -216,6 +288,7 @@ class InferenceService:
         cache = self.cache
         pool = self.engine.pool.stats()
         response = pb.HealthResponse(
+            role="server",
             node_id=self.node_id,
             status="SERVING" if self.serving else "NOT_SERVING",
             model=self._model_info,

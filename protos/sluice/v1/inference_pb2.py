@@ -24,43 +24,59 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19sluice/v1/inference.proto\x12\tsluice.v1\"\xd0\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x10\n\x08raw_data\x18\x04 \x01(\x0c\x12\x11\n\tbool_data\x18\x05 \x03(\x08\x12\x10\n\x08int_data\x18\x06 \x03(\x05\x12\x12\n\nint64_data\x18\x07 \x03(\x03\x12\x11\n\tuint_data\x18\x08 \x03(\r\x12\x13\n\x0buint64_data\x18\t \x03(\x04\x12\x11\n\tfp32_data\x18\n \x03(\x02\x12\x11\n\tfp64_data\x18\x0b \x03(\x01\"[\n\x0ePredictRequest\x12!\n\x06inputs\x18\x01 \x03(\x0b\x32\x11.sluice.v1.Tensor\x12\x0f\n\x07outputs\x18\x02 \x03(\t\x12\x15\n\rtyped_outputs\x18\x03 \x01(\x08\"D\n\x0fPredictResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\"\n\x07outputs\x18\x02 \x03(\x0b\x32\x11.sluice.v1.Tensor\";\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"h\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x06inputs\x18\x02 \x03(\x0b\x32\x15.sluice.v1.TensorSpec\x12&\n\x07outputs\x18\x03 \x03(\x0b\x32\x15.sluice.v1.TensorSpec\"\x11\n\x0fMetadataRequest\"[\n\x10MetadataResponse\x12#\n\x05model\x18\x01 \x01(\x0b\x32\x14.sluice.v1.ModelInfo\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x10\n\x08provider\x18\x03 \x01(\t\"\x0f\n\rHealthRequest\"_\n\x0eLatencySummary\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\x0e\n\x06p50_ms\x18\x02 \x01(\x01\x12\x0e\n\x06p90_ms\x18\x03 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x04 \x01(\x01\x12\x0e\n\x06max_ms\x18\x05 \x01(\x01\"\xd2\x03\n\x0eHealthResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12#\n\x05model\x18\x03 \x01(\x0b\x32\x14.sluice.v1.ModelInfo\x12\x10\n\x08provider\x18\x04 \x01(\t\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x10\n\x08requests\x18\x06 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x07 \x01(\x04\x12\x43\n\x0e\x65rrors_by_code\x18\x08 \x03(\x0b\x32+.sluice.v1.HealthResponse.ErrorsByCodeEntry\x12*\n\x07latency\x18\t \x01(\x0b\x32\x19.sluice.v1.LatencySummary\x12\x11\n\tin_flight\x18\n \x01(\x04\x12(\n\x07\x62\x61tcher\x18\x0b \x01(\x0b\x32\x17.sluice.v1.BatcherStats\x12$\n\x05\x63\x61\x63he\x18\x0c \x01(\x0b\x32\x15.sluice.v1.CacheStats\x12+\n\x07\x62uffers\x18\r \x01(\x0b\x32\x1a.sluice.v1.BufferPoolStats\x1a\x33\n\x11\x45rrorsByCodeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xbc\x02\n\x0c\x42\x61tcherStats\x12\x0f\n\x07\x62\x61tches\x18\x01 \x01(\x04\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x17\n\x0fmean_batch_size\x18\x04 \x01(\x01\x12\x12\n\nflush_full\x18\x05 \x01(\x04\x12\x14\n\x0c\x66lush_budget\x18\x06 \x01(\x04\x12\x15\n\rflush_drained\x18\x07 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x08 \x01(\x04\x12\x10\n\x08rejected\x18\t \x01(\x04\x12\x0f\n\x07\x65xpired\x18\n \x01(\x04\x12\x11\n\tmax_batch\x18\x0b \x01(\r\x12\x11\n\tbudget_ms\x18\x0c \x01(\x01\x12\x11\n\tinstances\x18\r \x01(\r\x12\x16\n\x0e\x62usy_instances\x18\x0e \x01(\r\x12\x18\n\x10instance_batches\x18\x0f \x03(\x04\"\xb8\x01\n\nCacheStats\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x10\n\x08hit_rate\x18\x07 \x01(\x01\x12\x0e\n\x06shared\x18\x08 \x01(\x04\x12\x13\n\x0bmax_entries\x18\t \x01(\x04\x12\x11\n\tmax_bytes\x18\n \x01(\x04\"u\n\x0f\x42ufferPoolStats\x12\x0e\n\x06pinned\x18\x01 \x01(\x08\x12\x0f\n\x07\x62uffers\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06reused\x18\x04 \x01(\x04\x12\x11\n\tallocated\x18\x05 \x01(\x04\x12\x0f\n\x07\x64ropped\x18\x06 \x01(\x04\x32\xd1\x01\n\tInference\x12@\n\x07Predict\x12\x19.sluice.v1.PredictRequest\x1a\x1a.sluice.v1.PredictResponse\x12=\n\x06Health\x12\x18.sluice.v1.HealthRequest\x1a\x19.sluice.v1.HealthResponse\x12\x43\n\x08Metadata\x12\x1a.sluice.v1.MetadataRequest\x1a\x1b.sluice.v1.MetadataResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19sluice/v1/inference.proto\x12\tsluice.v1\"\xaa\x01\n\rStreamRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0f\n\x07request\x18\x02 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x38\n\x08metadata\x18\x04 \x03(\x0b\x32&.sluice.v1.StreamRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xcc\x01\n\x0eStreamResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x10\n\x08response\x18\x04 \x01(\x0c\x12\x39\n\x08trailers\x18\x05 \x03(\x0b\x32\'.sluice.v1.StreamResponse.TrailersEntry\x12\x11\n\tretryable\x18\x06 \x01(\x08\x1a/\n\rTrailersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd0\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x10\n\x08raw_data\x18\x04 \x01(\x0c\x12\x11\n\tbool_data\x18\x05 \x03(\x08\x12\x10\n\x08int_data\x18\x06 \x03(\x05\x12\x12\n\nint64_data\x18\x07 \x03(\x03\x12\x11\n\tuint_data\x18\x08 \x03(\r\x12\x13\n\x0buint64_data\x18\t \x03(\x04\x12\x11\n\tfp32_data\x18\n \x03(\x02\x12\x11\n\tfp64_data\x18\x0b \x03(\x01\"[\n\x0ePredictRequest\x12!\n\x06inputs\x18\x01 \x03(\x0b\x32\x11.sluice.v1.Tensor\x12\x0f\n\x07outputs\x18\x02 \x03(\t\x12\x15\n\rtyped_outputs\x18\x03 \x01(\x08\"D\n\x0fPredictResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\"\n\x07outputs\x18\x02 \x03(\x0b\x32\x11.sluice.v1.Tensor\";\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"h\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x06inputs\x18\x02 \x03(\x0b\x32\x15.sluice.v1.TensorSpec\x12&\n\x07outputs\x18\x03 \x03(\x0b\x32\x15.sluice.v1.TensorSpec\"\x11\n\x0fMetadataRequest\"[\n\x10MetadataResponse\x12#\n\x05model\x18\x01 \x01(\x0b\x32\x14.sluice.v1.ModelInfo\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x10\n\x08provider\x18\x03 \x01(\t\"\x0f\n\rHealthRequest\"_\n\x0eLatencySummary\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\x0e\n\x06p50_ms\x18\x02 \x01(\x01\x12\x0e\n\x06p90_ms\x18\x03 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x04 \x01(\x01\x12\x0e\n\x06max_ms\x18\x05 \x01(\x01\"\xb8\x04\n\x0eHealthResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12#\n\x05model\x18\x03 \x01(\x0b\x32\x14.sluice.v1.ModelInfo\x12\x10\n\x08provider\x18\x04 \x01(\t\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x10\n\x08requests\x18\x06 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x07 \x01(\x04\x12\x43\n\x0e\x65rrors_by_code\x18\x08 \x03(\x0b\x32+.sluice.v1.HealthResponse.ErrorsByCodeEntry\x12*\n\x07latency\x18\t \x01(\x0b\x32\x19.sluice.v1.LatencySummary\x12\x11\n\tin_flight\x18\n \x01(\x04\x12(\n\x07\x62\x61tcher\x18\x0b \x01(\x0b\x32\x17.sluice.v1.BatcherStats\x12$\n\x05\x63\x61\x63he\x18\x0c \x01(\x0b\x32\x15.sluice.v1.CacheStats\x12+\n\x07\x62uffers\x18\r \x01(\x0b\x32\x1a.sluice.v1.BufferPoolStats\x12\x0c\n\x04role\x18\x0e \x01(\t\x12*\n\x08\x62\x61\x63kends\x18\x0f \x03(\x0b\x32\x18.sluice.v1.BackendStatus\x12*\n\x08\x62\x61lancer\x18\x10 \x01(\x0b\x32\x18.sluice.v1.BalancerStats\x1a\x33\n\x11\x45rrorsByCodeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x95\x01\n\rBackendStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06health\x18\x02 \x01(\t\x12\x0f\n\x07\x62reaker\x18\x03 \x01(\t\x12\x11\n\tin_flight\x18\x04 \x01(\x04\x12\r\n\x05\x63\x61lls\x18\x05 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x06 \x01(\x04\x12\x0f\n\x07\x65wma_ms\x18\x07 \x01(\x01\x12\r\n\x05share\x18\x08 \x01(\x01\"]\n\rBalancerStats\x12\r\n\x05\x63\x61lls\x18\x01 \x01(\x04\x12\x0f\n\x07retries\x18\x02 \x01(\x04\x12\x17\n\x0fretries_refused\x18\x03 \x01(\x04\x12\x13\n\x0bunavailable\x18\x04 \x01(\x04\"\xbc\x02\n\x0c\x42\x61tcherStats\x12\x0f\n\x07\x62\x61tches\x18\x01 \x01(\x04\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x17\n\x0fmean_batch_size\x18\x04 \x01(\x01\x12\x12\n\nflush_full\x18\x05 \x01(\x04\x12\x14\n\x0c\x66lush_budget\x18\x06 \x01(\x04\x12\x15\n\rflush_drained\x18\x07 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x08 \x01(\x04\x12\x10\n\x08rejected\x18\t \x01(\x04\x12\x0f\n\x07\x65xpired\x18\n \x01(\x04\x12\x11\n\tmax_batch\x18\x0b \x01(\r\x12\x11\n\tbudget_ms\x18\x0c \x01(\x01\x12\x11\n\tinstances\x18\r \x01(\r\x12\x16\n\x0e\x62usy_instances\x18\x0e \x01(\r\x12\x18\n\x10instance_batches\x18\x0f \x03(\x04\"\xb8\x01\n\nCacheStats\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x10\n\x08hit_rate\x18\x07 \x01(\x01\x12\x0e\n\x06shared\x18\x08 \x01(\x04\x12\x13\n\x0bmax_entries\x18\t \x01(\x04\x12\x11\n\tmax_bytes\x18\n \x01(\x04\"u\n\x0f\x42ufferPoolStats\x12\x0e\n\x06pinned\x18\x01 \x01(\x08\x12\x0f\n\x07\x62uffers\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06reused\x18\x04 \x01(\x04\x12\x11\n\tallocated\x18\x05 \x01(\x04\x12\x0f\n\x07\x64ropped\x18\x06 \x01(\x04\x32\x9b\x02\n\tInference\x12@\n\x07Predict\x12\x19.sluice.v1.PredictRequest\x1a\x1a.sluice.v1.PredictResponse\x12=\n\x06Health\x12\x18.sluice.v1.HealthRequest\x1a\x19.sluice.v1.HealthResponse\x12\x43\n\x08Metadata\x12\x1a.sluice.v1.MetadataRequest\x1a\x1b.sluice.v1.MetadataResponse\x12H\n\rPredictStream\x12\x18.sluice.v1.StreamRequest\x1a\x19.sluice.v1.StreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sluice.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STREAMREQUEST_METADATAENTRY']._loaded_options = None
+  _globals['_STREAMREQUEST_METADATAENTRY']._serialized_options = b'8\001'
+  _globals['_STREAMRESPONSE_TRAILERSENTRY']._loaded_options = None
+  _globals['_STREAMRESPONSE_TRAILERSENTRY']._serialized_options = b'8\001'
   _globals['_HEALTHRESPONSE_ERRORSBYCODEENTRY']._loaded_options = None
   _globals['_HEALTHRESPONSE_ERRORSBYCODEENTRY']._serialized_options = b'8\001'
-  _globals['_TENSOR']._serialized_start=41
-  _globals['_TENSOR']._serialized_end=249
-  _globals['_PREDICTREQUEST']._serialized_start=251
-  _globals['_PREDICTREQUEST']._serialized_end=342
-  _globals['_PREDICTRESPONSE']._serialized_start=344
-  _globals['_PREDICTRESPONSE']._serialized_end=412
-  _globals['_TENSORSPEC']._serialized_start=414
-  _globals['_TENSORSPEC']._serialized_end=473
-  _globals['_MODELINFO']._serialized_start=475
-  _globals['_MODELINFO']._serialized_end=579
-  _globals['_METADATAREQUEST']._serialized_start=581
-  _globals['_METADATAREQUEST']._serialized_end=598
-  _globals['_METADATARESPONSE']._serialized_start=600
-  _globals['_METADATARESPONSE']._serialized_end=691
-  _globals['_HEALTHREQUEST']._serialized_start=693
-  _globals['_HEALTHREQUEST']._serialized_end=708
-  _globals['_LATENCYSUMMARY']._serialized_start=710
-  _globals['_LATENCYSUMMARY']._serialized_end=805
-  _globals['_HEALTHRESPONSE']._serialized_start=808
-  _globals['_HEALTHRESPONSE']._serialized_end=1274
-  _globals['_HEALTHRESPONSE_ERRORSBYCODEENTRY']._serialized_start=1223
-  _globals['_HEALTHRESPONSE_ERRORSBYCODEENTRY']._serialized_end=1274
-  _globals['_BATCHERSTATS']._serialized_start=1277
-  _globals['_BATCHERSTATS']._serialized_end=1593
-  _globals['_CACHESTATS']._serialized_start=1596
-  _globals['_CACHESTATS']._serialized_end=1780
-  _globals['_BUFFERPOOLSTATS']._serialized_start=1782
-  _globals['_BUFFERPOOLSTATS']._serialized_end=1899
-  _globals['_INFERENCE']._serialized_start=1902
-  _globals['_INFERENCE']._serialized_end=2111
+  _globals['_STREAMREQUEST']._serialized_start=41
+  _globals['_STREAMREQUEST']._serialized_end=211
+  _globals['_STREAMREQUEST_METADATAENTRY']._serialized_start=164
+  _globals['_STREAMREQUEST_METADATAENTRY']._serialized_end=211
+  _globals['_STREAMRESPONSE']._serialized_start=214
+  _globals['_STREAMRESPONSE']._serialized_end=418
+  _globals['_STREAMRESPONSE_TRAILERSENTRY']._serialized_start=371
+  _globals['_STREAMRESPONSE_TRAILERSENTRY']._serialized_end=418
+  _globals['_TENSOR']._serialized_start=421
+  _globals['_TENSOR']._serialized_end=629
+  _globals['_PREDICTREQUEST']._serialized_start=631
+  _globals['_PREDICTREQUEST']._serialized_end=722
+  _globals['_PREDICTRESPONSE']._serialized_start=724
+  _globals['_PREDICTRESPONSE']._serialized_end=792
+  _globals['_TENSORSPEC']._serialized_start=794
+  _globals['_TENSORSPEC']._serialized_end=853
+  _globals['_MODELINFO']._serialized_start=855
+  _globals['_MODELINFO']._serialized_end=959
+  _globals['_METADATAREQUEST']._serialized_start=961
+  _globals['_METADATAREQUEST']._serialized_end=978
+  _globals['_METADATARESPONSE']._serialized_start=980
+  _globals['_METADATARESPONSE']._serialized_end=1071
+  _globals['_HEALTHREQUEST']._serialized_start=1073
+  _globals['_HEALTHREQUEST']._serialized_end=1088
+  _globals['_LATENCYSUMMARY']._serialized_start=1090
+  _globals['_LATENCYSUMMARY']._serialized_end=1185
+  _globals['_HEALTHRESPONSE']._serialized_start=1188
+  _globals['_HEALTHRESPONSE']._serialized_end=1756
+  _globals['_HEALTHRESPONSE_ERRORSBYCODEENTRY']._serialized_start=1705
+  _globals['_HEALTHRESPONSE_ERRORSBYCODEENTRY']._serialized_end=1756
+  _globals['_BACKENDSTATUS']._serialized_start=1759
+  _globals['_BACKENDSTATUS']._serialized_end=1908
+  _globals['_BALANCERSTATS']._serialized_start=1910
+  _globals['_BALANCERSTATS']._serialized_end=2003
+  _globals['_BATCHERSTATS']._serialized_start=2006
+  _globals['_BATCHERSTATS']._serialized_end=2322
+  _globals['_CACHESTATS']._serialized_start=2325
+  _globals['_CACHESTATS']._serialized_end=2509
+  _globals['_BUFFERPOOLSTATS']._serialized_start=2511
+  _globals['_BUFFERPOOLSTATS']._serialized_end=2628
+  _globals['_INFERENCE']._serialized_start=2631
+  _globals['_INFERENCE']._serialized_end=2914
 # @@protoc_insertion_point(module_scope)

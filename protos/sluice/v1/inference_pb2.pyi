@@ -6,6 +6,48 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StreamRequest(_message.Message):
+    __slots__ = ("id", "request", "timeout_s", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    request: bytes
+    timeout_s: float
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[int] = ..., request: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("id", "code", "message", "response", "trailers", "retryable")
+    class TrailersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    TRAILERS_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    code: int
+    message: str
+    response: bytes
+    trailers: _containers.ScalarMap[str, str]
+    retryable: bool
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[bytes] = ..., trailers: _Optional[_Mapping[str, str]] = ..., retryable: _Optional[bool] = ...) -> None: ...
+
 class Tensor(_message.Message):
     __slots__ = ("name", "datatype", "shape", "raw_data", "bool_data", "int_data", "int64_data", "uint_data", "uint64_data", "fp32_data", "fp64_data")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -103,7 +145,7 @@ class LatencySummary(_message.Message):
     def __init__(self, count: _Optional[int] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., max_ms: _Optional[float] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("node_id", "status", "model", "provider", "uptime_s", "requests", "errors", "errors_by_code", "latency", "in_flight", "batcher", "cache", "buffers")
+    __slots__ = ("node_id", "status", "model", "provider", "uptime_s", "requests", "errors", "errors_by_code", "latency", "in_flight", "batcher", "cache", "buffers", "role", "backends", "balancer")
     class ErrorsByCodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +166,9 @@ class HealthResponse(_message.Message):
     BATCHER_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    BALANCER_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     status: str
     model: ModelInfo
@@ -137,7 +182,42 @@ class HealthResponse(_message.Message):
     batcher: BatcherStats
     cache: CacheStats
     buffers: BufferPoolStats
-    def __init__(self, node_id: _Optional[str] = ..., status: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., provider: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., errors_by_code: _Optional[_Mapping[str, int]] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., in_flight: _Optional[int] = ..., batcher: _Optional[_Union[BatcherStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., buffers: _Optional[_Union[BufferPoolStats, _Mapping]] = ...) -> None: ...
+    role: str
+    backends: _containers.RepeatedCompositeFieldContainer[BackendStatus]
+    balancer: BalancerStats
+    def __init__(self, node_id: _Optional[str] = ..., status: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., provider: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., errors_by_code: _Optional[_Mapping[str, int]] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., in_flight: _Optional[int] = ..., batcher: _Optional[_Union[BatcherStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., buffers: _Optional[_Union[BufferPoolStats, _Mapping]] = ..., role: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., balancer: _Optional[_Union[BalancerStats, _Mapping]] = ...) -> None: ...
+
+class BackendStatus(_message.Message):
+    __slots__ = ("address", "health", "breaker", "in_flight", "calls", "failures", "ewma_ms", "share")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    BREAKER_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    EWMA_MS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    health: str
+    breaker: str
+    in_flight: int
+    calls: int
+    failures: int
+    ewma_ms: float
+    share: float
+    def __init__(self, address: _Optional[str] = ..., health: _Optional[str] = ..., breaker: _Optional[str] = ..., in_flight: _Optional[int] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., ewma_ms: _Optional[float] = ..., share: _Optional[float] = ...) -> None: ...
+
+class BalancerStats(_message.Message):
+    __slots__ = ("calls", "retries", "retries_refused", "unavailable")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    RETRIES_FIELD_NUMBER: _ClassVar[int]
+    RETRIES_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    calls: int
+    retries: int
+    retries_refused: int
+    unavailable: int
+    def __init__(self, calls: _Optional[int] = ..., retries: _Optional[int] = ..., retries_refused: _Optional[int] = ..., unavailable: _Optional[int] = ...) -> None: ...
 
 class BatcherStats(_message.Message):
     __slots__ = ("batches", "requests", "rows", "mean_batch_size", "flush_full", "flush_budget", "flush_drained", "queue_depth", "rejected", "expired", "max_batch", "budget_ms", "instances", "busy_instances", "instance_batches")

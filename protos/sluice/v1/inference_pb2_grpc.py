@@ -49,6 +49,11 @@ class InferenceStub:
                 request_serializer=sluice_dot_v1_dot_inference__pb2.MetadataRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_inference__pb2.MetadataResponse.FromString,
                 _registered_method=True)
+        self.PredictStream = channel.stream_stream(
+                '/sluice.v1.Inference/PredictStream',
+                request_serializer=sluice_dot_v1_dot_inference__pb2.StreamRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_inference__pb2.StreamResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -75,6 +80,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PredictStream(self, request_iterator, context):
+        """Many Predict calls multiplexed on one long-lived stream; replies come back in any
+        order, matched by id. The balancer talks to servers this way; clients may too.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +105,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Metadata,
                     request_deserializer=sluice_dot_v1_dot_inference__pb2.MetadataRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_inference__pb2.MetadataResponse.SerializeToString,
+            ),
+            'PredictStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PredictStream,
+                    request_deserializer=sluice_dot_v1_dot_inference__pb2.StreamRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_inference__pb2.StreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +193,33 @@ class Inference:
             '/sluice.v1.Inference/Metadata',
             sluice_dot_v1_dot_inference__pb2.MetadataRequest.SerializeToString,
             sluice_dot_v1_dot_inference__pb2.MetadataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PredictStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/sluice.v1.Inference/PredictStream',
+            sluice_dot_v1_dot_inference__pb2.StreamRequest.SerializeToString,
+            sluice_dot_v1_dot_inference__pb2.StreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,183 @@
+"""`sluice-balancer`: the sidecar balancer in front of Sluice servers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from balancer.breaker import BreakerSettings
+from balancer.budget import RetryBudget
+from balancer.discovery import Discovery
+from balancer.pool import Backend, Pool
+from balancer.service import SERVICE, BalancerService
+from balancer.settings import BalancerSettings
+from balancer.upstream import Upstream
+from server import config
+from server.main import event_loop, setup_logging
+from sluice.v1 import inference_pb2
+
+log = logging.getLogger("sluice.balancer")
+WORKER_ENV = "SLUICE_BALANCER_WORKER"  # set in the extra worker processes
+
+
+async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
+    pool = Pool(
+        breaker=BreakerSettings(
+            failures_to_open=settings.breaker_failures,
+            successes_to_close=settings.breaker_successes,
+            base_cooldown_s=settings.breaker_cooldown_s,
+            max_cooldown_s=settings.breaker_max_cooldown_s,
+        ),
+        balance_factor=settings.balance_factor,
+        ewma_decay_s=settings.ewma_decay_s,
+        rng=random.Random(),
+    )
+    budget = RetryBudget(settings.retry_ratio, settings.retry_min_per_s)
+    service = BalancerService(pool, budget, node_id=settings.node_id)
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    background: set[asyncio.Task[None]] = set()
+
+    def spawn(work: Coroutine[None, None, None]) -> None:
+        task = asyncio.ensure_future(work)
+        background.add(task)  # held until done: a task nobody holds can be collected
+        task.add_done_callback(background.discard)
+
+    async def publish_health() -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if pool.serving()
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE):
+            await health_servicer.set(name, status)
+
+    def reporter(backend: Backend) -> Callable[[str], None]:
+        def report(state: str) -> None:
+            if backend.health != state:
+                log.info("backend %s is %s", backend.address, state)
+            backend.health = state
+            spawn(publish_health())
+
+        return report
+
+    def apply(addresses: list[str]) -> None:
+        added, removed = pool.set_addresses(addresses)
+        for backend in added:
+            upstream = Upstream(
+                backend.address,
+                streams=settings.streams,
+                max_in_flight=settings.stream_max_in_flight,
+            )
+            backend.transport = upstream
+            upstream.watch_health(reporter(backend))
+            log.info("backend %s added", backend.address)
+        for backend in removed:
+            spawn(backend.transport.close())
+            log.info("backend %s removed", backend.address)
+        spawn(publish_health())
+
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.max_send_message_length", settings.max_message_bytes),
+            ("grpc.so_reuseport", 1 if settings.workers > 1 or os.environ.get(WORKER_ENV) else 0),
+        ]
+    )
+    server.add_generic_rpc_handlers([service.handler()])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [
+            inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
+        server,
+    )
+    address = f"{settings.host}:{settings.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        log.error("cannot listen on %s: %s", address, exc)
+        return 1
+    await server.start()
+    discovery = Discovery(settings.backend, settings.backends_file, settings.backends_dns)
+    watching = asyncio.create_task(discovery.watch(settings.refresh_s, apply))
+
+    async def breaker_clock() -> None:
+        # Breakers reopen to probes by time alone; re-publish health at that pace.
+        while True:
+            await asyncio.sleep(0.5)
+            await publish_health()
+
+    refreshing = asyncio.create_task(breaker_clock())
+    workers = start_workers(settings, argv, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info(
+        "%s balancing %d backends, listening on %s:%d",
+        settings.node_id,
+        len(settings.backend),
+        settings.host,
+        port,
+    )
+    await stop.wait()
+
+    log.info("shutting down: draining for up to %.1fs", settings.grace_s)
+    for worker in workers:
+        worker.send_signal(signal.SIGTERM)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(settings.grace_s)
+    for task in (watching, refreshing):
+        task.cancel()
+    for backend in pool.backends.values():
+        await backend.transport.close()
+    for worker in workers:
+        await asyncio.to_thread(worker.wait)
+    log.info("stopped after %d calls", service.stats.requests)
+    return 0
+
+
+def start_workers(
+    settings: BalancerSettings, argv: Sequence[str], port: int
+) -> list[subprocess.Popen[bytes]]:
+    """The extra processes of --workers N, on the port this one bound (SO_REUSEPORT)."""
+    if settings.workers <= 1 or os.environ.get(WORKER_ENV):
+        return []
+    args = [sys.executable, "-m", "balancer.main", *argv, "--workers", "1", "--port", str(port)]
+    env = {**os.environ, WORKER_ENV: "1"}
+    return [
+        subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL)
+        for _ in range(settings.workers - 1)
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        settings = config.parse(
+            BalancerSettings, argv, "sluice-balancer", "Balance Sluice servers behind one address."
+        )
+    except ValueError as exc:
+        print(f"sluice-balancer: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level)
+    with asyncio.Runner(loop_factory=event_loop) as runner:
+        return runner.run(serve(settings, argv))
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

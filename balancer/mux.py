@@ -1,0 +1,122 @@
+"""Many calls multiplexed on one long-lived PredictStream to a server: ids match replies
+(which come back in any order), one writer task feeds the stream (grpc.aio allows one
+pending write per stream), in-flight calls are bounded, and a broken stream is replaced on
+the next call. Calls pending on a stream that breaks fail with StreamBroken: they got no
+reply, so the caller may send them elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import grpc
+
+from sluice.v1 import inference_pb2 as pb
+
+log = logging.getLogger("sluice.mux")
+METHOD = "/sluice.v1.Inference/PredictStream"
+EOF = grpc.aio.EOF  # type: ignore[attr-defined]  # the stubs predate it
+
+
+class StreamBroken(Exception):
+    """The stream ended or failed before this call's reply."""
+
+
+@dataclass
+class Reply:
+    code: int  # gRPC status code number; 0 is OK
+    message: str = ""
+    body: bytes = b""
+    trailers: dict[str, str] = field(default_factory=dict)
+    retryable: bool = False  # refused before any work
+
+
+class _Generation:
+    """One opened stream and the calls waiting on it."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        # No request iterator: this side writes with call.write() from one task.
+        self.call = channel.stream_stream(
+            METHOD, request_serializer=None, response_deserializer=None
+        )()  # type: ignore[call-arg]
+        self.pending: dict[int, asyncio.Future[Reply]] = {}
+        self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self.broken = False
+        self.writer = asyncio.create_task(self._write())
+        self.reader = asyncio.create_task(self._read())
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self.call.write(await self.outbox.get())
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass  # the reader sees the same failure and fails the pending calls
+
+    async def _read(self) -> None:
+        why = "the stream ended"
+        try:
+            while True:
+                raw = await self.call.read()
+                if raw is EOF:
+                    break
+                reply = pb.StreamResponse.FromString(bytes(raw))  # type: ignore[call-overload]
+                waiter = self.pending.pop(reply.id, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(
+                        Reply(
+                            reply.code,
+                            reply.message,
+                            reply.response,
+                            dict(reply.trailers),
+                            reply.retryable,
+                        )
+                    )
+        except grpc.aio.AioRpcError as exc:
+            why = f"the stream failed: {exc.code().name}: {exc.details()}"
+        finally:
+            self.broken = True
+            self.writer.cancel()
+            for waiter in self.pending.values():
+                if not waiter.done():
+                    waiter.set_exception(StreamBroken(why))
+            self.pending.clear()
+
+    def close(self) -> None:
+        self.call.cancel()
+
+
+class MuxStream:
+    def __init__(self, channel: grpc.aio.Channel, *, max_in_flight: int = 256) -> None:
+        self.channel = channel
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._ids = itertools.count(1)
+        self._current: _Generation | None = None
+
+    def _stream(self) -> _Generation:
+        if self._current is None or self._current.broken:
+            self._current = _Generation(self.channel)
+        return self._current
+
+    async def call(self, body: bytes, metadata: Mapping[str, str], timeout: float | None) -> Reply:
+        """One Predict over the stream. Raises StreamBroken (no reply came) or TimeoutError."""
+        async with self._slots:
+            stream = self._stream()
+            ident = next(self._ids)
+            waiter: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+            stream.pending[ident] = waiter
+            message = pb.StreamRequest(
+                id=ident, request=body, timeout_s=timeout or 0.0, metadata=metadata
+            )
+            stream.outbox.put_nowait(message.SerializeToString())
+            try:
+                async with asyncio.timeout(timeout):
+                    return await waiter
+            finally:
+                stream.pending.pop(ident, None)
+
+    async def close(self) -> None:
+        if self._current is not None:
+            self._current.close()

@@ -1,0 +1,77 @@
+"""The balancer's settings: every one a flag and a `SLUICE_` environment variable."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class BalancerSettings:
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on; 0 picks a free one"})
+    backend: list[str] = field(
+        default_factory=list, metadata={"help": "a server HOST:PORT (repeatable)", "list": True}
+    )
+    backends_file: str = field(
+        default="", metadata={"help": "file of HOST:PORT lines, re-read when it changes"}
+    )
+    backends_dns: str = field(
+        default="",
+        metadata={"help": "NAME:PORT whose addresses are re-resolved (a headless service)"},
+    )
+    refresh_s: float = field(
+        default=2.0, metadata={"help": "how often the backends file and DNS are checked"}
+    )
+    node_id: str = field(default="", metadata={"help": "name in Health (default hostname)"})
+    workers: int = field(
+        default=1, metadata={"help": "balancer processes sharing the port (SO_REUSEPORT)"}
+    )
+    balance_factor: float = field(
+        default=1.25, metadata={"help": "bounded-load factor c: a backend holds <= c x mean"}
+    )
+    breaker_failures: int = field(
+        default=5, metadata={"help": "consecutive backend failures that open a breaker"}
+    )
+    breaker_successes: int = field(
+        default=2, metadata={"help": "successful probes that close a half-open breaker"}
+    )
+    breaker_cooldown_s: float = field(
+        default=0.5, metadata={"help": "first open period; doubles per trip, with jitter"}
+    )
+    breaker_max_cooldown_s: float = field(default=30.0, metadata={"help": "longest open period"})
+    retry_ratio: float = field(
+        default=0.2, metadata={"help": "retries allowed as a share of calls"}
+    )
+    retry_min_per_s: float = field(
+        default=10.0, metadata={"help": "retries always allowed per second"}
+    )
+    streams: int = field(default=1, metadata={"help": "multiplexed streams per backend"})
+    stream_max_in_flight: int = field(
+        default=512, metadata={"help": "calls in flight on one stream"}
+    )
+    ewma_decay_s: float = field(default=5.0, metadata={"help": "latency estimate decay time"})
+    max_message_bytes: int = field(
+        default=64 * 1024 * 1024, metadata={"help": "largest request or response message"}
+    )
+    grace_s: float = field(default=10.0, metadata={"help": "on SIGTERM, time for calls to finish"})
+    log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be 0-65535, not {self.port}")
+        if not (self.backend or self.backends_file or self.backends_dns):
+            raise ValueError(
+                "give backends: --backend HOST:PORT, --backends-file or --backends-dns"
+            )
+        for address in self.backend:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"--backend {address!r} is not HOST:PORT")
+        if self.balance_factor < 1.0:
+            raise ValueError("--balance-factor must be at least 1")
+        for name in ("workers", "breaker_failures", "breaker_successes", "streams"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if not self.node_id:
+            object.__setattr__(self, "node_id", f"balancer@{socket.gethostname()}")

@@ -1,0 +1,91 @@
+"""One server as the balancer sees it: a channel, multiplexed streams for Predict, unary
+calls for the rest, and a grpc.health.v1 Watch that reports its serving state."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from balancer.mux import MuxStream, Reply
+from balancer.pool import Health
+
+log = logging.getLogger("sluice.upstream")
+
+
+def pairs(metadata: Any) -> dict[str, str]:
+    return {str(k): str(v) for k, v in metadata or ()}
+
+
+class Upstream:
+    def __init__(self, address: str, *, streams: int = 1, max_in_flight: int = 256) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_receive_message_length", -1),
+                ("grpc.max_send_message_length", -1),
+                # Find a dead peer within seconds even when no call is running.
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.keepalive_timeout_ms", 5_000),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 2_000),
+            ],
+        )
+        self.streams = [
+            MuxStream(self.channel, max_in_flight=max_in_flight) for _ in range(streams)
+        ]
+        self._turn = itertools.cycle(self.streams)
+        self._watch: asyncio.Task[None] | None = None
+
+    async def predict(
+        self, body: bytes, metadata: Mapping[str, str], timeout: float | None
+    ) -> Reply:
+        return await next(self._turn).call(body, metadata, timeout)
+
+    async def unary(
+        self, method: str, body: bytes, metadata: Mapping[str, str], timeout: float | None
+    ) -> Reply:
+        call = self.channel.unary_unary(
+            method, request_serializer=None, response_deserializer=None
+        )(body, timeout=timeout, metadata=tuple(metadata.items()))
+        try:
+            reply: bytes = await call
+        except grpc.aio.AioRpcError as exc:
+            trailers = pairs(exc.trailing_metadata())
+            return Reply(exc.code().value[0], exc.details() or "", b"", trailers)
+        trailers = pairs(await call.trailing_metadata())
+        return Reply(0, "", reply, trailers)
+
+    def watch_health(self, report: Callable[[str], None]) -> None:
+        """Report SERVING / NOT_SERVING as the server's health watch says; an unreachable
+        server is NOT_SERVING. Reconnects with backoff."""
+
+        async def watch() -> None:
+            stub = health_pb2_grpc.HealthStub(self.channel)
+            backoff = 0.05
+            while True:
+                try:
+                    async for update in stub.Watch(health_pb2.HealthCheckRequest()):
+                        serving = update.status == health_pb2.HealthCheckResponse.SERVING
+                        report(Health.SERVING if serving else Health.NOT_SERVING)
+                        backoff = 0.05
+                except grpc.aio.AioRpcError as exc:
+                    log.debug("health watch of %s: %s", self.address, exc.code().name)
+                report(Health.NOT_SERVING)
+                await asyncio.sleep(backoff)  # reconnect backoff, not a poll
+                backoff = min(backoff * 2, 2.0)
+
+        self._watch = asyncio.create_task(watch())
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        for stream in self.streams:
+            await stream.close()
+        await self.channel.close(grace=None)
