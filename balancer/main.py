@@ -62,11 +62,13 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         for name in ("", SERVICE):
             await health_servicer.set(name, status)
 
-    def reporter(backend: Backend) -> Callable[[str], None]:
-        def report(state: str) -> None:
+    def reporter(backend: Backend) -> Callable[[str, bool], None]:
+        def report(state: str, unreachable: bool) -> None:
             if backend.health != state:
                 log.info("backend %s is %s", backend.address, state)
             backend.health = state
+            if unreachable:
+                pool.unreachable(backend)
             spawn(publish_health())
 
         return report

@@ -151,5 +151,11 @@ class Pool:
                 backend.latency.observe(seconds)
             backend.breaker.release()
 
+    def unreachable(self, backend: Backend) -> None:
+        """The backend could not be reached outside a call (its health watch broke)."""
+        backend.failures += 1
+        backend.breaker.failure()
+        backend.latency.fail()
+
     def serving(self) -> bool:
         return any(b.usable for b in self.backends.values())

@@ -62,9 +62,10 @@ class Upstream:
         trailers = pairs(await call.trailing_metadata())
         return Reply(0, "", reply, trailers)
 
-    def watch_health(self, report: Callable[[str], None]) -> None:
-        """Report SERVING / NOT_SERVING as the server's health watch says; an unreachable
-        server is NOT_SERVING. Reconnects with backoff."""
+    def watch_health(self, report: Callable[[str, bool], None]) -> None:
+        """Report (state, unreachable): SERVING / NOT_SERVING as the server's health watch
+        says; a server the watch cannot reach is NOT_SERVING and unreachable (a backend
+        failure). Reconnects with backoff."""
 
         async def watch() -> None:
             stub = health_pb2_grpc.HealthStub(self.channel)
@@ -73,11 +74,11 @@ class Upstream:
                 try:
                     async for update in stub.Watch(health_pb2.HealthCheckRequest()):
                         serving = update.status == health_pb2.HealthCheckResponse.SERVING
-                        report(Health.SERVING if serving else Health.NOT_SERVING)
+                        report(Health.SERVING if serving else Health.NOT_SERVING, False)
                         backoff = 0.05
                 except grpc.aio.AioRpcError as exc:
                     log.debug("health watch of %s: %s", self.address, exc.code().name)
-                report(Health.NOT_SERVING)
+                report(Health.NOT_SERVING, True)
                 await asyncio.sleep(backoff)  # reconnect backoff, not a poll
                 backoff = min(backoff * 2, 2.0)
 

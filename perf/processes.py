@@ -77,13 +77,14 @@ class Process:
     def log(self) -> str:
         return "".join(self.lines)
 
-    def wait_serving(self, timeout: float = 30.0) -> None:
+    def wait_serving(self, timeout: float = 30.0, *, require: bool = True) -> None:
         with grpc.insecure_channel(self.address) as channel:
             grpc.channel_ready_future(channel).result(timeout=timeout)
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=True
             )
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            if require:
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def terminate(self, timeout: float = 30.0) -> int:
         """SIGTERM, then wait for the exit status."""
@@ -126,11 +127,12 @@ def server_argv(*extra: str, node_id: str = "node", model: Path = MODEL) -> list
 
 
 @contextmanager
-def running(argv: Sequence[str]) -> Iterator[Process]:
-    """A process for the length of the block, from the moment its health check says SERVING."""
+def running(argv: Sequence[str], *, serving: bool = True) -> Iterator[Process]:
+    """A process for the length of the block, from the moment its health check says SERVING
+    (or, with `serving=False`, from the moment it answers health checks at all)."""
     proc = Process(argv)
     try:
-        proc.wait_serving()
+        proc.wait_serving(require=serving)
         yield proc
     finally:
         proc.kill()

@@ -16,7 +16,7 @@ from tests.procs import Process, running_server, server_argv, wait_arrived
 pytestmark = pytest.mark.e2e
 
 CALLS = 4
-ROWS = 60_000  # about 0.15 s of model time per call here, one call at a time
+ROWS = 100_000  # about 0.3 s of model time per call here, one call at a time
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
