@@ -16,7 +16,7 @@ from balancer.budget import RetryBudget
 from balancer.mux import Reply, StreamBroken
 from balancer.pool import Backend, Pool
 from server.stats import ServingStats
-from sluice.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, request_key
+from sluice.keys import NO_CACHE_HEADER, affinity_key
 from sluice.v1 import inference_pb2 as pb
 
 log = logging.getLogger("sluice.balancer")
@@ -24,7 +24,6 @@ log = logging.getLogger("sluice.balancer")
 SERVICE = "sluice.v1.Inference"
 PREDICT = f"/{SERVICE}/Predict"
 METADATA = f"/{SERVICE}/Metadata"
-AFFINITY_HEADER = "x-affinity-key"
 FORWARDED = ("x-request-id", NO_CACHE_HEADER)
 # Statuses that say the backend failed, not the caller: they count against its breaker.
 BACKEND_FAILURES = {
@@ -36,16 +35,6 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 CODES = {code.value[0]: code for code in grpc.StatusCode}
 Context = grpc.aio.ServicerContext[bytes, bytes]
-
-
-def affinity_key(body: bytes, metadata: Mapping[str, str]) -> int | None:
-    """The ring key: the caller's own key if given, else the request's digest; None when the
-    call opts out of caching (then it goes to the least loaded backend)."""
-    if metadata.get(NO_CACHE_HEADER) == NO_CACHE_VALUE:
-        return None
-    given = metadata.get(AFFINITY_HEADER)
-    digest = request_key(PREDICT, given.encode() if given else body)
-    return int.from_bytes(digest[:8], "big")
 
 
 class BalancerService:

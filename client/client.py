@@ -15,6 +15,7 @@ from typing import Any, Self
 import grpc
 import numpy as np
 
+from client.routing import Router
 from sluice import codec
 from sluice.keys import NO_CACHE_HEADER, NO_CACHE_VALUE
 from sluice.v1 import inference_pb2 as pb
@@ -69,23 +70,36 @@ def prediction(response: pb.PredictResponse, metadata: Iterable[Any] | None) -> 
     )
 
 
+PREDICT = "/sluice.v1.Inference/Predict"
+
+
 class SluiceClient:
-    """Blocking client for one target (a server or a balancer)."""
+    """Blocking client. One target is a server or a balancer; several targets are servers
+    that this client balances itself (see client.routing), with no balancer hop."""
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         timeout: float | None = 10.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: ChannelOptions = (),
     ) -> None:
-        self.target = target
+        self.targets = [target] if isinstance(target, str) else list(target)
+        if not self.targets:
+            raise ValueError("give at least one target")
+        self.target = self.targets[0]
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(
-            target, options=channel_options(max_message_bytes, options)
-        )
-        self._stub = pb_grpc.InferenceStub(self._channel)
+        self._channels = {
+            t: grpc.insecure_channel(t, options=channel_options(max_message_bytes, options))
+            for t in self.targets
+        }
+        self._stub = pb_grpc.InferenceStub(self._channels[self.target])
+        self._router = Router(self.targets) if len(self.targets) > 1 else None
+        self._predict = {
+            t: ch.unary_unary(PREDICT, request_serializer=None, response_deserializer=None)
+            for t, ch in self._channels.items()
+        }
 
     def predict(
         self,
@@ -112,14 +126,30 @@ class SluiceClient:
         no_cache: bool = False,
     ) -> Prediction:
         """Run the model; returns its outputs with the response metadata."""
-        response, call = self._stub.Predict.with_call(
-            predict_request(inputs, outputs),
-            timeout=timeout or self.timeout,
-            metadata=call_metadata(request_id, no_cache),
-        )
-        return prediction(response, call.trailing_metadata())
+        body = predict_request(inputs, outputs).SerializeToString()
+        metadata = call_metadata(request_id, no_cache)
+        timeout = timeout or self.timeout
+        if self._router is None:
+            reply, call = self._predict[self.target].with_call(
+                body, timeout=timeout, metadata=metadata
+            )
+            return prediction(pb.PredictResponse.FromString(reply), call.trailing_metadata())
+        key, tried = self._router.first(body, dict(metadata))
+        while True:
+            attempt = self._router.next(key, tried)
+            try:
+                reply, call = self._predict[attempt.backend.address].with_call(
+                    body, timeout=timeout, metadata=metadata
+                )
+            except grpc.RpcError as exc:
+                if not self._router.failed(attempt, exc):
+                    raise
+                continue
+            self._router.done(attempt)
+            return prediction(pb.PredictResponse.FromString(reply), call.trailing_metadata())
 
     def health(self, *, timeout: float | None = None) -> pb.HealthResponse:
+        """The first target's Health."""
         response: pb.HealthResponse = self._stub.Health(
             pb.HealthRequest(), timeout=timeout or self.timeout
         )
@@ -132,7 +162,8 @@ class SluiceClient:
         return response
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels.values():
+            channel.close()
 
     def __enter__(self) -> Self:
         return self
@@ -144,22 +175,31 @@ class SluiceClient:
 
 
 class AsyncSluiceClient:
-    """asyncio client for one target; create and use it inside a running event loop."""
+    """asyncio client, like SluiceClient; create and use it inside a running event loop."""
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         timeout: float | None = 10.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: ChannelOptions = (),
     ) -> None:
-        self.target = target
+        self.targets = [target] if isinstance(target, str) else list(target)
+        if not self.targets:
+            raise ValueError("give at least one target")
+        self.target = self.targets[0]
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(
-            target, options=channel_options(max_message_bytes, options)
-        )
-        self._stub = pb_grpc.InferenceStub(self._channel)
+        self._channels = {
+            t: grpc.aio.insecure_channel(t, options=channel_options(max_message_bytes, options))
+            for t in self.targets
+        }
+        self._stub = pb_grpc.InferenceStub(self._channels[self.target])
+        self._router = Router(self.targets) if len(self.targets) > 1 else None
+        self._predict = {
+            t: ch.unary_unary(PREDICT, request_serializer=None, response_deserializer=None)
+            for t, ch in self._channels.items()
+        }
 
     async def predict(
         self,
@@ -170,8 +210,7 @@ class AsyncSluiceClient:
         request_id: str | None = None,
         no_cache: bool = False,
     ) -> dict[str, np.ndarray]:
-        """Run the model; returns its outputs by name. `no_cache` keeps the call out of the
-        result cache (and out of cache-affinity routing)."""
+        """Run the model; returns its outputs by name."""
         answer = await self.infer(
             inputs, outputs=outputs, timeout=timeout, request_id=request_id, no_cache=no_cache
         )
@@ -187,15 +226,32 @@ class AsyncSluiceClient:
         no_cache: bool = False,
     ) -> Prediction:
         """Run the model; returns its outputs with the response metadata."""
-        call = self._stub.Predict(
-            predict_request(inputs, outputs),
-            timeout=timeout or self.timeout,
-            metadata=call_metadata(request_id, no_cache),
-        )
-        response = await call
-        return prediction(response, await call.trailing_metadata())
+        body = predict_request(inputs, outputs).SerializeToString()
+        metadata = call_metadata(request_id, no_cache)
+        timeout = timeout or self.timeout
+        if self._router is None:
+            return await self._send(self.target, body, metadata, timeout)
+        key, tried = self._router.first(body, dict(metadata))
+        while True:
+            attempt = self._router.next(key, tried)
+            try:
+                answer = await self._send(attempt.backend.address, body, metadata, timeout)
+            except grpc.aio.AioRpcError as exc:
+                if not self._router.failed(attempt, exc):
+                    raise
+                continue
+            self._router.done(attempt)
+            return answer
+
+    async def _send(
+        self, target: str, body: bytes, metadata: Metadata, timeout: float | None
+    ) -> Prediction:
+        call = self._predict[target](body, timeout=timeout, metadata=metadata)
+        reply: bytes = await call
+        return prediction(pb.PredictResponse.FromString(reply), await call.trailing_metadata())
 
     async def health(self, *, timeout: float | None = None) -> pb.HealthResponse:
+        """The first target's Health."""
         response: pb.HealthResponse = await self._stub.Health(
             pb.HealthRequest(), timeout=timeout or self.timeout
         )
@@ -208,7 +264,8 @@ class AsyncSluiceClient:
         return response
 
     async def close(self) -> None:
-        await self._channel.close(grace=None)
+        for channel in self._channels.values():
+            await channel.close(grace=None)
 
     async def __aenter__(self) -> Self:
         return self

@@ -270,3 +270,25 @@ def test_backends_file_is_reread_when_it_changes(tmp_path: Path) -> None:
                 time.sleep(0.05)
             nodes = {client.infer({"input": digit(i)}).node_id for i in range(40)}
         assert nodes == {"f0", "f1"}
+
+
+def test_the_client_balances_by_itself_with_the_same_policies(cluster: Cluster) -> None:
+    """Proxyless: the client routes over the servers itself. A dead address costs no call."""
+    targets = [s.address for s in cluster.servers] + ["127.0.0.1:1"]
+    with SluiceClient(targets) as client:
+        owners = {}
+        for round_ in range(3):
+            for i in range(20):
+                node = client.infer({"input": digit(5000 + i)}).node_id
+                assert owners.setdefault(i, node) == node, (round_, i)
+        assert len(set(owners.values())) == 3
+        dead = client._router.pool.backends["127.0.0.1:1"]  # type: ignore[union-attr]
+        assert dead.failures >= 1  # it was tried, failed, and each call went elsewhere
+
+
+async def test_the_async_client_balances_too(cluster: Cluster) -> None:
+    async with AsyncSluiceClient([s.address for s in cluster.servers]) as client:
+        answers = await asyncio.gather(
+            *(client.infer({"input": digit(7000 + i)}, no_cache=True) for i in range(60))
+        )
+    assert len({a.node_id for a in answers}) == 3  # least-loaded spreads uncached calls
