@@ -1,9 +1,11 @@
-# Sluice server image. Serves the bundled model unless SLUICE_MODEL points elsewhere.
+# Sluice image: `sluice-server` by default (the bundled model unless SLUICE_MODEL points
+# elsewhere); run `sluice-balancer` from the same image for the balancer.
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY protos protos
 COPY server server
+COPY balancer balancer
 COPY client client
 COPY perf perf
 COPY models models
