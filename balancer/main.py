@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from balancer.breaker import BreakerSettings
@@ -24,6 +24,7 @@ from balancer.service import SERVICE, BalancerService
 from balancer.settings import BalancerSettings
 from balancer.upstream import Upstream
 from server import config
+from server.health import HealthService
 from server.main import event_loop, setup_logging
 from sluice.v1 import inference_pb2
 
@@ -45,7 +46,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
     )
     budget = RetryBudget(settings.retry_ratio, settings.retry_min_per_s)
     service = BalancerService(pool, budget, node_id=settings.node_id)
-    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    health_servicer = HealthService()
     background: set[asyncio.Task[None]] = set()
 
     def spawn(work: Coroutine[None, None, None]) -> None:
@@ -140,7 +141,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
     log.info("shutting down: draining for up to %.1fs", settings.grace_s)
     for worker in workers:
         worker.send_signal(signal.SIGTERM)
-    await health_servicer.enter_graceful_shutdown()
+    await health_servicer.shut_down()
     await server.stop(settings.grace_s)
     for task in (watching, refreshing):
         task.cancel()

@@ -79,6 +79,8 @@ class _Generation:
         finally:
             self.broken = True
             self.writer.cancel()
+            # Close our half too: a server waits for it before it counts the call finished.
+            self.call.cancel()
             for waiter in self.pending.values():
                 if not waiter.done():
                     waiter.set_exception(StreamBroken(why))

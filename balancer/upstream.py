@@ -71,6 +71,7 @@ class Upstream:
             stub = health_pb2_grpc.HealthStub(self.channel)
             backoff = 0.05
             while True:
+                unreachable = False
                 try:
                     async for update in stub.Watch(health_pb2.HealthCheckRequest()):
                         serving = update.status == health_pb2.HealthCheckResponse.SERVING
@@ -78,7 +79,9 @@ class Upstream:
                         backoff = 0.05
                 except grpc.aio.AioRpcError as exc:
                     log.debug("health watch of %s: %s", self.address, exc.code().name)
-                report(Health.NOT_SERVING, True)
+                    unreachable = True
+                # A watch that ended cleanly is a server shutting down, not a failure.
+                report(Health.NOT_SERVING, unreachable)
                 await asyncio.sleep(backoff)  # reconnect backoff, not a poll
                 backoff = min(backoff * 2, 2.0)
 

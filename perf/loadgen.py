@@ -8,22 +8,26 @@ omission)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import os
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
 
+from balancer.mux import MuxStream, StreamBroken
+from client.routing import NoBackendError, Router
 from perf import stats
 from sluice.datatypes import DATATYPES
 
 Call = Callable[[bytes], Awaitable[str]]  # sends one body; returns the status name
 Clock = Callable[[], float]
-UNIQUE_ELEMENTS = 8  # base-100 digits of the call number: 10^16 distinct bodies
+CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+UNIQUE_ELEMENTS = 10  # base-100 digits of the call number: 10^20 distinct bodies
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,11 @@ class Bodies:
 class LevelSpec:
     """One process's share of one level: `concurrency` workers or `rate` calls/s."""
 
-    target: str
+    targets: tuple[str, ...]
     method: str
     bodies: Bodies
+    call: str = "predict"  # or "stream": PredictStream, multiplexed
+    embedded: bool = False  # balance over `targets` in the client
     concurrency: int = 0
     rate: float = 0.0
     total: int = 0  # calls; 0 means run for `duration`
@@ -65,10 +71,12 @@ class LevelSpec:
     first_call: int = 0  # numbering offset, so processes send different unique bodies
 
 
-# Call numbering: level l, process i starts at l * LEVEL_STRIDE + i * PROCESS_STRIDE, so
-# unique bodies never repeat across processes or levels.
+# Call numbering: a sweep starts at a random multiple of SWEEP_STRIDE, and level l, process i
+# at l * LEVEL_STRIDE + i * PROCESS_STRIDE from there, so unique bodies do not repeat across
+# processes, levels, or (but for a 1 in 10^6 chance) sweeps against the same server.
 PROCESS_STRIDE = 10**10
 LEVEL_STRIDE = 10**12
+SWEEP_STRIDE = 10**14
 
 
 @dataclass
@@ -151,20 +159,18 @@ async def open_loop(
     return result
 
 
-def grpc_call(channels: Sequence[grpc.aio.Channel], method: str, timeout: float) -> Call:
-    """A Call over raw bytes, spreading calls over the channels in turn."""
-    stubs = [
-        ch.unary_unary(method, request_serializer=None, response_deserializer=None)
-        for ch in channels
-    ]
-    turn = 0
+def unary_call(channels: Sequence[grpc.aio.Channel], method: str, timeout: float) -> Call:
+    """Unary calls over raw bytes, spreading them over the channels in turn."""
+    stubs = itertools.cycle(
+        [
+            ch.unary_unary(method, request_serializer=None, response_deserializer=None)
+            for ch in channels
+        ]
+    )
 
     async def call(body: bytes) -> str:
-        nonlocal turn
-        stub = stubs[turn % len(stubs)]
-        turn += 1
         try:
-            await stub(body, timeout=timeout)
+            await next(stubs)(body, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             return str(exc.code().name)
         return "OK"
@@ -172,20 +178,79 @@ def grpc_call(channels: Sequence[grpc.aio.Channel], method: str, timeout: float)
     return call
 
 
+def stream_call(channels: Sequence[grpc.aio.Channel], timeout: float) -> Call:
+    """Calls multiplexed on one long-lived PredictStream per channel."""
+    streams = itertools.cycle([MuxStream(ch) for ch in channels])
+
+    async def call(body: bytes) -> str:
+        try:
+            reply = await next(streams).call(body, {}, timeout)
+        except StreamBroken:
+            return "UNAVAILABLE"
+        except TimeoutError:
+            return "DEADLINE_EXCEEDED"
+        return CODE_NAMES[reply.code]
+
+    return call
+
+
+def embedded_call(
+    channels: Mapping[str, Sequence[grpc.aio.Channel]], method: str, timeout: float
+) -> Call:
+    """The client's own balancing (client.routing) over the targets, as SluiceClient does."""
+    router = Router(list(channels))
+    stubs = {
+        target: itertools.cycle(
+            [
+                ch.unary_unary(method, request_serializer=None, response_deserializer=None)
+                for ch in chs
+            ]
+        )
+        for target, chs in channels.items()
+    }
+
+    async def call(body: bytes) -> str:
+        key, tried = router.first(body, {})
+        while True:
+            try:
+                attempt = router.next(key, tried)
+            except NoBackendError:
+                return "UNAVAILABLE"
+            try:
+                await next(stubs[attempt.backend.address])(body, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                if router.failed(attempt, exc):
+                    continue
+                return str(exc.code().name)
+            router.done(attempt)
+            return "OK"
+
+    return call
+
+
 async def run_level(spec: LevelSpec) -> LevelResult:
     # Separate subchannel pools: each channel is its own TCP connection.
-    channels = [
-        grpc.aio.insecure_channel(
-            spec.target,
-            options=[
-                ("grpc.use_local_subchannel_pool", 1),
-                ("grpc.max_receive_message_length", -1),
-            ],
-        )
-        for _ in range(spec.connections)
-    ]
+    channels = {
+        target: [
+            grpc.aio.insecure_channel(
+                target,
+                options=[
+                    ("grpc.use_local_subchannel_pool", 1),
+                    ("grpc.max_receive_message_length", -1),
+                ],
+            )
+            for _ in range(spec.connections)
+        ]
+        for target in spec.targets
+    }
     try:
-        call = grpc_call(channels, spec.method, spec.timeout)
+        first_target = channels[spec.targets[0]]
+        if spec.embedded:
+            call = embedded_call(channels, spec.method, spec.timeout)
+        elif spec.call == "stream":
+            call = stream_call(first_target, spec.timeout)
+        else:
+            call = unary_call(first_target, spec.method, spec.timeout)
 
         async def phase(total: int, duration: float, first: int) -> LevelResult:
             if spec.rate:
@@ -214,8 +279,9 @@ async def run_level(spec: LevelSpec) -> LevelResult:
         result.cpu_s = time.process_time() - cpu
         return result
     finally:
-        for channel in channels:
-            await channel.close(grace=None)
+        for chs in channels.values():
+            for channel in chs:
+                await channel.close(grace=None)
 
 
 def ready(hold_s: float) -> int:

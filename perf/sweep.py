@@ -13,6 +13,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import random
 import sys
 import time
 from collections import Counter
@@ -29,6 +30,7 @@ from perf import loadgen, report, stats
 from perf.loadgen import (
     LEVEL_STRIDE,
     PROCESS_STRIDE,
+    SWEEP_STRIDE,
     UNIQUE_ELEMENTS,
     Bodies,
     LevelResult,
@@ -42,7 +44,7 @@ from sluice.v1 import inference_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "models" / "samples"
-METHODS = {"predict": "/sluice.v1.Inference/Predict"}
+METHOD = "/sluice.v1.Inference/Predict"
 CONTROL_TIMEOUT = 10.0  # Metadata and Health calls, whatever --timeout says
 SATURATED = 0.85  # a load-generator process busier than this share of a core is the limit
 
@@ -86,8 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sluice perf",
         description="Load sweep against a Sluice server or balancer (ghz-style).",
     )
-    p.add_argument("--target", default=env("SLUICE_TARGET", "127.0.0.1:8001"), help="HOST:PORT")
-    p.add_argument("--call", choices=sorted(METHODS), default="predict", help="RPC to load")
+    p.add_argument(
+        "--target",
+        default=env("SLUICE_TARGET", "127.0.0.1:8000"),
+        help="HOST:PORT; several, comma-separated, with --embedded",
+    )
+    p.add_argument(
+        "--call",
+        choices=["predict", "stream"],
+        default="predict",
+        help="unary Predict, or PredictStream multiplexing calls on one stream per connection",
+    )
+    p.add_argument(
+        "--embedded",
+        action="store_true",
+        help="balance over the targets inside the client (as SluiceClient does with several)",
+    )
     p.add_argument(
         "--data",
         default="samples",
@@ -198,15 +214,18 @@ def run_level(
     index: int,
     mode: str,
     value: float,
+    base: int = 0,
 ) -> Level:
     procs = args.procs if mode == "rate" else min(args.procs, int(value))
     shares = split(int(value), procs) if mode == "concurrency" else [value / procs] * procs
     totals = split(args.total, procs) if args.total else [0] * procs
     specs = [
         LevelSpec(
-            target=args.target,
-            method=METHODS[args.call],
+            targets=tuple(args.target.split(",")),
+            method=METHOD,
             bodies=bodies,
+            call=args.call,
+            embedded=args.embedded,
             concurrency=int(share) if mode == "concurrency" else 0,
             rate=float(share) if mode == "rate" else 0.0,
             total=totals[i],
@@ -214,11 +233,12 @@ def run_level(
             warmup=args.warmup,
             connections=args.connections,
             timeout=args.timeout,
-            first_call=index * LEVEL_STRIDE + i * PROCESS_STRIDE,
+            first_call=base + index * LEVEL_STRIDE + i * PROCESS_STRIDE,
         )
         for i, share in enumerate(shares)
     ]
-    before = server_health(args.target, CONTROL_TIMEOUT)
+    first = args.target.split(",")[0]
+    before = server_health(first, CONTROL_TIMEOUT)
     started = time.monotonic()
     futures: list[Future[LevelResult]] = [pool.submit(run_level_in_process, s) for s in specs]
     samples = []  # the target's Health while the level runs: queue depth is a snapshot
@@ -226,12 +246,12 @@ def run_level(
         _, pending = wait(futures, timeout=0.25)
         if not pending:
             break
-        if before is not None and (sample := server_health(args.target, CONTROL_TIMEOUT)):
+        if before is not None and (sample := server_health(first, CONTROL_TIMEOUT)):
             samples.append(sample)
         if not args.quiet:
             report.progress(mode, value, time.monotonic() - started, args.warmup + args.duration)
     results = [f.result() for f in futures]
-    after = server_health(args.target, CONTROL_TIMEOUT)
+    after = server_health(first, CONTROL_TIMEOUT)
     return summarize_level(mode, value, results, server_deltas(before, after, samples))
 
 
@@ -262,11 +282,12 @@ def summarize_level(
 
 
 def sweep(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
-    name, datatype = model_input(args.target, args.input_name, CONTROL_TIMEOUT)
+    name, datatype = model_input(args.target.split(",")[0], args.input_name, CONTROL_TIMEOUT)
     bodies = make_bodies(load_arrays(args.data, datatype), name, args.unique)
     levels: list[tuple[str, float]] = [("concurrency", c) for c in args.concurrency or []]
     levels += [("rate", r) for r in args.rps or []]
     results: list[Level] = []
+    base = random.randrange(10**6) * SWEEP_STRIDE  # a fresh range of unique bodies per sweep
     if not args.quiet:
         report.live_header()
     context = multiprocessing.get_context("spawn")
@@ -274,7 +295,7 @@ def sweep(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
         # Start every process before the first level, so none of them starts late.
         list(pool.map(loadgen.ready, [0.2] * args.procs))
         for index, (mode, value) in enumerate(levels):
-            level = run_level(pool, args, bodies, index, mode, value)
+            level = run_level(pool, args, bodies, index, mode, value, base)
             results.append(level)
             if not args.quiet:
                 report.live_row(level)
@@ -284,6 +305,7 @@ def sweep(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
         "command": command,
         "target": args.target,
         "call": args.call,
+        "embedded": args.embedded,
         "data": args.data,
         "unique": args.unique,
         "procs": args.procs,

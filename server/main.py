@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from server import config
@@ -18,6 +18,7 @@ from server.batcher import Batcher
 from server.cache import LRUCache
 from server.engine import Engine
 from server.errors import SluiceError
+from server.health import HealthService
 from server.service import SERVICE, InferenceService
 from server.settings import ServerSettings
 from sluice.v1 import inference_pb2
@@ -69,7 +70,7 @@ async def serve(settings: ServerSettings) -> int:
         ]
     )
     server.add_generic_rpc_handlers([service.handler()])
-    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # stubs predate aio
+    health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [
@@ -108,7 +109,7 @@ async def serve(settings: ServerSettings) -> int:
     # give in-flight ones the grace period.
     log.info("shutting down: draining for up to %.1fs", settings.drain_delay_s + settings.grace_s)
     service.serving = False
-    await health_servicer.enter_graceful_shutdown()
+    await health_servicer.shut_down()
     if settings.drain_delay_s:
         await asyncio.sleep(settings.drain_delay_s)
     service.start_draining()

@@ -227,8 +227,11 @@ async def test_sigterm_a_server_under_load_drains_with_no_failed_call() -> None:
         load = Load(cluster.balancer.address)
         running_load = asyncio.create_task(load.run())
         await until(lambda: load.ok > 200, "load to flow")
+        began = time.monotonic()
         exit_code = await asyncio.to_thread(leaving.terminate)
         assert exit_code == 0, leaving.log()
+        # It did not wait out its 10 s grace period for the balancer's open streams.
+        assert time.monotonic() - began < 5
         served = load.ok
         await until(lambda: load.ok > served + 300, "traffic on the others")
         load.stop.set()
