@@ -86,8 +86,9 @@ class _Generation:
                     waiter.set_exception(StreamBroken(why))
             self.pending.clear()
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self.call.cancel()
+        await asyncio.gather(self.reader, self.writer, return_exceptions=True)
 
 
 class MuxStream:
@@ -121,4 +122,4 @@ class MuxStream:
 
     async def close(self) -> None:
         if self._current is not None:
-            self._current.close()
+            await self._current.close()

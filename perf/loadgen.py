@@ -178,9 +178,9 @@ def unary_call(channels: Sequence[grpc.aio.Channel], method: str, timeout: float
     return call
 
 
-def stream_call(channels: Sequence[grpc.aio.Channel], timeout: float) -> Call:
-    """Calls multiplexed on one long-lived PredictStream per channel."""
-    streams = itertools.cycle([MuxStream(ch) for ch in channels])
+def stream_call(streams_list: Sequence[MuxStream], timeout: float) -> Call:
+    """Calls multiplexed on long-lived PredictStreams, one per connection."""
+    streams = itertools.cycle(streams_list)
 
     async def call(body: bytes) -> str:
         try:
@@ -243,12 +243,14 @@ async def run_level(spec: LevelSpec) -> LevelResult:
         ]
         for target in spec.targets
     }
+    streams: list[MuxStream] = []
     try:
         first_target = channels[spec.targets[0]]
         if spec.embedded:
             call = embedded_call(channels, spec.method, spec.timeout)
         elif spec.call == "stream":
-            call = stream_call(first_target, spec.timeout)
+            streams = [MuxStream(ch) for ch in first_target]
+            call = stream_call(streams, spec.timeout)
         else:
             call = unary_call(first_target, spec.method, spec.timeout)
 
@@ -279,6 +281,8 @@ async def run_level(spec: LevelSpec) -> LevelResult:
         result.cpu_s = time.process_time() - cpu
         return result
     finally:
+        for stream in streams:
+            await stream.close()
         for chs in channels.values():
             for channel in chs:
                 await channel.close(grace=None)

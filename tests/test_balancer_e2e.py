@@ -295,3 +295,14 @@ async def test_the_async_client_balances_too(cluster: Cluster) -> None:
             *(client.infer({"input": digit(7000 + i)}, no_cache=True) for i in range(60))
         )
     assert len({a.node_id for a in answers}) == 3  # least-loaded spreads uncached calls
+
+
+def test_workers_share_one_port_and_stop_together(cluster: Cluster) -> None:
+    argv = balancer_argv(cluster.servers[0].address, extra=("--workers", "2"))
+    with running(argv) as balancer:
+        with SluiceClient(balancer.address) as client:
+            for i in range(20):
+                assert client.predict({"input": digit(9000 + i)})["label"].shape == (1,)
+        began = time.monotonic()
+        assert balancer.terminate() == 0  # the first process waits for its workers
+        assert time.monotonic() - began < 10

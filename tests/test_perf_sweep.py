@@ -95,3 +95,25 @@ def test_open_loop_sweep_through_the_bare_proxy_to_the_echo_floor(tmp_path: Path
         ("rate", 200, 200),
     ]
     assert levels[1]["throughput"] == pytest.approx(200, rel=0.2)
+
+
+@pytest.mark.parametrize(
+    "extra", [["--call", "stream"], ["--embedded"]], ids=["stream", "embedded"]
+)
+def test_sweep_streaming_and_embedded_modes(
+    server: Process, tmp_path: Path, extra: list[str]
+) -> None:
+    out = tmp_path / "mode"
+    target = server.address if extra[0] == "--call" else f"{server.address},127.0.0.1:1"
+    subprocess.run(
+        [
+            *(str(BIN / "sluice"), "perf", "--target", target, "-c", "4", "-n", "200"),
+            *("--warmup", "0", "--quiet", "--unique", "--out", str(out), *extra),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    (level,) = json.loads(out.with_suffix(".json").read_text())["levels"]
+    assert level["calls"] == level["ok"] == 200, level["statuses"]
