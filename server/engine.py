@@ -134,6 +134,13 @@ class Instance:
     def _inline(self, rows: int) -> bool:
         return self.runs >= 8 and self.seconds_per_row * rows <= self.inline_max_s
 
+    def run_inline(
+        self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int
+    ) -> dict[str, np.ndarray] | None:
+        if self.stage_always or not self._inline(rows):
+            return None
+        return self.run_sync(inputs, outputs, rows)[0]
+
     async def run(self, batch: Sequence[Pending]) -> list[dict[str, np.ndarray]]:
         rows = [p.rows for p in batch]
         total = sum(rows)

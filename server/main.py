@@ -67,6 +67,11 @@ async def serve(settings: ServerSettings) -> int:
             ("grpc.max_send_message_length", settings.max_message_bytes),
             # A second server on a taken port must fail, not share it silently.
             ("grpc.so_reuseport", 0),
+            # Balancers keep idle health watches alive with pings every 10 s: allow them,
+            # or grpc answers too_many_pings and drops the connection.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_ping_strikes", 0),
         ]
     )
     server.add_generic_rpc_handlers([service.handler()])

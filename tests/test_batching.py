@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pytest
@@ -175,6 +175,11 @@ class Doubler:
         self.gate = asyncio.Event()
         self.gate.set()
 
+    def run_inline(
+        self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int
+    ) -> Arrays | None:
+        return None  # a slow instance: always through the queue
+
     async def run(self, batch: Sequence[Pending]) -> list[Arrays]:
         self.batches.append([int(p.inputs["x"][0]) for p in batch])
         await self.gate.wait()
@@ -277,3 +282,21 @@ async def test_work_spreads_over_instances() -> None:
     for r in runners:
         r.gate.set()
     await asyncio.gather(*calls)
+
+
+class Tiny(Doubler):
+    """A fast instance: idle requests run inline, on the caller's task."""
+
+    def run_inline(
+        self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int
+    ) -> Arrays | None:
+        self.batches.append([int(inputs["x"][0])])
+        return {"y": np.asarray(inputs["x"]) * 2}
+
+
+async def test_tiny_runs_take_the_inline_fast_path_when_idle() -> None:
+    runner = Tiny()
+    batcher = Batcher([runner], max_rows=8, budget_s=1.0)
+    assert (await submit(batcher, 5))["y"].tolist() == [10]
+    assert runner.batches == [[5]] and batcher.stats.batches == 1
+    assert batcher.busy == 0 and len(batcher.queue) == 0
