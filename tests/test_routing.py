@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -268,3 +269,18 @@ def test_pool_says_why_nothing_is_available() -> None:
     assert "h0:1 not_serving" in why and "h1:1 not_serving" in why
     assert not pool.serving()
     assert "every backend was tried" in pool.choose(None, list(pool.backends.values())).why
+
+
+async def test_discovery_merges_flags_file_and_dns(tmp_path: Path) -> None:
+    from balancer.discovery import Discovery
+
+    listing = tmp_path / "backends"
+    listing.write_text("10.0.0.2:8001  # a comment\n\n10.0.0.1:8001\n")
+    discovery = Discovery(["10.0.0.1:8001"], str(listing), "localhost:8001")
+    found = await discovery.current()
+    assert found[:2] == ["10.0.0.1:8001", "10.0.0.2:8001"]  # flags first, no duplicates
+    assert "127.0.0.1:8001" in found or "[::1]:8001" in found  # localhost, resolved
+    listing.write_text("10.0.0.3:8001\n")
+    assert "10.0.0.3:8001" in await discovery.current()
+    listing.unlink()  # unreadable: the last answer stands
+    assert "10.0.0.3:8001" in await discovery.current()
