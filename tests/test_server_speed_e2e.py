@@ -20,6 +20,10 @@ from tests.procs import Process, wait_arrived
 pytestmark = pytest.mark.e2e
 
 
+# Every run goes through the queue, whatever this machine's speed makes of the model.
+NOT_INLINE = ("--inline-max-us", "0")
+
+
 @pytest.fixture(scope="module")
 def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Heavy enough (~0.15 ms a row here) that requests queue behind a running batch."""
@@ -35,7 +39,9 @@ def start(model: Path, *extra: str) -> Iterator[Process]:
 
 @pytest.fixture(scope="module")
 def batching_server(mlp: Path) -> Iterator[Process]:
-    yield from start(mlp, "--max-batch", "32", "--batch-budget-ms", "50", "--cache-entries", "0")
+    yield from start(
+        mlp, "--max-batch", "32", "--batch-budget-ms", "50", "--cache-entries", "0", *NOT_INLINE
+    )
 
 
 def rows(count: int, seed: int) -> list[np.ndarray]:
@@ -111,7 +117,7 @@ async def test_concurrent_requests_are_batched_and_split_back_exactly(
 
 async def test_full_queue_is_resource_exhausted_and_the_rest_succeed(mlp: Path) -> None:
     inputs = rows(40, seed=14)
-    for proc in start(mlp, "--max-queue", "2", "--cache-entries", "0"):
+    for proc in start(mlp, "--max-queue", "2", "--cache-entries", "0", *NOT_INLINE):
         async with AsyncSluiceClient(proc.address) as client:
             outcomes = await asyncio.gather(
                 *(client.predict({"input": x}) for x in inputs), return_exceptions=True
