@@ -12,9 +12,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
 from balancer.breaker import BreakerSettings
 from balancer.budget import RetryBudget
@@ -24,9 +22,9 @@ from balancer.service import SERVICE, BalancerService
 from balancer.settings import BalancerSettings
 from balancer.upstream import Upstream
 from server import config
-from server.health import HealthService
-from server.main import event_loop, setup_logging
-from sluice.v1 import inference_pb2
+from server.errors import SluiceError
+from server.listener import bind, new_server
+from server.process import event_loop, setup_logging
 
 log = logging.getLogger("sluice.balancer")
 WORKER_ENV = "SLUICE_BALANCER_WORKER"  # set in the extra worker processes
@@ -46,7 +44,6 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
     )
     budget = RetryBudget(settings.retry_ratio, settings.retry_min_per_s)
     service = BalancerService(pool, budget, node_id=settings.node_id)
-    health_servicer = HealthService()
     background: set[asyncio.Task[None]] = set()
 
     def spawn(work: Coroutine[None, None, None]) -> None:
@@ -90,28 +87,15 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
             log.info("backend %s removed", backend.address)
         spawn(publish_health())
 
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
-            ("grpc.max_send_message_length", settings.max_message_bytes),
-            ("grpc.so_reuseport", 1 if settings.workers > 1 or os.environ.get(WORKER_ENV) else 0),
-        ]
+    server, health_servicer = new_server(
+        service.handler(),
+        max_message_bytes=settings.max_message_bytes,
+        reuseport=settings.workers > 1 or bool(os.environ.get(WORKER_ENV)),
     )
-    server.add_generic_rpc_handlers([service.handler()])
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [
-            inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ],
-        server,
-    )
-    address = f"{settings.host}:{settings.port}"
     try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        log.error("cannot listen on %s: %s", address, exc)
+        port = bind(server, settings.host, settings.port)
+    except SluiceError as exc:
+        log.error("%s", exc)
         return 1
     await server.start()
     discovery = Discovery(settings.backend, settings.backends_file, settings.backends_dns)

@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 from balancer.budget import RetryBudget
 from balancer.mux import Reply, StreamBroken
 from balancer.pool import Backend, Pool
-from server.stats import ServingStats
+from server.stats import ServingStats, latency_message
 from sluice.keys import NO_CACHE_HEADER, affinity_key
 from sluice.v1 import inference_pb2 as pb
 
@@ -178,7 +178,6 @@ class BalancerService:
             pb.HealthRequest.FromString(body)
         except DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a HealthRequest: {exc}")
-        latency = self.stats.latency()
         total = max(self.pool.calls, 1)
         response = pb.HealthResponse(
             role="balancer",
@@ -188,13 +187,7 @@ class BalancerService:
             requests=self.stats.requests,
             errors=sum(self.stats.errors.values()),
             errors_by_code=dict(self.stats.errors),
-            latency=pb.LatencySummary(
-                count=latency.count,
-                p50_ms=latency.p50_ms,
-                p90_ms=latency.p90_ms,
-                p99_ms=latency.p99_ms,
-                max_ms=latency.max_ms,
-            ),
+            latency=latency_message(self.stats),
             in_flight=self.stats.in_flight,
             backends=[
                 pb.BackendStatus(

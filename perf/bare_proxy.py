@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from server.main import event_loop
+from server.process import event_loop
 
 log = logging.getLogger("sluice.bare_proxy")
 Context = grpc.aio.ServicerContext[bytes, bytes]

@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from server.main import event_loop
+from server.process import event_loop
 from sluice import codec
 from sluice.v1 import inference_pb2 as pb
 

@@ -9,39 +9,19 @@ import signal
 import sys
 from collections.abc import Sequence
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
 from server import config
 from server.batcher import Batcher
 from server.cache import LRUCache
 from server.engine import Engine
 from server.errors import SluiceError
-from server.health import HealthService
+from server.listener import bind, new_server
+from server.process import event_loop, setup_logging
 from server.service import SERVICE, InferenceService
 from server.settings import ServerSettings
-from sluice.v1 import inference_pb2
 
 log = logging.getLogger("sluice.server")
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
-
-
-def event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop where it exists: grpc.aio spends less per call on it."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
 
 
 async def serve(settings: ServerSettings) -> int:
@@ -61,35 +41,10 @@ async def serve(settings: ServerSettings) -> int:
     )
     cache = LRUCache(settings.cache_entries, settings.cache_bytes)
     service = InferenceService(engine, batcher, cache, node_id=settings.node_id)
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
-            ("grpc.max_send_message_length", settings.max_message_bytes),
-            # A second server on a taken port must fail, not share it silently.
-            ("grpc.so_reuseport", 0),
-            # Balancers keep idle health watches alive with pings every 10 s: allow them,
-            # or grpc answers too_many_pings and drops the connection.
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            ("grpc.http2.max_ping_strikes", 0),
-        ]
+    server, health_servicer = new_server(
+        service.handler(), max_message_bytes=settings.max_message_bytes, reuseport=False
     )
-    server.add_generic_rpc_handlers([service.handler()])
-    health_servicer = HealthService()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [
-            inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ],
-        server,
-    )
-    address = f"{settings.host}:{settings.port}"
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise SluiceError(f"cannot listen on {address}: {exc}") from None
+    port = bind(server, settings.host, settings.port)
     await server.start()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

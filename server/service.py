@@ -20,7 +20,7 @@ from server.batcher import BUDGET, DRAINED, FULL, Batcher
 from server.cache import Entry, LRUCache, SingleFlight
 from server.engine import Engine, TensorSpec
 from server.errors import DeadlineExpired, InvalidInput, SluiceError
-from server.stats import ServingStats
+from server.stats import ServingStats, latency_message
 from sluice import codec
 from sluice.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, request_key
 from sluice.v1 import inference_pb2 as pb
@@ -282,7 +282,6 @@ class InferenceService:
 
     async def health(self, body: bytes, call: Call) -> bytes:
         parse(pb.HealthRequest, body)
-        latency = self.stats.latency()
         batcher = self.batcher.stats
         queue = self.batcher.queue
         cache = self.cache
@@ -297,13 +296,7 @@ class InferenceService:
             requests=self.stats.requests,
             errors=sum(self.stats.errors.values()),
             errors_by_code=dict(self.stats.errors),
-            latency=pb.LatencySummary(
-                count=latency.count,
-                p50_ms=latency.p50_ms,
-                p90_ms=latency.p90_ms,
-                p99_ms=latency.p99_ms,
-                max_ms=latency.max_ms,
-            ),
+            latency=latency_message(self.stats),
             in_flight=self.stats.in_flight,
             batcher=pb.BatcherStats(
                 batches=batcher.batches,

@@ -1,5 +1,6 @@
 """Serving statistics: call and error counts, in-flight calls, latency percentiles over a
-sliding window of recent calls. Single-threaded (event loop) use; the clock is injected."""
+sliding window of recent calls, and their Health message. Single-threaded (event loop)
+use; the clock is injected."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from sluice.v1 import inference_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -58,3 +61,14 @@ class ServingStats:
         return LatencySummary(
             self._filled, float(p50), float(p90), float(p99), float(seconds.max() * 1000.0)
         )
+
+
+def latency_message(stats: ServingStats) -> pb.LatencySummary:
+    latency = stats.latency()
+    return pb.LatencySummary(
+        count=latency.count,
+        p50_ms=latency.p50_ms,
+        p90_ms=latency.p90_ms,
+        p99_ms=latency.p99_ms,
+        max_ms=latency.max_ms,
+    )
