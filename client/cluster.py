@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,12 +28,26 @@ def wait_serving(address: str, timeout: float = 60.0) -> None:
         raise RuntimeError(f"{address} is not serving")
 
 
+def free_ports(host: str, count: int) -> list[int]:
+    """Ports nothing listens on now (held open together, so they differ)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice up", description=__doc__)
     p.add_argument("--model", default="models/digits.onnx", help="ONNX model for every server")
     p.add_argument("--servers", type=int, default=3, help="how many servers")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="the balancer; servers take the next")
+    p.add_argument(
+        "--port", type=int, default=8000, help="the balancer; servers take the next (0: any free)"
+    )
     p.add_argument("--server-arg", action="append", default=[], help="extra sluice-server flag")
     p.add_argument("--balancer-arg", action="append", default=[], help="extra balancer flag")
     return p
@@ -47,7 +62,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     servers: list[subprocess.Popen[bytes]] = []
     balancer: subprocess.Popen[bytes] | None = None
-    addresses = [f"{args.host}:{args.port + i}" for i in range(1, args.servers + 1)]
+    if args.port == 0:  # free ports, for tests and for running beside something else
+        args.port, *ports = free_ports(args.host, args.servers + 1)
+    else:
+        ports = [args.port + i for i in range(1, args.servers + 1)]
+    addresses = [f"{args.host}:{port}" for port in ports]
     # Children ignore the terminal's Ctrl-C; we stop them in order ourselves.
     detach = {"start_new_session": True}
     try:
