@@ -16,6 +16,7 @@ from balancer.budget import RetryBudget
 from balancer.mux import Reply, StreamBroken
 from balancer.pool import Backend, Pool
 from server.stats import ServingStats, latency_message
+from sluice import stream
 from sluice.keys import NO_CACHE_HEADER, affinity_key
 from sluice.v1 import inference_pb2 as pb
 
@@ -94,7 +95,11 @@ class BalancerService:
         async def read() -> None:
             try:
                 async for raw in requests:
-                    task = asyncio.create_task(one(pb.StreamRequest.FromString(raw)))
+                    message = stream.parse_request(raw)
+                    if message is None:
+                        replies.put_nowait(stream.BAD_MESSAGE)
+                        break
+                    task = asyncio.create_task(one(message))
                     running.add(task)  # held until done: a task nobody holds can be collected
                     task.add_done_callback(running.discard)
                 await asyncio.gather(*running)

@@ -21,7 +21,7 @@ from server.cache import Entry, LRUCache, SingleFlight
 from server.engine import Engine, TensorSpec
 from server.errors import DeadlineExpired, InvalidInput, SluiceError
 from server.stats import ServingStats, latency_message
-from sluice import codec
+from sluice import codec, stream
 from sluice.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, request_key
 from sluice.v1 import inference_pb2 as pb
 
@@ -187,7 +187,10 @@ class InferenceService:
 
         async def read() -> None:
             async for raw in requests:
-                message = pb.StreamRequest.FromString(raw)
+                message = stream.parse_request(raw)
+                if message is None:
+                    replies.put_nowait(stream.BAD_MESSAGE)
+                    break
                 if self._draining.is_set():
                     refusal = pb.StreamResponse(
                         id=message.id,

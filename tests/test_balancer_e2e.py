@@ -306,3 +306,23 @@ def test_workers_share_one_port_and_stop_together(cluster: Cluster) -> None:
         began = time.monotonic()
         assert balancer.terminate() == 0  # the first process waits for its workers
         assert time.monotonic() - began < 10
+
+
+@pytest.mark.parametrize("via", ["server", "balancer"])
+def test_garbage_on_a_stream_ends_it_with_invalid_argument(cluster: Cluster, via: str) -> None:
+    address = cluster.servers[0].address if via == "server" else cluster.balancer.address
+    good = pb.StreamRequest(
+        id=7, request=pb.PredictRequest(inputs=HOSTILE["wrong rank"][0]).SerializeToString()
+    ).SerializeToString()
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream("/sluice.v1.Inference/PredictStream")
+        replies = [
+            pb.StreamResponse.FromString(r)
+            for r in call(iter([good, b"\xff\xff\xff\xff"]), timeout=10)
+        ]
+    by_id = {r.id: r for r in replies}
+    assert by_id[7].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]  # answered, not lost
+    assert by_id[0].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "not a valid sluice.v1.StreamRequest" in by_id[0].message
+    with SluiceClient(address) as client:  # and the node still serves
+        assert client.predict({"input": digit(1)})["label"].shape == (1,)
