@@ -76,44 +76,20 @@ class BalancerService:
         await context.abort(CODES[reply.code], reply.message)
 
     async def predict_stream(self, requests: AsyncIterator[bytes], context: Context) -> None:
-        """Clients may multiplex too: each message is forwarded on its own; one writer."""
-        replies: asyncio.Queue[bytes | None] = asyncio.Queue()
-        running: set[asyncio.Task[None]] = set()
+        """Clients may multiplex too: each message is forwarded on its own."""
 
-        async def one(message: pb.StreamRequest) -> None:
+        async def answer(message: pb.StreamRequest) -> bytes:
             deadline = self.clock() + message.timeout_s if message.timeout_s > 0 else None
             reply = await self.forward(message.request, dict(message.metadata), deadline)
-            answer = pb.StreamResponse(
+            return pb.StreamResponse(
                 id=message.id,
                 code=reply.code,
                 message=reply.message,
                 response=reply.body,
                 trailers=reply.trailers,
-            )
-            replies.put_nowait(answer.SerializeToString())
+            ).SerializeToString()
 
-        async def read() -> None:
-            try:
-                async for raw in requests:
-                    message = stream.parse_request(raw)
-                    if message is None:
-                        replies.put_nowait(stream.BAD_MESSAGE)
-                        break
-                    task = asyncio.create_task(one(message))
-                    running.add(task)  # held until done: a task nobody holds can be collected
-                    task.add_done_callback(running.discard)
-                await asyncio.gather(*running)
-            finally:
-                replies.put_nowait(None)
-
-        reading = asyncio.create_task(read())
-        try:
-            while (reply := await replies.get()) is not None:
-                await context.write(reply)
-        finally:
-            reading.cancel()
-            for task in running:
-                task.cancel()
+        await stream.serve(requests, context.write, answer)
 
     async def forward(
         self, body: bytes, metadata: Mapping[str, str], deadline: float | None

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -40,7 +40,6 @@ class Call:
     trailers: list[tuple[str, str]]
     deadline: float | None  # on the service clock
     no_cache: bool = False
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
@@ -167,13 +166,10 @@ class InferenceService:
         return call
 
     async def predict_stream(self, requests: AsyncIterator[bytes], context: Context) -> None:
-        """Predict calls multiplexed on one stream: each message runs as its own task and its
-        reply is written, in completion order, by this one writer (grpc.aio allows one
-        pending write per stream)."""
-        replies: asyncio.Queue[bytes | None] = asyncio.Queue()
-        running: set[asyncio.Task[None]] = set()
+        """Predict calls multiplexed on one stream; while draining, new ones are refused as
+        retryable and the stream ends once the calls already read are answered."""
 
-        async def one(message: pb.StreamRequest) -> None:
+        async def answer(message: pb.StreamRequest) -> bytes:
             info = self._call(
                 message.metadata.items(), message.timeout_s if message.timeout_s > 0 else None
             )
@@ -183,47 +179,19 @@ class InferenceService:
                 reply.response = outcome
             else:
                 reply.code, reply.message = outcome[0].value[0], outcome[1]
-            replies.put_nowait(reply.SerializeToString())
+            return reply.SerializeToString()
 
-        async def read() -> None:
-            async for raw in requests:
-                message = stream.parse_request(raw)
-                if message is None:
-                    replies.put_nowait(stream.BAD_MESSAGE)
-                    break
-                if self._draining.is_set():
-                    refusal = pb.StreamResponse(
-                        id=message.id,
-                        code=grpc.StatusCode.UNAVAILABLE.value[0],
-                        message=f"node {self.node_id} is draining",
-                        retryable=True,
-                    )
-                    replies.put_nowait(refusal.SerializeToString())
-                    continue
-                task = asyncio.create_task(one(message))
-                running.add(task)  # held until done: a task nobody holds can be collected
-                task.add_done_callback(running.discard)
+        def refuse(message: pb.StreamRequest) -> bytes | None:
+            if not self._draining.is_set():
+                return None
+            return pb.StreamResponse(
+                id=message.id,
+                code=grpc.StatusCode.UNAVAILABLE.value[0],
+                message=f"node {self.node_id} is draining",
+                retryable=True,
+            ).SerializeToString()
 
-        async def finish() -> None:
-            # The stream ends when the caller closes it or this node drains, once every call
-            # read so far is answered.
-            reading = asyncio.ensure_future(read())
-            draining = asyncio.ensure_future(self._draining.wait())
-            await asyncio.wait([reading, draining], return_when=asyncio.FIRST_COMPLETED)
-            for task in (reading, draining):
-                task.cancel()
-            if running:
-                await asyncio.gather(*running, return_exceptions=True)
-            replies.put_nowait(None)
-
-        finishing = asyncio.create_task(finish())
-        try:
-            while (reply := await replies.get()) is not None:
-                await context.write(reply)
-        finally:
-            finishing.cancel()
-            for task in running:
-                task.cancel()
+        await stream.serve(requests, context.write, answer, refuse=refuse, stop=self._draining)
 
     async def predict(self, body: bytes, call: Call) -> bytes:
         if call.deadline is not None and call.deadline <= self.clock():
