@@ -236,12 +236,13 @@ class InferenceService:
         nonfinite = self.engine.check(inputs)
         outputs = self.engine.check_outputs(request.outputs)
         rows = staging.rows_of(inputs) if self.engine.batchable else None
+        batching = rows is not None and self.batcher.queue.max_rows > 1
         results = await self.batcher.submit(
             inputs,
             outputs,
             rows=rows or 1,
             # Requests that cannot share a batch get a group of their own.
-            group=staging.group_key(inputs, outputs) if rows is not None else object(),
+            group=staging.group_key(inputs, outputs) if batching else object(),
             deadline=deadline,
         )
         response = pb.PredictResponse(
