@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 from balancer.budget import RetryBudget
 from balancer.mux import Reply, StreamBroken
 from balancer.pool import Backend, Pool
-from server.stats import ServingStats, latency_message
+from server.stats import ServingStats, health_fields
 from sluice import stream
 from sluice.keys import NO_CACHE_HEADER, affinity_key
 from sluice.v1 import inference_pb2 as pb
@@ -164,12 +164,7 @@ class BalancerService:
             role="balancer",
             node_id=self.node_id,
             status="SERVING" if self.pool.serving() else "NOT_SERVING",
-            uptime_s=self.stats.uptime_s,
-            requests=self.stats.requests,
-            errors=sum(self.stats.errors.values()),
-            errors_by_code=dict(self.stats.errors),
-            latency=latency_message(self.stats),
-            in_flight=self.stats.in_flight,
+            **health_fields(self.stats),
             backends=[
                 pb.BackendStatus(
                     address=b.address,

@@ -20,7 +20,7 @@ from server.batcher import BUDGET, DRAINED, FULL, Batcher
 from server.cache import Entry, LRUCache, SingleFlight
 from server.engine import Engine, TensorSpec
 from server.errors import DeadlineExpired, InvalidInput, SluiceError
-from server.stats import ServingStats, latency_message
+from server.stats import ServingStats, health_fields
 from sluice import codec, stream
 from sluice.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, request_key
 from sluice.v1 import inference_pb2 as pb
@@ -264,12 +264,7 @@ class InferenceService:
             status="SERVING" if self.serving else "NOT_SERVING",
             model=self._model_info,
             provider=self.engine.provider,
-            uptime_s=self.stats.uptime_s,
-            requests=self.stats.requests,
-            errors=sum(self.stats.errors.values()),
-            errors_by_code=dict(self.stats.errors),
-            latency=latency_message(self.stats),
-            in_flight=self.stats.in_flight,
+            **health_fields(self.stats),
             batcher=pb.BatcherStats(
                 batches=batcher.batches,
                 requests=batcher.requests,

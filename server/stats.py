@@ -8,6 +8,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -63,12 +64,20 @@ class ServingStats:
         )
 
 
-def latency_message(stats: ServingStats) -> pb.LatencySummary:
+def health_fields(stats: ServingStats) -> dict[str, Any]:
+    """The HealthResponse fields every Sluice process reports from its serving stats."""
     latency = stats.latency()
-    return pb.LatencySummary(
-        count=latency.count,
-        p50_ms=latency.p50_ms,
-        p90_ms=latency.p90_ms,
-        p99_ms=latency.p99_ms,
-        max_ms=latency.max_ms,
-    )
+    return {
+        "uptime_s": stats.uptime_s,
+        "requests": stats.requests,
+        "errors": sum(stats.errors.values()),
+        "errors_by_code": dict(stats.errors),
+        "latency": pb.LatencySummary(
+            count=latency.count,
+            p50_ms=latency.p50_ms,
+            p90_ms=latency.p90_ms,
+            p99_ms=latency.p99_ms,
+            max_ms=latency.max_ms,
+        ),
+        "in_flight": stats.in_flight,
+    }
