@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from balancer.breaker import Breaker, BreakerSettings, State
@@ -35,7 +35,6 @@ class Backend:
     calls: int = 0
     failures: int = 0
     transport: Any = None  # set by the transport layer
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def usable(self) -> bool:

@@ -137,7 +137,6 @@ class BatcherStats:
     flushes: Counter[str] = field(default_factory=Counter)  # full, budget, drained
     rejected: int = 0  # queue full
     expired: int = 0  # deadline passed while waiting
-    max_batch_seen: int = 0
 
     @property
     def mean_batch(self) -> float:
@@ -216,7 +215,6 @@ class Batcher:
         self.stats.requests += len(rows)
         self.stats.rows += sum(rows)
         self.stats.flushes[reason] += 1
-        self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(rows))
         self.runs[self._index[id(runner)]] += 1
 
     async def _run(self, runner: Runner, batch: list[Pending]) -> None:
