@@ -16,7 +16,6 @@ Unique inputs, so the server computes every call; one load-generator process.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import socket
 import subprocess
@@ -127,10 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result[name][busy]["throughput"] / direct[busy]["throughput"]
         )
     result["saturated"] = paired.saturated(runs)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print(paired.save(result, args.out))
     return 0
 
 

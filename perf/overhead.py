@@ -11,7 +11,6 @@ The ratio reported is server p50 / (echo p50 + ONNX Runtime p50) at concurrency 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -85,8 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "saturated": paired.saturated(runs),
     }
     print(markdown(result))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    paired.save(result, args.out)
     return 0
 
 

@@ -3,9 +3,11 @@ so drift on a shared machine hits each alike; medians across rounds."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from perf import sweep
@@ -48,3 +50,11 @@ def median_server(runs: Sequence[dict[str, Any]], level: int, key: str) -> float
 
 def saturated(runs: Mapping[str, Sequence[dict[str, Any]]]) -> bool:
     return any(lv["client_saturated"] for rs in runs.values() for r in rs for lv in r["levels"])
+
+
+def save(result: dict[str, Any], out: str) -> str:
+    """The result as JSON text, also written to `out` when one is given."""
+    text = json.dumps(result, indent=1)
+    if out:
+        Path(out).write_text(text + "\n")
+    return text

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -146,10 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "python -m perf.speed " + " ".join(argv if argv is not None else sys.argv[1:]),
         **{name: fn(args) for name, fn in scenarios.items() if not args.only or name in args.only},
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print(paired.save(result, args.out))
     return 0
 
 
