@@ -15,31 +15,23 @@ from tests.procs import BIN, Process
 pytestmark = pytest.mark.e2e
 
 
-def test_sweep_writes_every_output_with_sane_numbers(server: Process, tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    done = subprocess.run(
-        [
-            str(BIN / "sluice"),
-            "perf",
-            "--target",
-            server.address,
-            "-c",
-            "1,4",
-            "-z",
-            "1s",
-            "--warmup",
-            "0.2s",
-            "--procs",
-            "2",
-            "--unique",
-            "--out",
-            str(out),
-        ],
+def sweep(*args: str) -> subprocess.CompletedProcess[str]:
+    """`sluice perf ARGS` as a user runs it; fails the test if it fails."""
+    return subprocess.run(
+        [str(BIN / "sluice"), "perf", *args],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     )
+
+
+def test_sweep_writes_every_output_with_sane_numbers(server: Process, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    done = sweep(
+        "--target", server.address, "-c", "1,4", "-z", "1s", "--warmup", "0.2s", "--procs", "2",
+        "--unique", "--out", str(out),
+    )  # fmt: skip
     assert "c=1" in done.stdout and "c=4" in done.stdout  # the live table
     result = json.loads(out.with_suffix(".json").read_text())
     levels = result["levels"]
@@ -68,27 +60,10 @@ def test_open_loop_sweep_through_the_bare_proxy_to_the_echo_floor(tmp_path: Path
         running(module_argv("perf.bare_proxy", "--backend", echo.address)) as proxy,
     ):
         out = tmp_path / "open"
-        subprocess.run(
-            [
-                str(BIN / "sluice"),
-                "perf",
-                "--target",
-                proxy.address,
-                "--rps",
-                "100,200",
-                "-z",
-                "1s",
-                "--warmup",
-                "0",
-                "--quiet",
-                "--out",
-                str(out),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
+        sweep(
+            "--target", proxy.address, "--rps", "100,200", "-z", "1s", "--warmup", "0",
+            "--quiet", "--out", str(out),
+        )  # fmt: skip
     levels = json.loads(out.with_suffix(".json").read_text())["levels"]
     assert [(lv["mode"], lv["calls"], lv["ok"]) for lv in levels] == [
         ("rate", 100, 100),
@@ -105,15 +80,9 @@ def test_sweep_streaming_and_embedded_modes(
 ) -> None:
     out = tmp_path / "mode"
     target = server.address if extra[0] == "--call" else f"{server.address},127.0.0.1:1"
-    subprocess.run(
-        [
-            *(str(BIN / "sluice"), "perf", "--target", target, "-c", "4", "-n", "200"),
-            *("--warmup", "0", "--quiet", "--unique", "--out", str(out), *extra),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    sweep(
+        "--target", target, "-c", "4", "-n", "200", "--warmup", "0", "--quiet", "--unique",
+        "--out", str(out), *extra,
+    )  # fmt: skip
     (level,) = json.loads(out.with_suffix(".json").read_text())["levels"]
     assert level["calls"] == level["ok"] == 200, level["statuses"]
