@@ -14,17 +14,17 @@ from collections.abc import Callable, Coroutine, Sequence
 
 from grpc_health.v1 import health_pb2
 
-from balancer.breaker import BreakerSettings
-from balancer.budget import RetryBudget
-from balancer.discovery import Discovery
-from balancer.pool import Backend, Pool
-from balancer.service import SERVICE, BalancerService
-from balancer.settings import BalancerSettings
-from balancer.upstream import Upstream
-from server import config
-from server.errors import SluiceError
-from server.listener import bind, new_server
-from server.process import event_loop, setup_logging
+from sluice.balancer.discovery import Discovery
+from sluice.balancer.service import SERVICE, BalancerService
+from sluice.balancer.settings import BalancerSettings
+from sluice.balancer.upstream import Upstream
+from sluice.core.errors import SluiceError
+from sluice.routing.breaker import BreakerSettings
+from sluice.routing.budget import RetryBudget
+from sluice.routing.pool import Backend, Pool
+from sluice.runtime import config
+from sluice.runtime.listener import bind, new_server
+from sluice.runtime.process import event_loop, setup_logging
 
 log = logging.getLogger("sluice.balancer")
 WORKER_ENV = "SLUICE_BALANCER_WORKER"  # set in the extra worker processes
@@ -143,7 +143,16 @@ def start_workers(
     """The extra processes of --workers N, on the port this one bound (SO_REUSEPORT)."""
     if settings.workers <= 1 or os.environ.get(WORKER_ENV):
         return []
-    args = [sys.executable, "-m", "balancer.main", *argv, "--workers", "1", "--port", str(port)]
+    args = [
+        sys.executable,
+        "-m",
+        "sluice.balancer.main",
+        *argv,
+        "--workers",
+        "1",
+        "--port",
+        str(port),
+    ]
     env = {**os.environ, WORKER_ENV: "1"}
     return [
         subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL)

@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator, Callable, Mapping
 import grpc
 from google.protobuf.message import DecodeError
 
-from balancer.budget import RetryBudget
-from balancer.mux import Reply, StreamBroken
-from balancer.pool import Backend, Pool
-from server.stats import ServingStats, health_fields
-from sluice import stream
-from sluice.keys import NO_CACHE_HEADER, affinity_key
+from sluice.core.keys import NO_CACHE_HEADER, affinity_key
+from sluice.core.stats import ServingStats, health_fields
+from sluice.routing.budget import RetryBudget
+from sluice.routing.pool import Backend, Pool
 from sluice.v1 import inference_pb2 as pb
+from sluice.wire import stream
+from sluice.wire.mux import Reply, StreamBroken
 
 log = logging.getLogger("sluice.balancer")
 

@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from balancer.mux import MuxStream, Reply
-from balancer.pool import Health
+from sluice.routing.pool import Health
+from sluice.wire.mux import MuxStream, Reply
 
 log = logging.getLogger("sluice.upstream")
 

@@ -1,5 +1,5 @@
 """Sluice's Python client: `SluiceClient` (blocking) and `AsyncSluiceClient` (asyncio)."""
 
-from client.client import AsyncSluiceClient, Prediction, SluiceClient
+from sluice.client.client import AsyncSluiceClient, Prediction, SluiceClient
 
 __all__ = ["AsyncSluiceClient", "Prediction", "SluiceClient"]

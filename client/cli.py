@@ -14,8 +14,8 @@ import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 
-from client.client import Prediction, SluiceClient
-from sluice.datatypes import DATATYPES, name_of
+from sluice.client.client import Prediction, SluiceClient
+from sluice.core.datatypes import DATATYPES, name_of
 
 DEFAULT_TARGET = "127.0.0.1:8000"
 
@@ -128,11 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["perf"]:  # the sweep parses its own options
-        from perf.sweep import main as perf_main
+        from sluice.perf.sweep import main as perf_main
 
         return perf_main(argv[1:])
     if argv[:1] == ["up"]:
-        from client.cluster import main as up_main
+        from sluice.client.cluster import main as up_main
 
         return up_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -15,11 +15,11 @@ from typing import Any, Self
 import grpc
 import numpy as np
 
-from client.routing import Router
-from sluice import codec
-from sluice.keys import NO_CACHE_HEADER, NO_CACHE_VALUE
+from sluice.client.routing import Router
+from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
+from sluice.wire import codec
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 Metadata = tuple[tuple[str, str], ...]

@@ -42,7 +42,7 @@ def free_ports(host: str, count: int) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice up", description=__doc__)
-    p.add_argument("--model", default="models/digits.onnx", help="ONNX model for every server")
+    p.add_argument("--model", default="", help="ONNX model for every server (default: bundled)")
     p.add_argument("--servers", type=int, default=3, help="how many servers")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument(
@@ -73,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i, address in enumerate(addresses, 1):
             servers.append(
                 subprocess.Popen(
-                    [str(BIN / "sluice-server"), "--model", args.model, "--host", args.host]
+                    [str(BIN / "sluice-server"), "--host", args.host]
+                    + (["--model", args.model] if args.model else [])
                     + ["--port", address.rsplit(":", 1)[1], "--node-id", f"server-{i}"]
                     + [a for arg in args.server_arg for a in arg.split()],
                     **detach,  # type: ignore[call-overload]

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from balancer.breaker import BreakerSettings
-from balancer.budget import RetryBudget
-from balancer.pool import Backend, Pool
-from sluice.keys import affinity_key
+from sluice.core.keys import affinity_key
+from sluice.routing.breaker import BreakerSettings
+from sluice.routing.budget import RetryBudget
+from sluice.routing.pool import Backend, Pool
 
 # Statuses that say the server failed, not the caller.
 BACKEND_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}

@@ -4,7 +4,7 @@ Trains a small MLP on scikit-learn's bundled 8x8 digits dataset (no download) an
 exports it to ONNX with plain tensor outputs: `label` (INT64 [N]) and
 `probabilities` (FP32 [N, 10]), input `input` (FP32 [N, 64], pixel values 0-16).
 
-Usage: python models/make_digits.py   (needs the `model` extra: pip install -e '.[model]')
+Usage: python -m sluice.models.make_digits   (needs the `model` extra: pip install -e '.[model]')
 """
 
 from __future__ import annotations

@@ -24,13 +24,12 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from perf import paired
-from perf.make_mlp import build
-from perf.processes import MODEL, ROOT, running, server_argv
-from server.batcher import Pending
-from server.engine import CUDA, Engine
-
-HEAVY = ROOT / "perf" / "models" / "mlp4096.onnx"
+from sluice.models import DIGITS
+from sluice.perf import paired
+from sluice.perf.make_mlp import cached
+from sluice.runtime.launch import running, server_argv
+from sluice.server.dataplane.batcher import Pending
+from sluice.server.dataplane.engine import CUDA, Engine
 
 
 def check(condition: bool, what: str, failures: list[str]) -> None:
@@ -70,10 +69,11 @@ async def compare(model: Path, rows: Sequence[int], tolerance: float, failures: 
 
 
 def serve(duration: str, rounds: int) -> dict[str, Any]:
+    heavy = cached(width=4096, depth=2)
     common = ["--device", "cuda", "--cache-entries", "0", "--instances", "2"]
     with (
-        running(server_argv(*common, model=HEAVY, node_id="one")) as one,
-        running(server_argv(*common, "--max-batch", "64", model=HEAVY, node_id="batched")) as b,
+        running(server_argv(*common, model=heavy, node_id="one")) as one,
+        running(server_argv(*common, "--max-batch", "64", model=heavy, node_id="batched")) as b,
     ):
         runs = paired.rounds(
             {"batch_of_one": one.address, "batched": b.address},
@@ -91,7 +91,7 @@ def serve(duration: str, rounds: int) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.gpu_check", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m sluice.perf.gpu_check", description=__doc__)
     parser.add_argument("--duration", default="5s")
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args(argv)
@@ -99,11 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if CUDA not in ort.get_available_providers():
         print("FAIL  this onnxruntime build has no CUDA provider")
         return 1
-    if not HEAVY.exists():
-        HEAVY.parent.mkdir(parents=True, exist_ok=True)
-        HEAVY.write_bytes(build(width=4096, depth=2))
-    asyncio.run(compare(MODEL, [1, 3, 7], 1e-4, failures))
-    asyncio.run(compare(HEAVY, [1, 5, 32], 2e-2, failures))  # TF32 matmuls on recent GPUs
+    heavy = cached(width=4096, depth=2)
+    asyncio.run(compare(DIGITS, [1, 3, 7], 1e-4, failures))
+    asyncio.run(compare(heavy, [1, 5, 32], 2e-2, failures))  # TF32 matmuls on recent GPUs
     figures = serve(args.duration, args.rounds) if not failures else {}
     print(json.dumps({"failures": failures, "figures": figures}, indent=1))
     return 1 if failures else 0

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from balancer.mux import MuxStream, StreamBroken
-from client.routing import NoBackendError, Router
-from perf import stats
-from sluice.datatypes import DATATYPES
+from sluice.client.routing import NoBackendError, Router
+from sluice.core.datatypes import DATATYPES
+from sluice.perf import stats
+from sluice.wire.mux import MuxStream, StreamBroken
 
 Call = Callable[[bytes], Awaitable[str]]  # sends one body; returns the status name
 Clock = Callable[[], float]

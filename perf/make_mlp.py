@@ -1,12 +1,13 @@
 """Write a compute-heavy MLP as ONNX for benchmarks: FP32 input [N, inputs], `depth` hidden
 layers of `width` with ReLU, output `output` FP32 [N, outputs]. Seeded random weights.
 
-  python -m perf.make_mlp --width 4096 --depth 2 --out perf/models/mlp4096.onnx
+  python -m sluice.perf.make_mlp --width 4096 --depth 2 --out mlp4096.onnx
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,8 +44,21 @@ def build(width: int, depth: int, inputs: int = 64, outputs: int = 10, seed: int
     return bytes(model.SerializeToString())
 
 
+def cached(width: int = 4096, depth: int = 2) -> Path:
+    """The MLP's file in the user's cache folder, written on first use (it is ~130 MB at
+    4096 wide: generated, never committed)."""
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice"
+    path = folder / f"mlp{width}x{depth}.onnx"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.part")
+        partial.write_bytes(build(width, depth))
+        partial.replace(path)  # whole or absent, even with two benchmarks starting at once
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.make_mlp", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m sluice.perf.make_mlp", description=__doc__)
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--out", required=True)

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from perf import sweep
+from sluice.perf import sweep
 
 
 def sweep_once(target: str, extra: Sequence[str]) -> dict[str, Any]:

@@ -5,7 +5,7 @@
 2. idle cost: at concurrency 1 on the digits model, the batcher on against the fast path;
 3. cache: hits of the digits model's server against the bare echo floor.
 
-  python -m perf.speed --rounds 2 --duration 5s
+  python -m sluice.perf.speed --rounds 2 --duration 5s
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from perf import paired
-from perf.make_mlp import build
-from perf.processes import MODEL, ROOT, module_argv, running, server_argv
-
-HEAVY = ROOT / "perf" / "models" / "mlp4096.onnx"
+from sluice.perf import paired
+from sluice.perf.make_mlp import cached
+from sluice.runtime.launch import module_argv, running, server_argv
 
 
 def batch_compute_ms(model: Path, rows: int, intra_op_threads: int, runs: int = 10) -> float:
@@ -45,15 +43,13 @@ def batch_compute_ms(model: Path, rows: int, intra_op_threads: int, runs: int = 
 
 
 def batching(args: argparse.Namespace) -> dict[str, Any]:
-    if not HEAVY.exists():
-        HEAVY.parent.mkdir(parents=True, exist_ok=True)
-        HEAVY.write_bytes(build(width=4096, depth=2))
+    heavy = cached(width=4096, depth=2)
     common = ["--device", "cpu", "--intra-op-threads", "2", "--cache-entries", "0"]
     batch = ["--max-batch", str(args.max_batch), "--batch-budget-ms", str(args.budget_ms)]
     with ExitStack() as stack:
-        one = stack.enter_context(running(server_argv(*common, model=HEAVY, node_id="one")))
+        one = stack.enter_context(running(server_argv(*common, model=heavy, node_id="one")))
         batched = stack.enter_context(
-            running(server_argv(*common, *batch, model=HEAVY, node_id="batched"))
+            running(server_argv(*common, *batch, model=heavy, node_id="batched"))
         )
         runs = paired.rounds(
             {"batch_of_one": one.address, "batched": batched.address},
@@ -64,7 +60,7 @@ def batching(args: argparse.Namespace) -> dict[str, Any]:
             args.rounds,
             "batching",
         )
-    compute = batch_compute_ms(HEAVY, args.max_batch, 2)
+    compute = batch_compute_ms(heavy, args.max_batch, 2)
     levels: list[dict[str, Any]] = []
     names = [f"c={c}" for c in args.heavy_levels.split(",")] + [f"{args.heavy_rate:g}/s"]
     for i, level in enumerate(names):
@@ -106,8 +102,8 @@ def idle_cost(args: argparse.Namespace) -> dict[str, Any]:
 
 def cache_hits(args: argparse.Namespace) -> dict[str, Any]:
     with ExitStack() as stack:
-        echo = stack.enter_context(running(module_argv("perf.echo_server")))
-        server = stack.enter_context(running(server_argv("--device", "cpu", model=MODEL)))
+        echo = stack.enter_context(running(module_argv("sluice.perf.echo_server")))
+        server = stack.enter_context(running(server_argv("--device", "cpu")))
         runs = paired.rounds(
             {"echo": echo.address, "cache_hits": server.address},
             ["-c", "1,16", "-z", args.duration, "--warmup", "1s"],  # the ten samples, repeated
@@ -128,7 +124,7 @@ def cache_hits(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.speed", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m sluice.perf.speed", description=__doc__)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--duration", default="5s", help="per level per round")
     parser.add_argument("--max-batch", type=int, default=32)
@@ -142,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     scenarios = {"batching": batching, "idle": idle_cost, "cache": cache_hits}
     result = {
-        "command": "python -m perf.speed " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m sluice.perf.speed "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         **{name: fn(args) for name, fn in scenarios.items() if not args.only or name in args.only},
     }
     print(paired.save(result, args.out))

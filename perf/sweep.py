@@ -1,10 +1,10 @@
-"""`sluice perf` / `python -m perf.sweep`: a ghz-style load sweep against a server or a
+"""`sluice perf` / `python -m sluice.perf.sweep`: a ghz-style load sweep against a server or a
 balancer. Each level runs in `--procs` load-generator processes whose HDR histograms are
 merged; every level reports throughput, errors by status, latency percentiles, the load
 generator's own CPU use, and the target's Health deltas.
 
-  python -m perf.sweep --target 127.0.0.1:8001 -c 1,4,16 -z 5s --out perf/results/run1
-  python -m perf.sweep --target 127.0.0.1:8001 --rps 500,1000,2000 -z 5s --unique
+  python -m sluice.perf.sweep --target 127.0.0.1:8001 -c 1,4,16 -z 5s --out perf/results/run1
+  python -m sluice.perf.sweep --target 127.0.0.1:8001 --rps 500,1000,2000 -z 5s --unique
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from perf import loadgen, report, stats
-from perf.loadgen import (
+from sluice import models
+from sluice.core.datatypes import DATATYPES
+from sluice.perf import loadgen, report, stats
+from sluice.perf.loadgen import (
     LEVEL_STRIDE,
     PROCESS_STRIDE,
     SWEEP_STRIDE,
@@ -37,13 +39,10 @@ from perf.loadgen import (
     LevelSpec,
     run_level_in_process,
 )
-from sluice import codec
-from sluice.datatypes import DATATYPES
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
+from sluice.wire import codec
 
-ROOT = Path(__file__).resolve().parent.parent
-SAMPLES = ROOT / "models" / "samples"
 METHOD = "/sluice.v1.Inference/Predict"
 CONTROL_TIMEOUT = 10.0  # Metadata and Health calls, whatever --timeout says
 SATURATED = 0.85  # a load-generator process busier than this share of a core is the limit
@@ -143,7 +142,7 @@ def model_input(target: str, name: str, timeout: float) -> tuple[str, str]:
 def load_arrays(data: str, datatype: str) -> list[np.ndarray]:
     dtype = DATATYPES[datatype].dtype
     if data == "samples":
-        return [np.load(p) for p in sorted(SAMPLES.glob("digit-*.npy"))]
+        return [s.input for s in models.samples()]
     if data.endswith(".npy"):
         return [np.load(data, allow_pickle=False)]
     loaded = json.loads(Path(data).read_text() if data.endswith(".json") else data)

@@ -11,15 +11,15 @@ from collections.abc import Sequence
 
 from grpc_health.v1 import health_pb2
 
-from server import config
-from server.batcher import Batcher
-from server.cache import LRUCache
-from server.engine import Engine
-from server.errors import SluiceError
-from server.listener import bind, new_server
-from server.process import event_loop, setup_logging
-from server.service import SERVICE, InferenceService
-from server.settings import ServerSettings
+from sluice.core.errors import SluiceError
+from sluice.runtime import config
+from sluice.runtime.listener import bind, new_server
+from sluice.runtime.process import event_loop, setup_logging
+from sluice.server.dataplane.batcher import Batcher
+from sluice.server.dataplane.cache import LRUCache
+from sluice.server.dataplane.engine import Engine
+from sluice.server.service import SERVICE, InferenceService
+from sluice.server.settings import ServerSettings
 
 log = logging.getLogger("sluice.server")
 

@@ -15,15 +15,15 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from server import staging
-from server.batcher import BUDGET, DRAINED, FULL, Batcher
-from server.cache import Entry, LRUCache, SingleFlight
-from server.engine import Engine, TensorSpec
-from server.errors import DeadlineExpired, InvalidInput, SluiceError
-from server.stats import ServingStats, health_fields
-from sluice import codec, stream
-from sluice.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, request_key
+from sluice.core.errors import DeadlineExpired, InvalidInput, SluiceError
+from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, request_key
+from sluice.core.stats import ServingStats, health_fields
+from sluice.server.dataplane import staging
+from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL, Batcher
+from sluice.server.dataplane.cache import Entry, LRUCache, SingleFlight
+from sluice.server.dataplane.engine import Engine, TensorSpec
 from sluice.v1 import inference_pb2 as pb
+from sluice.wire import codec, stream
 
 log = logging.getLogger("sluice.service")
 

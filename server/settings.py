@@ -5,12 +5,16 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
+from sluice.models import DIGITS
+
 DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    model: str = field(default="models/digits.onnx", metadata={"help": "ONNX model file"})
+    model: str = field(
+        default="", metadata={"help": "ONNX model file (default: the bundled digits model)"}
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8001, metadata={"help": "port to listen on; 0 picks a free one"})
     node_id: str = field(
@@ -73,3 +77,5 @@ class ServerSettings:
             raise ValueError("--grace-s and --drain-delay-s must not be negative")
         if not self.node_id:
             object.__setattr__(self, "node_id", socket.gethostname())
+        if not self.model:
+            object.__setattr__(self, "model", str(DIGITS))

@@ -1,0 +1,28 @@
+"""The bundled default model (a small digits classifier) and its labelled samples, shipped
+as package data so that an installed Sluice serves it from any directory.
+`make_digits.py` beside it regenerates both (it needs the `model` extra)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FOLDER = Path(__file__).resolve().parent
+DIGITS = FOLDER / "digits.onnx"
+SAMPLES = FOLDER / "samples"
+
+
+@dataclass(frozen=True)
+class Sample:
+    label: int
+    path: Path
+    input: np.ndarray  # FP32 [1, 64]
+
+
+def samples() -> list[Sample]:
+    """The ten labelled samples, digit 0 to 9."""
+    records = json.loads((SAMPLES / "samples.json").read_text())
+    return [Sample(r["label"], SAMPLES / r["file"], np.load(SAMPLES / r["file"])) for r in records]

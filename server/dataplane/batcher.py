@@ -1,0 +1,243 @@
+"""The scheduler between requests and model instances: a batch-of-one fast path when an
+instance is idle, and an SLO-aware micro-batcher when all are busy. Transport-free; the
+clock is injected.
+
+Policy. An idle instance takes work at once, so an idle server runs each request alone with
+no queue wait and no timer. While every instance is busy, requests wait in one bounded
+queue. When an instance frees up, its batch is the oldest waiting request plus the
+compatible requests (same non-batch dimensions, datatypes and requested outputs) that
+arrived within the latency budget of that oldest one, in arrival order, up to the maximum
+rows. Batches therefore grow with load and shrink to one when idle. A request whose
+deadline passed is dropped before inference; a caller that cancels leaves the queue, or if
+its batch already runs, simply does not get the answer: its batch-mates are unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from sluice.core.errors import DeadlineExpired, Overloaded
+
+Arrays = dict[str, np.ndarray]
+FULL, BUDGET, DRAINED = "full", "budget", "drained"
+
+
+@dataclass(eq=False)
+class Pending:
+    """One request waiting for, or in, a batch."""
+
+    inputs: Mapping[str, np.ndarray]
+    outputs: tuple[str, ...]
+    rows: int
+    group: Hashable  # requests batch together only within a group
+    arrival: float
+    deadline: float | None = None  # absolute, on the batcher's clock
+    future: asyncio.Future[Arrays] | None = None
+
+    @property
+    def abandoned(self) -> bool:
+        return self.future is not None and self.future.done()
+
+
+@dataclass
+class Taken:
+    batch: list[Pending]
+    reason: str
+    expired: list[Pending] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.batch)
+
+
+class BatchQueue:
+    """The waiting requests and the batch-forming rule; pure and synchronous."""
+
+    def __init__(self, *, max_rows: int, budget_s: float, max_queue: int) -> None:
+        self.max_rows = max_rows
+        self.budget_s = budget_s
+        self.max_queue = max_queue
+        self._items: deque[Pending] = deque()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, item: Pending) -> None:
+        if len(self._items) >= self.max_queue:
+            raise Overloaded(
+                f"the request queue is full ({self.max_queue} waiting); retry later or elsewhere"
+            )
+        self._items.append(item)
+
+    def take(self, now: float) -> Taken | None:
+        """The next batch, with the requests that expired on the way; None when empty."""
+        expired: list[Pending] = []
+        batch: list[Pending] = []
+        keep: deque[Pending] = deque()
+        reason = DRAINED
+        rows = 0
+        closed = False
+        for item in self._items:
+            if item.abandoned:
+                continue
+            if item.deadline is not None and item.deadline <= now:
+                expired.append(item)
+                continue
+            if closed:
+                keep.append(item)
+                continue
+            if not batch:
+                batch.append(item)
+                rows = item.rows
+                continue
+            oldest = batch[0]
+            if item.group != oldest.group:
+                keep.append(item)
+            elif item.arrival > oldest.arrival + self.budget_s:
+                reason, closed = BUDGET, True
+                keep.append(item)
+            elif rows + item.rows > self.max_rows:
+                reason, closed = FULL, True
+                keep.append(item)
+            else:
+                batch.append(item)
+                rows += item.rows
+        self._items = keep
+        if not batch and not expired:
+            return None
+        if batch and rows >= self.max_rows:
+            reason = FULL
+        return Taken(batch, reason, expired)
+
+
+class Runner(Protocol):
+    """A model instance: runs one batch at a time, returns outputs per request in order."""
+
+    async def run(self, batch: Sequence[Pending]) -> list[Arrays]: ...
+
+    def run_inline(
+        self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int
+    ) -> Arrays | None:
+        """Run one request now, on the caller's thread, if this instance's runs are tiny
+        enough for that; None otherwise."""
+
+
+@dataclass
+class BatcherStats:
+    batches: int = 0
+    requests: int = 0  # run in batches
+    rows: int = 0
+    flushes: Counter[str] = field(default_factory=Counter)  # full, budget, drained
+    rejected: int = 0  # queue full
+    expired: int = 0  # deadline passed while waiting
+
+    @property
+    def mean_batch(self) -> float:
+        return self.requests / self.batches if self.batches else 0.0
+
+
+class Batcher:
+    def __init__(
+        self,
+        runners: Sequence[Runner],
+        *,
+        max_rows: int = 1,
+        budget_s: float = 0.005,
+        max_queue: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not runners:
+            raise ValueError("at least one runner")
+        self.queue = BatchQueue(max_rows=max_rows, budget_s=budget_s, max_queue=max_queue)
+        self.clock = clock
+        self.stats = BatcherStats()
+        self._idle = list(runners)
+        self.busy = 0  # runners with a batch
+        self.runs = Counter[int]()  # batches per runner index
+        self._index = {id(r): i for i, r in enumerate(runners)}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def submit(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        outputs: Sequence[str],
+        *,
+        rows: int,
+        group: Hashable,
+        deadline: float | None = None,
+    ) -> Arrays:
+        """Run one request; raises Overloaded when the queue is full, DeadlineExpired when its
+        deadline passes first."""
+        if self._idle and not len(self.queue):
+            # The fast path: an idle instance whose runs are tiny answers right here, with
+            # no future, task or extra trip round the event loop.
+            runner = self._idle[-1]
+            result = runner.run_inline(inputs, outputs, rows)
+            if result is not None:
+                self._count(runner, [rows], DRAINED)
+                return result
+        future: asyncio.Future[Arrays] = asyncio.get_running_loop().create_future()
+        item = Pending(inputs, tuple(outputs), rows, group, self.clock(), deadline, future)
+        try:
+            self.queue.add(item)
+        except Overloaded:
+            self.stats.rejected += 1
+            raise
+        self._pump()
+        return await future
+
+    def _pump(self) -> None:
+        while self._idle and len(self.queue):
+            taken = self.queue.take(self.clock())
+            if taken is None:
+                return
+            for item in taken.expired:
+                self.stats.expired += 1
+                _fail(item, DeadlineExpired("the deadline passed while the request waited"))
+            if not taken.batch:
+                continue
+            runner = self._idle.pop()  # the most recently used: its memory is warm
+            self.busy += 1
+            self._count(runner, [p.rows for p in taken.batch], taken.reason)
+            task = asyncio.create_task(self._run(runner, taken.batch))
+            self._tasks.add(task)  # held until done: a task nobody holds can be collected
+            task.add_done_callback(self._tasks.discard)
+
+    def _count(self, runner: Runner, rows: list[int], reason: str) -> None:
+        self.stats.batches += 1
+        self.stats.requests += len(rows)
+        self.stats.rows += sum(rows)
+        self.stats.flushes[reason] += 1
+        self.runs[self._index[id(runner)]] += 1
+
+    async def _run(self, runner: Runner, batch: list[Pending]) -> None:
+        try:
+            results = await runner.run(batch)
+        except Exception as exc:  # every waiter must hear of the failure
+            for item in batch:
+                _fail(item, exc)
+        else:
+            for item, result in zip(batch, results, strict=True):
+                if item.future is not None and not item.future.done():
+                    item.future.set_result(result)
+        finally:
+            self.busy -= 1
+            self._idle.append(runner)
+            self._pump()
+
+    async def close(self) -> None:
+        """Wait for running batches to finish."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _fail(item: Pending, exc: BaseException) -> None:
+    if item.future is not None and not item.future.done():
+        item.future.set_exception(exc)

@@ -1,0 +1,64 @@
+"""Merging requests into one batch and splitting the outputs back, along the first
+dimension. Batch inputs are copied straight into pooled staging buffers (no concatenate);
+outputs are cut back into per-request copies, so the buffers can return to the pool."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from sluice.server.dataplane.buffers import BufferPool
+
+
+def merge(
+    requests: Sequence[Mapping[str, np.ndarray]], pool: BufferPool
+) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+    """Batch inputs by name as views of pooled buffers, and the buffers to give back later.
+    Every request holds the same names with equal non-batch dimensions and dtypes."""
+    rows = [len(next(iter(r.values()))) for r in requests]
+    total = sum(rows)
+    merged: dict[str, np.ndarray] = {}
+    taken: list[np.ndarray] = []
+    for name, first in requests[0].items():
+        buffer = pool.take(first.dtype, first.shape[1:], total)
+        taken.append(buffer)
+        view = buffer[:total]
+        offset = 0
+        for request, n in zip(requests, rows, strict=True):
+            view[offset : offset + n] = request[name]
+            offset += n
+        merged[name] = view
+    return merged, taken
+
+
+def split(outputs: Mapping[str, np.ndarray], rows: Sequence[int]) -> list[dict[str, np.ndarray]]:
+    """Per-request copies of each output's rows, in request order."""
+    results: list[dict[str, np.ndarray]] = [{} for _ in rows]
+    for name, array in outputs.items():
+        if len(array) != sum(rows):
+            raise ValueError(
+                f"output {name!r} has {len(array)} rows for a batch of {sum(rows)}; "
+                "the model's first dimension is not the batch"
+            )
+        offset = 0
+        for result, n in zip(results, rows, strict=True):
+            result[name] = array[offset : offset + n].copy()
+            offset += n
+    return results
+
+
+def rows_of(inputs: Mapping[str, np.ndarray]) -> int | None:
+    """The batch rows of a request: the shared first dimension of its inputs, else None."""
+    firsts = {a.shape[0] if a.ndim else None for a in inputs.values()}
+    if len(firsts) != 1:
+        return None
+    return firsts.pop()
+
+
+def group_key(inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> tuple[object, ...]:
+    """Requests with equal keys can share a batch."""
+    return (
+        tuple(sorted((n, a.dtype.str, a.shape[1:]) for n, a in inputs.items())),
+        tuple(outputs),
+    )

@@ -1,0 +1,87 @@
+"""A short real sweep against a real server and the floors: every output file, sane numbers."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import BIN, Process, module_argv, running
+
+pytestmark = pytest.mark.e2e
+
+
+def sweep(*args: str) -> subprocess.CompletedProcess[str]:
+    """`sluice perf ARGS` as a user runs it; fails the test if it fails."""
+    return subprocess.run(
+        [str(BIN / "sluice"), "perf", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+
+
+def test_sweep_writes_every_output_with_sane_numbers(server: Process, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    done = sweep(
+        "--target", server.address, "-c", "1,4", "-z", "1s", "--warmup", "0.2s", "--procs", "2",
+        "--unique", "--out", str(out),
+    )  # fmt: skip
+    assert "c=1" in done.stdout and "c=4" in done.stdout  # the live table
+    result = json.loads(out.with_suffix(".json").read_text())
+    levels = result["levels"]
+    assert [lv["value"] for lv in levels] == [1, 4]
+    for lv in levels:
+        assert lv["calls"] > 50 and lv["ok"] == lv["calls"], lv["statuses"]
+        lat = lv["latency"]
+        assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["p999"] <= lat["max"]
+        assert lat["max"] < 10_000
+        assert 0 < lv["client_cpu"] < 1.5
+        # The server saw (at least) every call the sweep counted: warm-up calls come on top.
+        assert lv["server"]["requests"] >= lv["calls"]
+        assert lv["server"]["mean_batch"] == 1.0  # the batcher is off on this server
+        assert lv["server"]["cache_hit_rate"] == 0.0  # unique inputs: no cache can answer
+        assert lv["throughput"] == pytest.approx(lv["calls"] / lv["wall_s"])
+    with out.with_suffix(".csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["value"]) for r in rows] == [1.0, 4.0]
+    assert "| c=1" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_open_loop_sweep_through_the_bare_proxy_to_the_echo_floor(tmp_path: Path) -> None:
+    with (
+        running(module_argv("sluice.perf.echo_server")) as echo,
+        running(module_argv("sluice.perf.bare_proxy", "--backend", echo.address)) as proxy,
+    ):
+        out = tmp_path / "open"
+        sweep(
+            "--target", proxy.address, "--rps", "100,200", "-z", "1s", "--warmup", "0",
+            "--quiet", "--out", str(out),
+        )  # fmt: skip
+    levels = json.loads(out.with_suffix(".json").read_text())["levels"]
+    assert [(lv["mode"], lv["calls"], lv["ok"]) for lv in levels] == [
+        ("rate", 100, 100),
+        ("rate", 200, 200),
+    ]
+    assert levels[1]["throughput"] == pytest.approx(200, rel=0.2)
+
+
+@pytest.mark.parametrize(
+    "extra", [["--call", "stream"], ["--embedded"]], ids=["stream", "embedded"]
+)
+def test_sweep_streaming_and_embedded_modes(
+    server: Process, tmp_path: Path, extra: list[str]
+) -> None:
+    out = tmp_path / "mode"
+    target = server.address if extra[0] == "--call" else f"{server.address},127.0.0.1:1"
+    sweep(
+        "--target", target, "-c", "4", "-n", "200", "--warmup", "0", "--quiet", "--unique",
+        "--out", str(out), *extra,
+    )  # fmt: skip
+    (level,) = json.loads(out.with_suffix(".json").read_text())["levels"]
+    assert level["calls"] == level["ok"] == 200, level["statuses"]

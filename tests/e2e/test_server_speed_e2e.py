@@ -1,0 +1,149 @@
+"""The result cache, single-flight and the micro-batcher on real server processes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from sluice.client import AsyncSluiceClient, SluiceClient
+from sluice.perf.make_mlp import build
+from tests.conftest import SAMPLES
+from tests.e2e.harness import Process, running, server_argv, wait_arrived
+
+pytestmark = pytest.mark.e2e
+
+
+# Every run goes through the queue, whatever this machine's speed makes of the model.
+NOT_INLINE = ("--inline-max-us", "0")
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Heavy enough (~0.15 ms a row here) that requests queue behind a running batch."""
+    path = tmp_path_factory.mktemp("models") / "mlp1024.onnx"
+    path.write_bytes(build(width=1024, depth=2))
+    return path
+
+
+def start(model: Path, *extra: str) -> Iterator[Process]:
+    with running(server_argv(*extra, model=model)) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def batching_server(mlp: Path) -> Iterator[Process]:
+    yield from start(
+        mlp, "--max-batch", "32", "--batch-budget-ms", "50", "--cache-entries", "0", *NOT_INLINE
+    )
+
+
+def rows(count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.uniform(0, 16, (1, 64)).astype(np.float32) for _ in range(count)]
+
+
+def test_cache_answers_repeats_and_respects_opt_out(server: Process) -> None:
+    x = SAMPLES[4].input
+    with SluiceClient(server.address) as client:
+        before = client.health().cache
+        first = client.infer({"input": x})
+        second = client.infer({"input": x})
+        third = client.infer({"input": x}, request_id="mine")
+        np.testing.assert_array_equal(
+            first.outputs["probabilities"], second.outputs["probabilities"]
+        )
+        assert (first.metadata["x-cache"], second.metadata["x-cache"]) == ("miss", "hit")
+        assert third.request_id == "mine"  # the id is metadata: not part of the cache key
+        # Opting out: no cache involved at all.
+        assert "x-cache" not in client.infer({"input": x}, no_cache=True).metadata
+        after = client.health().cache
+    assert after.enabled and after.entries >= 1 and after.bytes > 0
+    assert after.hits - before.hits == 2
+    assert after.misses - before.misses == 1
+    assert 0 < after.hit_rate <= 1
+
+
+def test_each_distinct_input_is_computed_once(
+    server: Process, reference: ort.InferenceSession
+) -> None:
+    inputs = rows(10, seed=11)
+    with SluiceClient(server.address) as client:
+        before = client.health().batcher.requests
+        for _ in range(10):
+            for x in inputs:
+                got = client.predict({"input": x})
+                np.testing.assert_array_equal(
+                    got["label"], reference.run(["label"], {"input": x})[0]
+                )
+        after = client.health().batcher.requests
+    assert after - before == 10
+
+
+async def test_identical_concurrent_requests_run_once(server: Process) -> None:
+    x = rows(1, seed=12)[0]
+    async with AsyncSluiceClient(server.address) as client:
+        before = (await client.health()).batcher.requests
+        answers = await asyncio.gather(*(client.infer({"input": x}) for _ in range(40)))
+        after = await client.health()
+    assert after.batcher.requests - before == 1
+    assert sorted({a.metadata["x-cache"] for a in answers}) in (["hit", "miss"], ["miss"])
+    assert sum(a.metadata["x-cache"] == "miss" for a in answers) == 1
+
+
+async def test_concurrent_requests_are_batched_and_split_back_exactly(
+    batching_server: Process, mlp: Path
+) -> None:
+    reference = ort.InferenceSession(str(mlp), providers=["CPUExecutionProvider"])
+    inputs = rows(96, seed=13)
+    async with AsyncSluiceClient(batching_server.address) as client:
+        before = (await client.health()).batcher
+        results = await asyncio.gather(*(client.predict({"input": x}) for x in inputs))
+        after = (await client.health()).batcher
+    for x, got in zip(inputs, results, strict=True):
+        want = reference.run(None, {"input": x})[0]
+        np.testing.assert_allclose(got["output"], want, rtol=1e-5, atol=1e-5)
+    batches = after.batches - before.batches
+    assert after.requests - before.requests == 96
+    assert batches < 96  # some requests shared a batch
+    assert after.max_batch == 32 and after.queue_depth == 0
+
+
+async def test_full_queue_is_resource_exhausted_and_the_rest_succeed(mlp: Path) -> None:
+    inputs = rows(40, seed=14)
+    for proc in start(mlp, "--max-queue", "2", "--cache-entries", "0", *NOT_INLINE):
+        async with AsyncSluiceClient(proc.address) as client:
+            outcomes = await asyncio.gather(
+                *(client.predict({"input": x}) for x in inputs), return_exceptions=True
+            )
+            refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+            assert refused, "nothing was refused: the queue bound did not act"
+            assert all(o.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for o in refused)
+            assert "queue is full" in refused[0].details()
+            assert len(refused) < len(inputs)
+            health = await client.health()
+            assert health.batcher.rejected == len(refused)
+            assert (await client.predict({"input": inputs[0]}))["output"].shape == (1, 10)
+
+
+async def test_a_request_whose_deadline_passes_in_the_queue_is_dropped() -> None:
+    big = np.random.default_rng(15).uniform(0, 16, (60_000, 64)).astype(np.float32)
+    with running(server_argv()) as server:
+        await deadline_case(server, big)
+
+
+async def deadline_case(server: Process, big: np.ndarray) -> None:
+    async with AsyncSluiceClient(server.address, timeout=60) as client:
+        begun = (await client.health()).requests
+        slow = [asyncio.create_task(client.predict({"input": big + i})) for i in range(3)]
+        await asyncio.to_thread(wait_arrived, server.address, begun + 3)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await client.predict({"input": SAMPLES[0].input + 0.5}, timeout=0.05)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for task in slow:
+            assert (await task)["label"].shape == (60_000,)

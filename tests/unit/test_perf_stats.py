@@ -1,0 +1,127 @@
+"""The sweep's statistics: percentiles, merging across processes, knee detection, and the
+open-loop schedule."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice.perf import stats
+from sluice.perf.loadgen import Bodies, closed_loop, open_loop
+from sluice.v1 import inference_pb2 as pb
+from sluice.wire import codec
+
+
+@pytest.mark.parametrize(
+    "samples_s",
+    [
+        np.random.default_rng(1).uniform(0.0001, 0.1, 50_000),
+        np.random.default_rng(2).exponential(0.002, 50_000) + 0.0002,
+        np.random.default_rng(3).lognormal(np.log(0.001), 1.0, 50_000),
+    ],
+    ids=["uniform", "exponential", "lognormal"],
+)
+def test_percentiles_match_the_distribution(samples_s: np.ndarray) -> None:
+    histogram = stats.new_histogram()
+    for s in samples_s:
+        stats.record(histogram, float(s))
+    summary = stats.summarize(histogram)
+    micros = np.floor(samples_s * 1e6)
+    assert summary.count == len(samples_s)
+    for got, q in ((summary.p50, 50), (summary.p90, 90), (summary.p99, 99), (summary.p999, 99.9)):
+        # Within 3 significant digits of a sample whose rank is within 0.01% of q.
+        low = float(np.percentile(micros, q - 0.01, method="lower")) / 1000
+        high = float(np.percentile(micros, q + 0.01, method="higher")) / 1000
+        assert low * (1 - 1e-3) <= got <= high * (1 + 1e-3), q
+    assert summary.max == pytest.approx(micros.max() / 1000, rel=1e-3)
+    assert summary.min == pytest.approx(micros.min() / 1000, rel=1e-3)
+
+
+@settings(max_examples=25, deadline=None)  # each encode/decode of a histogram takes ~20 ms
+@given(st.lists(st.floats(1e-6, 100.0), min_size=1, max_size=300), st.integers(1, 5))
+def test_merge_across_processes_equals_one_histogram(values: list[float], parts: int) -> None:
+    whole = stats.new_histogram()
+    pieces = [stats.new_histogram() for _ in range(parts)]
+    for i, v in enumerate(values):
+        stats.record(whole, v)
+        stats.record(pieces[i % parts], v)
+    merged = stats.merge([p.encode() for p in pieces])
+    assert stats.summarize(merged) == stats.summarize(whole)
+
+
+def test_values_out_of_range_are_clamped_not_dropped() -> None:
+    histogram = stats.new_histogram()
+    stats.record(histogram, 0.0)
+    stats.record(histogram, 10_000.0)
+    assert histogram.get_total_count() == 2
+
+
+@pytest.mark.parametrize(
+    ("throughput", "p99", "knee"),
+    [
+        ([100, 200, 400, 800], [1, 1.1, 1.2, 1.5], None),  # still scaling
+        ([100, 200, 400, 410], [1, 1.1, 1.2, 1.5], 2),  # throughput flattens
+        ([100, 200, 400, 800], [1, 1.1, 2.5, 3.0], 1),  # p99 more than doubles
+        ([100, 90, 80], [1, 1, 1], 0),  # overload from the start
+        ([100], [1], None),
+    ],
+)
+def test_knee(throughput: list[float], p99: list[float], knee: int | None) -> None:
+    assert stats.find_knee(throughput, p99) == knee
+
+
+def test_unique_bodies_differ_and_still_parse() -> None:
+    x = np.zeros((1, 64), np.float32)
+    body = pb.PredictRequest(inputs=[codec.encode("input", x)]).SerializeToString()
+    raw = codec.encode("input", x).raw_data
+    bodies = Bodies((body,), unique_offset=body.rindex(raw), unique_datatype="FP32")
+    numbers = [*range(2000), *(10**12 + k for k in range(50)), 10**15]
+    seen = {bodies.body(k) for k in numbers}
+    assert len(seen) == len(numbers)
+    decoded = codec.decode(pb.PredictRequest.FromString(bodies.body(1234)).inputs[0])
+    assert decoded[0, :3].tolist() == pytest.approx([3.4, 1.2, 0.0])
+    assert len(bodies.body(7)) == len(body)
+
+
+class SerialServer:
+    """A fake target that answers one call at a time; the first call takes `slow_s`."""
+
+    def __init__(self, slow_s: float, fast_s: float) -> None:
+        self.lock = asyncio.Lock()
+        self.slow_s, self.fast_s = slow_s, fast_s
+        self.calls = 0
+
+    async def call(self, body: bytes) -> str:
+        async with self.lock:
+            self.calls += 1
+            await asyncio.sleep(self.slow_s if self.calls == 1 else self.fast_s)
+        return "OK"
+
+
+async def test_open_loop_latency_includes_the_wait_behind_a_slow_response() -> None:
+    server = SerialServer(slow_s=0.2, fast_s=0.001)
+    started = time.perf_counter()
+    result = await open_loop(server.call, Bodies((b"",)), rate=100, total=20, duration=0)
+    elapsed = time.perf_counter() - started
+    summary = stats.summarize(stats.merge([result.histogram]))
+    assert result.statuses == {"OK": 20}
+    # Arrivals kept to the schedule rather than waiting on the slow call...
+    assert result.max_outstanding >= 10
+    # ...and each call queued behind it counts the wait from its scheduled send time:
+    # the call scheduled at 10 ms waits until about 200 ms, the one at 100 ms until 200 ms.
+    assert summary.p50 >= 80
+    assert elapsed < 2.0
+
+
+async def test_closed_loop_hides_that_wait_which_is_why_open_loop_exists() -> None:
+    server = SerialServer(slow_s=0.2, fast_s=0.001)
+    result = await closed_loop(server.call, Bodies((b"",)), concurrency=1, total=20, duration=0)
+    summary = stats.summarize(stats.merge([result.histogram]))
+    assert result.statuses == {"OK": 20}
+    assert summary.p50 < 50  # only one call saw the stall
+    assert summary.max >= 200
