@@ -1,8 +1,12 @@
 # Sluice image: `sluice-server` by default (the bundled model unless SLUICE_MODEL points
 # elsewhere); run `sluice-balancer` from the same image for the balancer.
-# sluice/ links the top-level folders into the one `sluice` namespace: copy them together.
-FROM python:3.11-slim
-WORKDIR /app
+#
+# The first stage builds the wheel. sluice/ links the top-level folders into the one `sluice`
+# namespace (sluice/server -> ../server, sluice/v1 -> ../protos/sluice/v1, sluice/models ->
+# ../models, ...): copy them together, each at its own path, or the wheel lacks a package.
+# tests/e2e/test_install.py builds the wheel from exactly these COPY lines.
+FROM python:3.11-slim AS build
+WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY sluice sluice
 COPY protos protos
@@ -11,7 +15,16 @@ COPY balancer balancer
 COPY client client
 COPY perf perf
 COPY models models
-RUN pip install --no-cache-dir .
+RUN pip wheel --no-cache-dir --no-deps -w /wheels .
+
+# The image holds the installed wheel and no source tree, so it runs what a user's
+# `pip install sluice` runs: the model and its samples come from the package.
+FROM python:3.11-slim
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
+ && python -c "from sluice.models import DIGITS, samples; assert DIGITS.is_file() and len(samples()) == 10" \
+ && sluice perf --help >/dev/null
+WORKDIR /app
 # In a container the server must listen beyond loopback; the node id defaults to the
 # hostname, which Kubernetes sets to the pod name.
 ENV SLUICE_HOST=0.0.0.0 SLUICE_PORT=8001

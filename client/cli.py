@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 
+from sluice import models
 from sluice.client.client import Prediction, SluiceClient
 from sluice.core.datatypes import DATATYPES, name_of
 
@@ -57,11 +58,39 @@ def render(answer: Prediction, as_json: bool) -> str:
     return "\n".join(lines)
 
 
+SAMPLE_INPUT = "input"  # the bundled digits model's input, which its samples fill
+
+
+def sample_input(digit: int, datatypes: dict[str, str]) -> tuple[str, np.ndarray]:
+    """The bundled sample of `digit`, for the model's input: the one named `input`, or its only
+    input (from the model's metadata)."""
+    sample = next((s for s in models.samples() if s.label == digit), None)
+    if sample is None:
+        raise ValueError(f"no bundled sample of digit {digit}")
+    if SAMPLE_INPUT in datatypes or not datatypes:
+        return SAMPLE_INPUT, sample.input
+    if len(datatypes) == 1:
+        return next(iter(datatypes)), sample.input
+    raise ValueError(
+        f"--sample fills one input, and the model has several ({', '.join(datatypes)}): "
+        "give them as NAME=VALUE"
+    )
+
+
 def cmd_predict(client: SluiceClient, args: argparse.Namespace) -> str:
+    if not args.inputs and args.sample is None:
+        raise ValueError("predict needs inputs (NAME=FILE.npy, NAME=JSON, ...) or --sample DIGIT")
     datatypes = {}
-    if any(not v.partition("=")[2].endswith(".npy") for v in args.inputs):
+    if args.sample is not None or any(
+        not v.partition("=")[2].endswith(".npy") for v in args.inputs
+    ):
         datatypes = {t.name: t.datatype for t in client.metadata().model.inputs}
     inputs = dict(parse_input(text, datatypes) for text in args.inputs)
+    if args.sample is not None:
+        name, array = sample_input(args.sample, datatypes)
+        if name in inputs:
+            raise ValueError(f"input {name!r} given twice: by --sample and as {name}=...")
+        inputs[name] = array
     answer = client.infer(inputs, outputs=args.output or ())
     return render(answer, args.json)
 
@@ -108,8 +137,24 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     predict = client_command("predict", cmd_predict, "Run the model on inputs.")
+    predict.epilog = (
+        "examples: `sluice predict --sample 3` sends the bundled digit 3 to the bundled model "
+        "(which answers label 3), from any directory; `sluice predict input=x.npy` and "
+        "`sluice predict 'input=[[0, 1, ...]]'` send your own."
+    )
     predict.add_argument(
-        "inputs", nargs="+", metavar="NAME=VALUE", help="NAME=FILE.npy, NAME=FILE.json or NAME=JSON"
+        "inputs",
+        nargs="*",
+        metavar="NAME=VALUE",
+        help="NAME=FILE.npy, NAME=FILE.json or NAME=JSON (JSON takes the model's datatype)",
+    )
+    predict.add_argument(
+        "--sample",
+        type=int,
+        choices=range(10),
+        metavar="DIGIT",
+        help="send the bundled sample of this digit, 0 to 9 (FP32 [1, 64], shipped with Sluice)"
+        " as the model's input `input` (or its only input)",
     )
     predict.add_argument("--output", action="append", help="return only this output (repeatable)")
     client_command("health", cmd_health, "Show node, model and serving statistics.")

@@ -16,8 +16,14 @@ import numpy as np
 
 
 def build(width: int, depth: int, inputs: int = 64, outputs: int = 10, seed: int = 0) -> bytes:
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    try:
+        import onnx
+        from onnx import TensorProto, helper, numpy_helper
+    except ImportError as exc:  # only the benchmark model needs onnx: it is in the perf extra
+        raise SystemExit(
+            f"the benchmark MLP is written with onnx, which is not installed ({exc}); "
+            "pip install 'sluice[perf]'"
+        ) from exc
 
     rng = np.random.default_rng(seed)
     nodes, initializers = [], []

@@ -129,6 +129,26 @@ def write_csv(result: dict[str, Any], path: Path) -> None:
             )
 
 
+PNG_EXTRA = "pip install 'sluice[perf]'"
+_png_note_shown = False
+
+
+def png_available() -> bool:
+    """Whether matplotlib (the `perf` extra) is installed; says once what to install if not."""
+    global _png_note_shown
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        if not _png_note_shown:
+            _png_note_shown = True
+            print(
+                f"note: no PNG plot: matplotlib is not installed; for plots, {PNG_EXTRA}",
+                file=sys.stderr,
+            )
+        return False
+    return True
+
+
 def write_png(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -159,13 +179,16 @@ def write_png(result: dict[str, Any], path: Path) -> None:
 
 
 def write_all(result: dict[str, Any], out: Path) -> list[Path]:
-    """OUT.json, OUT.csv, OUT.md and OUT.png (OUT may name a folder: OUT/sweep.*)."""
+    """OUT.json, OUT.csv, OUT.md and, with matplotlib installed, OUT.png (OUT may name a
+    folder: OUT/sweep.*). Returns the paths written."""
     if out.is_dir():
         out = out / "sweep"
     out.parent.mkdir(parents=True, exist_ok=True)
-    paths = [out.with_suffix(s) for s in (".json", ".csv", ".md", ".png")]
+    paths = [out.with_suffix(s) for s in (".json", ".csv", ".md")]
     paths[0].write_text(json.dumps(result, indent=1) + "\n")
     write_csv(result, paths[1])
     paths[2].write_text(markdown(result))
-    write_png(result, paths[3])
+    if png_available():
+        paths.append(out.with_suffix(".png"))
+        write_png(result, paths[-1])
     return paths

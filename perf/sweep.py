@@ -120,7 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connections", type=int, default=1, help="connections per process")
     p.add_argument("--procs", type=int, default=1, help="load-generator processes")
     p.add_argument("--timeout", type=duration, default=10.0, help="deadline per call")
-    p.add_argument("--out", default="", help="write OUT.json, .csv, .md and .png")
+    p.add_argument(
+        "--out",
+        default="",
+        help=f"write OUT.json, .csv, .md and .png (the plot needs matplotlib: {report.PNG_EXTRA})",
+    )
     p.add_argument("--title", default="", help="title for the report and plot")
     p.add_argument("--quiet", action="store_true", help="no live table")
     return p

@@ -1,0 +1,175 @@
+"""An installed Sluice works anywhere, not only inside the repository: the wheel holds the one
+`sluice` namespace with the bundled model, its samples and the protos, and its commands serve
+and answer from another directory.
+
+The wheel is built from a copy of what the Dockerfile copies into the image, so a folder the
+package needs and the image lacks fails here too."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import Process
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+# Every sluice/x the wheel must hold: the shared layers and the linked top-level folders.
+PACKAGES = ["core", "routing", "wire", "runtime", "v1", "models"]
+PACKAGES += ["server", "balancer", "client", "perf"]
+PIP = [sys.executable, "-m", "pip", "--no-input", "--disable-pip-version-check", "--quiet"]
+SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "dist", "results")
+
+
+def dockerfile_sources() -> list[str]:
+    """The repository paths the Dockerfile copies into its build stage."""
+    sources = []
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if words[:1] != ["COPY"] or words[1].startswith("--from="):  # from a stage, not the repo
+            continue
+        assert not any(w.startswith("--") for w in words), f"unexpected COPY form: {line}"
+        *srcs, dest = words[1:]
+        for src in srcs:  # `COPY a b ./` or `COPY a a`: each lands at its own path
+            assert dest in ("./", ".", src), f"COPY that moves {src} to {dest}: {line}"
+            sources.append(src)
+    return sources
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel, built without build isolation (no network) from the Dockerfile's copy of the
+    repository (links kept as links), so no stale build/ folder of the checkout leaks in."""
+    root = tmp_path_factory.mktemp("install")
+    src = root / "src"
+    for name in dockerfile_sources():
+        path = REPO / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, symlinks=True, ignore=SKIP)
+        else:
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, src / name)
+    out = root / "wheel"
+    subprocess.run(
+        [
+            *PIP,
+            "wheel",
+            "--no-index",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    (wheel,) = out.glob("sluice-*.whl")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def names(build: Path) -> set[str]:
+    with zipfile.ZipFile(build) as wheel:
+        return set(wheel.namelist())
+
+
+@pytest.fixture(scope="module")
+def installed(build: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel installed alone into a folder (its dependencies come from this venv)."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [*PIP, "install", "--no-index", "--no-deps", "--target", str(target), str(build)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return target
+
+
+def test_the_wheel_holds_only_the_sluice_namespace(names: set[str]) -> None:
+    top = {name.split("/")[0] for name in names}
+    assert "sluice" in top
+    assert all(t == "sluice" or re.fullmatch(r"sluice-[^/]+\.dist-info", t) for t in top), top
+    for package in PACKAGES:
+        assert f"sluice/{package}/__init__.py" in names, package
+
+
+def test_the_wheel_holds_the_model_its_samples_and_the_protos(names: set[str]) -> None:
+    assert "sluice/models/digits.onnx" in names
+    assert "sluice/py.typed" in names
+    samples = sorted(p.name for p in (REPO / "models" / "samples").iterdir())
+    assert "samples.json" in samples and len(samples) == 11  # ten digits and their labels
+    for sample in samples:
+        assert f"sluice/models/samples/{sample}" in names, sample
+    protos = sorted(p.name for p in (REPO / "protos" / "sluice" / "v1").glob("*.proto"))
+    assert protos
+    for proto in protos:
+        assert f"sluice/v1/{proto}" in names, proto
+    for generated in ("inference_pb2.py", "inference_pb2.pyi", "inference_pb2_grpc.py"):
+        assert f"sluice/v1/{generated}" in names, generated
+
+
+def elsewhere(installed: Path) -> dict[str, str]:
+    """The environment of a user outside the repository: the installed wheel first."""
+    return {**os.environ, "PYTHONPATH": str(installed), "PYTHONSAFEPATH": "1"}
+
+
+@contextmanager
+def serving(argv: list[str], env: dict[str, str]) -> Iterator[Process]:
+    proc = Process(argv, env=env)
+    try:
+        proc.wait_serving()
+        yield proc
+    finally:
+        proc.terminate()
+
+
+def run(argv: list[str], cwd: Path, env: dict[str, str]) -> str:
+    """Run a command as a user elsewhere does; its stdout, or a failure showing its stderr."""
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"{' '.join(argv)} exited {done.returncode}:\n{done.stderr}"
+    return done.stdout
+
+
+def test_the_installed_commands_serve_and_answer_from_any_directory(
+    installed: Path, tmp_path: Path
+) -> None:
+    env = elsewhere(installed)
+    check = (
+        "import importlib.util, sluice, sluice.models as m;"
+        "from sluice import SluiceClient, AsyncSluiceClient;"
+        "import sluice.server.main, sluice.balancer.main, sluice.perf.sweep;"
+        f"assert sluice.__file__.startswith({str(installed)!r}), sluice.__file__;"
+        "assert m.DIGITS.is_file() and [s.label for s in m.samples()] == list(range(10));"
+        "stray = [n for n in ('server', 'balancer', 'client', 'perf', 'models')"
+        " if importlib.util.find_spec(n)];"
+        "assert not stray, stray"
+    )
+    run([sys.executable, "-c", check], tmp_path, env)
+    sluice = str(installed / "bin" / "sluice")
+    # No --model: the server serves the bundled digits model from the package.
+    server_argv = [str(installed / "bin" / "sluice-server"), "--port", "0", "--device", "cpu"]
+    with serving([*server_argv, "--node-id", "wheel"], env) as server:
+        answer = run(
+            [sluice, "predict", "--sample", "3", "--json", "--target", server.address],
+            tmp_path,
+            env,
+        )
+    assert json.loads(answer)["outputs"]["label"]["data"] == [3]
+    helped = run([sluice, "perf", "--help"], tmp_path, env)
+    assert "--out" in helped and "sluice[perf]" in helped
