@@ -1,0 +1,99 @@
+"""Two installs of Sluice side by side in one run: a change's before and after. Each install
+runs its own server (cache off) and its own balancer in front of a second server of its
+own; the same sweep goes to all four in rotating rounds, so drift hits each alike.
+
+  python -m sluice.perf.versions --before ../baseline/.venv/bin --rounds 3 --levels 1,32
+
+`--before` and `--after` are the `bin` folders holding each install's `sluice-server` and
+`sluice-balancer` (after: this one). Unique inputs, so every call runs the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from sluice.models import DIGITS
+from sluice.perf import paired
+from sluice.runtime.launch import BIN, running
+
+KEYS = ("p50", "p99", "throughput")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sluice.perf.versions", description=__doc__)
+    parser.add_argument("--before", required=True, help="bin folder of the install to beat")
+    parser.add_argument("--after", default=str(BIN), help="bin folder of the new install")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", default="3s", help="per level per round")
+    parser.add_argument("--levels", default="1,32", help="concurrency: idle, then saturated")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+    # The model by path: an older install may not carry it as package data.
+    server = ["--model", str(DIGITS), "--port", "0", "--device", "cpu", "--cache-entries", "0"]
+    targets: dict[str, str] = {}
+    with ExitStack() as stack:
+        for name, folder in (("before", Path(args.before)), ("after", Path(args.after))):
+            direct = stack.enter_context(running([str(folder / "sluice-server"), *server]))
+            behind = stack.enter_context(running([str(folder / "sluice-server"), *server]))
+            balancer = stack.enter_context(
+                running(
+                    [str(folder / "sluice-balancer"), "--port", "0", "--backend", behind.address]
+                )
+            )
+            targets[f"{name}-server"] = direct.address
+            targets[f"{name}-balancer"] = balancer.address
+        runs = paired.rounds(
+            targets,
+            ["-c", args.levels, "-z", args.duration, "--warmup", "1s", "--unique"],
+            args.rounds,
+            "versions",
+        )
+    levels = args.levels.split(",")
+    result: dict[str, Any] = {
+        "command": "python -m sluice.perf.versions " + " ".join(argv or sys.argv[1:]),
+    }
+    for name, r in runs.items():
+        result[name] = {
+            f"c{c}": {k: paired.median(r, i, k) for k in KEYS} for i, c in enumerate(levels)
+        }
+        result[name]["errors"] = sum(lv["calls"] - lv["ok"] for run in r for lv in run["levels"])
+    for kind in ("server", "balancer"):
+        before, after = result[f"before-{kind}"], result[f"after-{kind}"]
+        result[f"{kind}_after_vs_before"] = {
+            f"c{c}": {k: after[f"c{c}"][k] / before[f"c{c}"][k] for k in KEYS} for c in levels
+        }
+    result["saturated"] = paired.saturated(runs)
+    print(markdown(result, levels))
+    paired.save(result, args.out)
+    return 0
+
+
+def markdown(result: dict[str, Any], levels: Sequence[str]) -> str:
+    lines = [
+        "| target | " + " | ".join(f"c={c} p50 ms | c={c} calls/s" for c in levels) + " |",
+        "|---|" + "---:|---:|" * len(levels),
+    ]
+    for name in ("before-server", "after-server", "before-balancer", "after-balancer"):
+        cells = [
+            f"{result[name][f'c{c}']['p50']:.3f} | {result[name][f'c{c}']['throughput']:.0f}"
+            for c in levels
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for kind in ("server", "balancer"):
+        ratio = result[f"{kind}_after_vs_before"]
+        cells = [
+            f"{ratio[f'c{c}']['p50']:.2f}x | {ratio[f'c{c}']['throughput']:.2f}x" for c in levels
+        ]
+        lines.append(f"| {kind}: after / before | " + " | ".join(cells) + " |")
+    if result["saturated"]:
+        lines.append("\n**Warning:** the load generator saturated in at least one level.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
