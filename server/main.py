@@ -18,6 +18,8 @@ from sluice.runtime.process import event_loop, setup_logging
 from sluice.server.dataplane.batcher import Batcher
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine
+from sluice.server.dataplane.models import Model, Models
+from sluice.server.dataplane.plane import Dataplane
 from sluice.server.service import SERVICE, InferenceService
 from sluice.server.settings import ServerSettings
 
@@ -39,8 +41,10 @@ async def serve(settings: ServerSettings) -> int:
         budget_s=settings.batch_budget_ms / 1000,
         max_queue=settings.max_queue,
     )
-    cache = LRUCache(settings.cache_entries, settings.cache_bytes)
-    service = InferenceService(engine, batcher, cache, node_id=settings.node_id)
+    plane = Dataplane(
+        Models([Model(engine, batcher)]), LRUCache(settings.cache_entries, settings.cache_bytes)
+    )
+    service = InferenceService(plane, node_id=settings.node_id)
     server, health_servicer = new_server(
         service.handler(), max_message_bytes=settings.max_message_bytes, reuseport=False
     )
@@ -74,8 +78,7 @@ async def serve(settings: ServerSettings) -> int:
         await asyncio.sleep(settings.drain_delay_s)
     service.start_draining()
     await server.stop(settings.grace_s)
-    await batcher.close()
-    engine.close()
+    await plane.close()  # each model: its running batches, then its engine
     log.info("stopped after %d calls", service.stats.requests)
     return 0
 

@@ -1,35 +1,30 @@
-"""The gRPC layer: a thin servicer that turns protobuf into core calls and core errors into
-status codes. Requests arrive as raw bytes (identity deserializers) so that a body that
-does not parse gets INVALID_ARGUMENT, and so a cache hit is answered from the body's digest
-without parsing anything."""
+"""The gRPC layer: a thin servicer that turns metadata and protobuf into dataplane calls and
+core errors into status codes. Requests arrive as raw bytes (identity deserializers) so that
+a body that does not parse gets INVALID_ARGUMENT, and so a cache hit is answered from the
+body's digest without parsing anything."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError, Message
 
-from sluice.core.errors import DeadlineExpired, InvalidInput, SluiceError
-from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, request_key
+from sluice.core.errors import SluiceError
+from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE
 from sluice.core.stats import ServingStats, health_fields
-from sluice.server.dataplane import staging
-from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL, Batcher
-from sluice.server.dataplane.cache import Entry, LRUCache, SingleFlight
-from sluice.server.dataplane.engine import Engine, TensorSpec
+from sluice.server.convert import V1, model_info, parse
+from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL
+from sluice.server.dataplane.plane import Dataplane
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import codec, stream
+from sluice.wire import stream
 
 log = logging.getLogger("sluice.service")
 
 SERVICE = "sluice.v1.Inference"
-PREDICT = f"/{SERVICE}/Predict"
-M = TypeVar("M", bound=Message)
 Context = grpc.aio.ServicerContext[bytes, bytes]
 
 
@@ -38,7 +33,7 @@ class Call:
     """What the wrapper learned from the call's metadata, and the trailers to send back."""
 
     trailers: list[tuple[str, str]]
-    deadline: float | None  # on the service clock
+    deadline: float | None  # on the dataplane's clock
     no_cache: bool = False
 
 
@@ -51,49 +46,18 @@ def status_of(error: SluiceError) -> grpc.StatusCode:
     return grpc.StatusCode[error.status]
 
 
-def parse(kind: type[M], body: bytes) -> M:
-    try:
-        return kind.FromString(body)
-    except DecodeError as exc:
-        raise InvalidInput(
-            f"request body is not a valid {kind.DESCRIPTOR.full_name} message: {exc}"
-        ) from None
-
-
-def spec_messages(specs: list[TensorSpec]) -> list[pb.TensorSpec]:
-    return [
-        pb.TensorSpec(
-            name=s.name, datatype=s.datatype, shape=[-1 if d is None else d for d in s.shape]
-        )
-        for s in specs
-    ]
-
-
 class InferenceService:
     def __init__(
-        self,
-        engine: Engine,
-        batcher: Batcher,
-        cache: LRUCache,
-        *,
-        node_id: str,
-        stats: ServingStats | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        self, plane: Dataplane, *, node_id: str, stats: ServingStats | None = None
     ) -> None:
-        self.engine = engine
-        self.batcher = batcher
-        self.cache = cache
-        self.flight = SingleFlight()
+        self.plane = plane
         self.node_id = node_id
-        self.clock = clock
-        self.stats = stats or ServingStats(clock=clock)
+        self.clock = plane.clock
+        self.stats = stats or ServingStats(clock=plane.clock)
         self.serving = True
         self._draining = asyncio.Event()
-        self._model_info = pb.ModelInfo(
-            name=engine.name,
-            inputs=spec_messages(engine.inputs),
-            outputs=spec_messages(engine.outputs),
-        )
+        # sluice.v1 names no model: its calls go to the default one.
+        self._model_info = model_info(plane.models.default)
 
     def handler(self) -> grpc.GenericRpcHandler[bytes, bytes]:
         methods: dict[str, Method] = {
@@ -194,76 +158,26 @@ class InferenceService:
         await stream.serve(requests, context.write, answer, refuse=refuse, stop=self._draining)
 
     async def predict(self, body: bytes, call: Call) -> bytes:
-        if call.deadline is not None and call.deadline <= self.clock():
-            raise DeadlineExpired("the deadline passed before the model could run")
-        if not self.cache.enabled or call.no_cache:
-            entry = await self._compute(body, call.deadline)
-            call.trailers.extend(entry.trailers)
-            return entry.body
-        key = request_key(PREDICT, body)
-        hit = self.cache.get(key)
-        if hit is not None:
-            entry, shared = hit, True
-        else:
-            entry, shared = await self._once(key, body, call.deadline)
-        call.trailers.extend(entry.trailers)
-        call.trailers.append(("x-cache", "hit" if shared else "miss"))
+        entry, cached = await self.plane.infer(
+            "", body, V1, deadline=call.deadline, cache=not call.no_cache
+        )
+        if entry.nonfinite:
+            call.trailers.append(("x-nonfinite-inputs", ",".join(entry.nonfinite)))
+        if cached is not None:
+            call.trailers.append(("x-cache", cached))
         return entry.body
-
-    async def _once(self, key: bytes, body: bytes, deadline: float | None) -> tuple[Entry, bool]:
-        """Compute under single-flight; True when another caller's computation answered.
-        A shared computation that ran out of its leader's deadline is retried for a follower
-        whose own deadline still allows it."""
-        while True:
-            joined = key in self.flight
-            try:
-                return await self.flight.run(key, lambda: self._store(key, body, deadline)), joined
-            except DeadlineExpired:
-                if not joined or (deadline is not None and deadline <= self.clock()):
-                    raise
-
-    async def _store(self, key: bytes, body: bytes, deadline: float | None) -> Entry:
-        entry = await self._compute(body, deadline)
-        self.cache.put(key, entry)
-        return entry
-
-    async def _compute(self, body: bytes, deadline: float | None) -> Entry:
-        request = parse(pb.PredictRequest, body)
-        try:
-            inputs = codec.decode_all(request.inputs)
-        except codec.TensorError as exc:
-            raise InvalidInput(str(exc)) from None
-        nonfinite = self.engine.check(inputs)
-        outputs = self.engine.check_outputs(request.outputs)
-        rows = staging.rows_of(inputs) if self.engine.batchable else None
-        batching = rows is not None and self.batcher.queue.max_rows > 1
-        results = await self.batcher.submit(
-            inputs,
-            outputs,
-            rows=rows or 1,
-            # Requests that cannot share a batch get a group of their own.
-            group=staging.group_key(inputs, outputs) if batching else object(),
-            deadline=deadline,
-        )
-        response = pb.PredictResponse(
-            model=self.engine.name,
-            outputs=codec.encode_all(results, typed=request.typed_outputs),
-        )
-        trailers = (("x-nonfinite-inputs", ",".join(nonfinite)),) if nonfinite else ()
-        return Entry(response.SerializeToString(), trailers)
 
     async def health(self, body: bytes, call: Call) -> bytes:
         parse(pb.HealthRequest, body)
-        batcher = self.batcher.stats
-        queue = self.batcher.queue
-        cache = self.cache
-        pool = self.engine.pool.stats()
+        model = self.plane.models.default
+        engine, scheduler, cache = model.engine, model.batcher, self.plane.cache
+        batcher, queue, pool = scheduler.stats, scheduler.queue, engine.pool.stats()
         response = pb.HealthResponse(
             role="server",
             node_id=self.node_id,
             status="SERVING" if self.serving else "NOT_SERVING",
             model=self._model_info,
-            provider=self.engine.provider,
+            provider=engine.provider,
             **health_fields(self.stats),
             batcher=pb.BatcherStats(
                 batches=batcher.batches,
@@ -278,9 +192,9 @@ class InferenceService:
                 expired=batcher.expired,
                 max_batch=queue.max_rows,
                 budget_ms=queue.budget_s * 1000,
-                instances=len(self.engine.instances),
-                busy_instances=self.batcher.busy,
-                instance_batches=[self.batcher.runs[i] for i in range(len(self.engine.instances))],
+                instances=len(engine.instances),
+                busy_instances=scheduler.busy,
+                instance_batches=[scheduler.runs[i] for i in range(len(engine.instances))],
             ),
             cache=pb.CacheStats(
                 enabled=cache.enabled,
@@ -290,12 +204,12 @@ class InferenceService:
                 misses=cache.misses,
                 evictions=cache.evictions,
                 hit_rate=cache.hit_rate,
-                shared=self.flight.joined,
+                shared=self.plane.flight.joined,
                 max_entries=cache.max_entries,
                 max_bytes=cache.max_bytes,
             ),
             buffers=pb.BufferPoolStats(
-                pinned=self.engine.pinned,
+                pinned=engine.pinned,
                 buffers=pool.buffers,
                 bytes=pool.bytes,
                 reused=pool.reused,
@@ -307,7 +221,8 @@ class InferenceService:
 
     async def metadata(self, body: bytes, call: Call) -> bytes:
         parse(pb.MetadataRequest, body)
+        engine = self.plane.models.default.engine
         response = pb.MetadataResponse(
-            model=self._model_info, platform=self.engine.platform, provider=self.engine.provider
+            model=self._model_info, platform=engine.platform, provider=engine.provider
         )
         return response.SerializeToString()

@@ -8,17 +8,17 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-Trailers = tuple[tuple[str, str], ...]
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Entry:
+    """An answer as its wire protocol encoded it, and what the protocol may flag with it."""
+
     body: bytes
-    trailers: Trailers = ()
+    nonfinite: tuple[str, ...] = ()  # inputs that held NaN or infinity: allowed, but flagged
 
     @property
     def size(self) -> int:
-        return len(self.body) + sum(len(k) + len(v) for k, v in self.trailers)
+        return len(self.body) + sum(map(len, self.nonfinite))
 
 
 class LRUCache:

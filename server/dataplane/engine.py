@@ -1,7 +1,7 @@
 """ONNX Runtime engine: loads a model as one or more instances, picks the execution
-provider, checks inputs and runs batches.
+provider, and runs batches (checking a request against the model is `models.Model`'s job).
 
-Transport-free: takes and returns numpy arrays, raises `server.errors` exceptions.
+Transport-free: takes and returns numpy arrays, raises `sluice.core.errors` exceptions.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument as OrtInvalidArgument
 
-from sluice.core.datatypes import DATATYPES, name_of
+from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import InvalidInput, ModelFailed, Unavailable
 from sluice.server.dataplane import gpu, staging
 from sluice.server.dataplane.batcher import Pending
@@ -272,10 +272,6 @@ class Engine:
         self.name = first.get_modelmeta().graph_name or path.stem
         self.inputs = [_spec(a) for a in first.get_inputs()]
         self.outputs = [_spec(a) for a in first.get_outputs()]
-        self._inputs_by_name = {s.name: s for s in self.inputs}
-        self._output_names = [s.name for s in self.outputs]
-        # Requests batch along the first dimension only if every input and output has it.
-        self.batchable = all(s.shape and s.shape[0] is None for s in self.inputs + self.outputs)
         on_cuda = self.provider == CUDA
         self.instances = [
             Instance(
@@ -309,58 +305,3 @@ class Engine:
     @property
     def platform(self) -> str:
         return f"onnxruntime {ort.__version__}"
-
-    def check(self, inputs: Mapping[str, np.ndarray]) -> list[str]:
-        """Raise InvalidInput unless `inputs` fit the model; return the names of inputs that
-        hold NaN or infinity (allowed, but worth telling the caller)."""
-        unknown = [n for n in inputs if n not in self._inputs_by_name]
-        if unknown:
-            raise InvalidInput(
-                f"unknown input {unknown[0]!r}; the model's inputs are "
-                + ", ".join(f"{s.name!r} {s.describe()}" for s in self.inputs)
-            )
-        missing = [s for s in self.inputs if s.name not in inputs]
-        if missing:
-            raise InvalidInput(
-                "missing input " + ", ".join(f"{s.name!r} {s.describe()}" for s in missing)
-            )
-        nonfinite = []
-        for spec in self.inputs:
-            array = inputs[spec.name]
-            if array.dtype != spec.dtype:
-                raise InvalidInput(
-                    f"input {spec.name!r} is {name_of(array.dtype)} "
-                    f"but the model takes {spec.datatype}"
-                )
-            if array.ndim != len(spec.shape):
-                raise InvalidInput(
-                    f"input {spec.name!r} has rank {array.ndim} (shape {list(array.shape)}) "
-                    f"but the model takes rank {len(spec.shape)}: {spec.describe()}"
-                )
-            for axis, (got, want) in enumerate(zip(array.shape, spec.shape, strict=True)):
-                if want is not None and got != want:
-                    raise InvalidInput(
-                        f"input {spec.name!r} has size {got} in dimension {axis} "
-                        f"(shape {list(array.shape)}) but the model needs {want}: "
-                        f"{spec.describe()}"
-                    )
-            if array.size == 0:
-                raise InvalidInput(
-                    f"input {spec.name!r} is empty (shape {list(array.shape)}); "
-                    "the model needs at least one row"
-                )
-            if array.dtype.kind == "f" and not np.isfinite(array).all():
-                nonfinite.append(spec.name)
-        return nonfinite
-
-    def check_outputs(self, names: Sequence[str]) -> list[str]:
-        """The output names to compute: all when `names` is empty."""
-        if not names:
-            return self._output_names
-        for name in names:
-            if name not in self._output_names:
-                raise InvalidInput(
-                    f"unknown output {name!r}; the model's outputs are "
-                    + ", ".join(repr(n) for n in self._output_names)
-                )
-        return list(dict.fromkeys(names))

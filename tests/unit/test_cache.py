@@ -59,10 +59,10 @@ def test_matches_a_reference_lru_and_keeps_its_byte_account(
         assert len(cache) <= max_entries
 
 
-def test_trailers_count_towards_bytes() -> None:
+def test_flags_count_towards_bytes() -> None:
     cache = LRUCache(10, 100)
-    cache.put(key(1), Entry(b"a" * 10, (("x-nonfinite-inputs", "input"),)))
-    assert cache.bytes == 10 + len("x-nonfinite-inputs") + len("input")
+    cache.put(key(1), Entry(b"a" * 10, nonfinite=("input", "mask")))
+    assert cache.bytes == 10 + len("input") + len("mask")
 
 
 def test_disabled_cache_keeps_nothing() -> None:

@@ -2,39 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import onnxruntime as ort
 import pytest
 
 from sluice import models
-from sluice.core.errors import InvalidInput
+from sluice.core.errors import Unavailable
+from sluice.server.dataplane import engine as engine_module
 from sluice.server.dataplane.batcher import Pending
 from sluice.server.dataplane.buffers import BufferPool
 from sluice.server.dataplane.engine import Engine, Instance, choose_providers
 from tests.conftest import SAMPLES
 
+CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
+
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(models.DIGITS, device="cpu")
+def engine() -> Iterator[Engine]:
+    engine = Engine(models.DIGITS, device="cpu")
+    yield engine
+    engine.close()
 
 
 def test_specs_describe_the_model(engine: Engine) -> None:
     assert engine.name == "digits"
-    assert engine.provider == "CPUExecutionProvider"
+    assert engine.provider == CPU
     assert [(s.name, s.datatype, s.shape) for s in engine.inputs] == [("input", "FP32", (None, 64))]
     assert [s.describe() for s in engine.outputs] == ["INT64[N]", "FP32[N, 10]"]
 
 
 def test_run_matches_onnxruntime(engine: Engine, reference: ort.InferenceSession) -> None:
     batch = np.concatenate([s.input for s in SAMPLES])
-    assert engine.check({"input": batch}) == []
-    got, pooled = engine.instances[0].run_sync({"input": batch}, engine.check_outputs([]), 10)
+    got, pooled = engine.instances[0].run_sync({"input": batch}, ["label", "probabilities"], 10)
     assert pooled == []
     label, probabilities = reference.run(None, {"input": batch})
     np.testing.assert_array_equal(got["label"], label)
     np.testing.assert_array_equal(got["probabilities"], probabilities)
-    assert engine.check_outputs(["probabilities", "probabilities"]) == ["probabilities"]
 
 
 @pytest.mark.parametrize("stage_always", [False, True], ids=["direct", "staged"])
@@ -68,44 +73,46 @@ async def test_batches_through_onnxruntime_split_back_exactly(
     )
 
 
+def test_cpu_device_never_asks_for_cuda(engine: Engine) -> None:
+    # The fixture asked for the CPU: its sessions hold the CPU provider alone, even with a
+    # CUDA build of ONNX Runtime installed.
+    assert choose_providers("cpu") == [CPU]
+    assert [i.session.get_providers() for i in engine.instances] == [[CPU]]
+
+
+def test_auto_falls_back_to_cpu_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_module, "cuda_device_count", lambda: 0)  # no GPU, here or not
+    auto = Engine(models.DIGITS, device="auto")
+    try:
+        assert auto.provider == CPU
+        assert auto.instances[0].session.get_providers() == [CPU]
+    finally:
+        auto.close()
+
+
 @pytest.mark.parametrize(
-    ("inputs", "message"),
+    ("device", "built", "gpus", "want"),
     [
-        ({"input": np.zeros((1, 64), np.float32), "extra": np.zeros(1)}, "unknown input 'extra'"),
-        ({}, "missing input 'input' FP32\\[N, 64\\]"),
-        ({"input": np.zeros((1, 64), np.int64)}, "is INT64 but the model takes FP32"),
-        ({"input": np.zeros((1, 1, 64), np.float32)}, "rank 3"),
-        ({"input": np.zeros((2, 65), np.float32)}, "size 65 in dimension 1"),
-        ({"input": np.zeros((0, 64), np.float32)}, "is empty"),
+        ("cpu", [CUDA, CPU], 1, [CPU]),
+        ("auto", [CPU], 0, [CPU]),
+        ("auto", [CPU], 1, [CPU]),
+        ("auto", [CUDA, CPU], 0, [CPU]),
+        ("auto", [CUDA, CPU], 1, [CUDA, CPU]),
+        ("cuda", [CUDA, CPU], 0, [CUDA, CPU]),  # asked for: the session says if it starts
     ],
 )
-def test_check_rejects_inputs_that_do_not_fit(
-    engine: Engine, inputs: dict[str, np.ndarray], message: str
+def test_choose_providers(
+    monkeypatch: pytest.MonkeyPatch, device: str, built: list[str], gpus: int, want: list[str]
 ) -> None:
-    with pytest.raises(InvalidInput, match=message):
-        engine.check(inputs)
+    monkeypatch.setattr(ort, "get_available_providers", lambda: built)
+    monkeypatch.setattr(engine_module, "cuda_device_count", lambda: gpus)
+    assert choose_providers(device) == want
 
 
-def test_nonfinite_inputs_are_reported_not_rejected(engine: Engine) -> None:
-    x = np.zeros((2, 64), np.float32)
-    x[1, 5] = -np.inf
-    assert engine.check({"input": x}) == ["input"]
-
-
-def test_unknown_output(engine: Engine) -> None:
-    with pytest.raises(InvalidInput, match="unknown output 'logits'"):
-        engine.check_outputs(["logits"])
-
-
-def test_cpu_device_never_asks_for_cuda() -> None:
-    assert choose_providers("cpu") == ["CPUExecutionProvider"]
-
-
-def test_auto_falls_back_to_cpu_without_a_gpu(engine: Engine) -> None:
-    # This suite runs on CPU-only machines; with a GPU, auto must pick CUDA instead.
-    auto = Engine(models.DIGITS, device="auto")
-    has_gpu = "CUDAExecutionProvider" in choose_providers("auto")
-    assert auto.provider == ("CUDAExecutionProvider" if has_gpu else "CPUExecutionProvider")
+def test_cuda_device_without_a_cuda_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [CPU])
+    with pytest.raises(Unavailable, match="no CUDA provider"):
+        choose_providers("cuda")
 
 
 def test_missing_model_file() -> None:

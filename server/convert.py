@@ -1,0 +1,63 @@
+"""The sluice.v1 wire format as a dataplane codec: PredictRequest bytes to a core request,
+outputs to PredictResponse bytes, a model's specs to a ModelInfo."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from sluice.core.errors import InvalidInput
+from sluice.server.dataplane.batcher import Arrays
+from sluice.server.dataplane.engine import TensorSpec
+from sluice.server.dataplane.models import Model
+from sluice.server.dataplane.plane import Request
+from sluice.v1 import inference_pb2 as pb
+from sluice.wire import codec
+
+M = TypeVar("M", bound=Message)
+
+
+def parse(kind: type[M], body: bytes) -> M:
+    try:
+        return kind.FromString(body)
+    except DecodeError as exc:
+        raise InvalidInput(
+            f"request body is not a valid {kind.DESCRIPTOR.full_name} message: {exc}"
+        ) from None
+
+
+class SluiceV1:
+    """Predict's bodies; the option is `typed_outputs`."""
+
+    name = "sluice.v1"
+
+    def decode(self, body: bytes) -> Request[bool]:
+        request = parse(pb.PredictRequest, body)
+        try:
+            inputs = codec.decode_all(request.inputs)
+        except codec.TensorError as exc:
+            raise InvalidInput(str(exc)) from None
+        return Request(inputs, request.outputs, request.typed_outputs)
+
+    def encode(self, model: Model, request: Request[bool], outputs: Arrays) -> bytes:
+        response = pb.PredictResponse(
+            model=model.name, outputs=codec.encode_all(outputs, typed=request.options)
+        )
+        return response.SerializeToString()
+
+
+V1 = SluiceV1()
+
+
+def _specs(specs: list[TensorSpec]) -> list[pb.TensorSpec]:
+    return [
+        pb.TensorSpec(
+            name=s.name, datatype=s.datatype, shape=[-1 if d is None else d for d in s.shape]
+        )
+        for s in specs
+    ]
+
+
+def model_info(model: Model) -> pb.ModelInfo:
+    return pb.ModelInfo(name=model.name, inputs=_specs(model.inputs), outputs=_specs(model.outputs))

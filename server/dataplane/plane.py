@@ -1,0 +1,132 @@
+"""The dataplane: one request path for every wire protocol and model. It owns the models, the
+result cache and single-flight; a protocol hands it request bytes and a `Codec`, and gets
+back response bytes. Transport-free.
+
+A cache hit is answered from the body's digest alone: nothing is parsed. The key covers the
+codec, the model's name and version and the body, so protocols never meet each other's
+answers, nor a new model version an old one's."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, Literal, Protocol, TypeVar
+
+import numpy as np
+import xxhash
+
+from sluice.core.errors import DeadlineExpired
+from sluice.server.dataplane.batcher import Arrays
+from sluice.server.dataplane.cache import Entry, LRUCache, SingleFlight
+from sluice.server.dataplane.models import Model, Models
+
+Opts = TypeVar("Opts")
+Cached = Literal["hit", "miss"] | None  # None: the call kept out of the cache
+HIT: Cached = "hit"
+MISS: Cached = "miss"
+EXPIRED = "the deadline passed before the model could run"
+
+
+@dataclass(slots=True)
+class Request(Generic[Opts]):
+    """A decoded request."""
+
+    inputs: Mapping[str, np.ndarray]
+    outputs: Sequence[str]  # empty: all of the model's outputs
+    options: Opts  # the codec's own, handed back to its `encode` (sluice.v1: typed outputs)
+
+
+class Codec(Protocol[Opts]):
+    """A wire protocol's request and response bodies. Raises InvalidInput on a bad body."""
+
+    @property
+    def name(self) -> str: ...  # in the cache key
+
+    def decode(self, body: bytes) -> Request[Opts]: ...
+
+    def encode(self, model: Model, request: Request[Opts], outputs: Arrays) -> bytes: ...
+
+
+class Dataplane:
+    def __init__(
+        self, models: Models, cache: LRUCache, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.models = models
+        self.cache = cache
+        self.flight = SingleFlight()
+        self.clock = clock  # deadlines are on this clock, and on the batchers'
+
+    async def infer(
+        self,
+        model: str,
+        body: bytes,
+        codec: Codec[Opts],
+        *,
+        deadline: float | None = None,
+        cache: bool = True,
+    ) -> tuple[Entry, Cached]:
+        """The answer to one request body, and whether the cache gave it (`cache=False`
+        keeps the call out of the cache and single-flight)."""
+        if deadline is not None and deadline <= self.clock():
+            raise DeadlineExpired(EXPIRED)
+        found = self.models.get(model)
+        if not cache or not self.cache.enabled:
+            return await self._compute(found, body, codec, deadline), None
+        digest = xxhash.xxh3_128(found.scope(codec.name))
+        digest.update(body)
+        key = digest.digest()
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit, HIT
+        return await self._once(key, found, body, codec, deadline)
+
+    async def run(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        outputs: Sequence[str] = (),
+        *,
+        deadline: float | None = None,
+    ) -> tuple[Arrays, list[str]]:
+        """For callers that hold arrays: run them uncached; the outputs and the inputs that
+        held NaN or infinity."""
+        if deadline is not None and deadline <= self.clock():
+            raise DeadlineExpired(EXPIRED)
+        return await self.models.get(model).run(inputs, outputs, deadline)
+
+    async def _once(
+        self, key: bytes, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None
+    ) -> tuple[Entry, Cached]:
+        """Compute under single-flight; a hit when another caller's computation answered.
+        A shared computation that ran out of its leader's deadline is retried for a follower
+        whose own deadline still allows it."""
+        while True:
+            joined = key in self.flight
+            try:
+                entry = await self.flight.run(
+                    key, lambda: self._store(key, model, body, codec, deadline)
+                )
+            except DeadlineExpired:
+                if not joined or (deadline is not None and deadline <= self.clock()):
+                    raise
+            else:
+                return entry, HIT if joined else MISS
+
+    async def _store(
+        self, key: bytes, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None
+    ) -> Entry:
+        entry = await self._compute(model, body, codec, deadline)
+        self.cache.put(key, entry)
+        return entry
+
+    async def _compute(
+        self, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None
+    ) -> Entry:
+        request = codec.decode(body)
+        outputs, nonfinite = await model.run(request.inputs, request.outputs, deadline)
+        return Entry(codec.encode(model, request, outputs), tuple(nonfinite))
+
+    async def close(self) -> None:
+        for model in self.models:
+            await model.close()
