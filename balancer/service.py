@@ -1,10 +1,10 @@
 """The balancer's gRPC face: the same sluice.v1.Inference API as a server, forwarding raw
-bytes (the body is never parsed) to the backend the pool chooses, with retries for calls
-that never reached a model, within a retry budget and the caller's deadline."""
+bytes (the body is never parsed) to the backend the pool chooses. The attempt loop (retries
+within a retry budget and the caller's deadline, what counts against a backend) is the
+shared call planner, sluice.routing.planner."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -15,7 +15,8 @@ from google.protobuf.message import DecodeError
 from sluice.core.keys import NO_CACHE_HEADER, affinity_key
 from sluice.core.stats import ServingStats, health_fields
 from sluice.routing.budget import RetryBudget
-from sluice.routing.pool import Backend, Pool
+from sluice.routing.planner import Planner
+from sluice.routing.pool import Pool
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import stream
 from sluice.wire.mux import Reply, StreamBroken
@@ -26,15 +27,8 @@ SERVICE = "sluice.v1.Inference"
 PREDICT = f"/{SERVICE}/Predict"
 METADATA = f"/{SERVICE}/Metadata"
 FORWARDED = ("x-request-id", NO_CACHE_HEADER)
-# Statuses that say the backend failed, not the caller: they count against its breaker.
-BACKEND_FAILURES = {
-    grpc.StatusCode.UNAVAILABLE.value[0],
-    grpc.StatusCode.INTERNAL.value[0],
-    grpc.StatusCode.UNKNOWN.value[0],
-}
-UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
-DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 CODES = {code.value[0]: code for code in grpc.StatusCode}
+NO_METADATA: Mapping[str, str] = {}
 Context = grpc.aio.ServicerContext[bytes, bytes]
 
 
@@ -52,7 +46,8 @@ class BalancerService:
         self.node_id = node_id
         self.clock = clock
         self.stats = ServingStats(clock=clock)
-        self.unavailable = 0
+        # A stream that broke before the reply fails its calls with StreamBroken.
+        self.planner = Planner(pool, budget, Reply, broken=(StreamBroken,), clock=clock)
 
     def handler(self) -> grpc.GenericRpcHandler[bytes, bytes]:
         return grpc.method_handlers_generic_handler(
@@ -65,11 +60,13 @@ class BalancerService:
             },
         )
 
+    def _deadline(self, context: Context) -> float | None:
+        remaining = context.time_remaining()
+        return None if remaining is None else self.clock() + remaining
+
     async def predict(self, body: bytes, context: Context) -> bytes:
         metadata = {k: str(v) for k, v in context.invocation_metadata() or ()}
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else self.clock() + remaining
-        reply = await self.forward(body, metadata, deadline)
+        reply = await self.forward(body, metadata, self._deadline(context))
         context.set_trailing_metadata(tuple(reply.trailers.items()))
         if reply.code == 0:
             return reply.body
@@ -94,65 +91,28 @@ class BalancerService:
     async def forward(
         self, body: bytes, metadata: Mapping[str, str], deadline: float | None
     ) -> Reply:
+        """One Predict through the planner: each attempt goes over the chosen backend's
+        multiplexed streams with the time left."""
         started = self.stats.begin()
-        reply = await self._route(body, metadata, deadline)
-        error = None if reply.code == 0 else CODES[reply.code].name
-        self.stats.end(started, error)
+        forwarded = {k: metadata[k] for k in FORWARDED if k in metadata}
+        reply = await self.planner.run(
+            affinity_key(body, metadata),
+            deadline,
+            lambda backend, left: backend.transport.predict(body, forwarded, left),
+        )
+        self.stats.end(started, None if reply.code == 0 else CODES[reply.code].name)
         return reply
 
-    async def _route(
-        self, body: bytes, metadata: Mapping[str, str], deadline: float | None
-    ) -> Reply:
-        key = affinity_key(body, metadata)
-        forwarded = {k: metadata[k] for k in FORWARDED if k in metadata}
-        self.budget.deposit()
-        tried: list[Backend] = []
-        last = ""
-        while True:
-            remaining = None if deadline is None else deadline - self.clock()
-            if remaining is not None and remaining <= 0:
-                return Reply(DEADLINE_EXCEEDED, f"the deadline passed{last}")
-            choice = self.pool.choose(key, tried)
-            backend = choice.backend
-            if backend is None:
-                self.unavailable += 1
-                return Reply(UNAVAILABLE, f"no backend can take the call: {choice.why}{last}")
-            tried.append(backend)
-            if not self.pool.start(backend):
-                continue  # its single half-open probe is out: try the next one
-            sent = self.clock()
-            try:
-                reply: Reply = await backend.transport.predict(body, forwarded, remaining)
-            except StreamBroken as exc:
-                self.pool.finish(backend, self.clock() - sent, "failed")
-                last = f"; {backend.address}: {exc}"
-            except TimeoutError:
-                self.pool.finish(backend, self.clock() - sent, "slow")
-                return Reply(DEADLINE_EXCEEDED, f"{backend.address} did not answer in time")
-            except asyncio.CancelledError:
-                self.pool.finish(backend, self.clock() - sent, "neutral")
-                raise
-            else:
-                failed = reply.code in BACKEND_FAILURES
-                self.pool.finish(backend, self.clock() - sent, "failed" if failed else "ok")
-                if not reply.retryable:
-                    return reply
-                last = f"; {backend.address}: {reply.message}"
-            if not self.budget.withdraw():
-                return Reply(UNAVAILABLE, f"retry budget exhausted{last}")
-
     async def metadata(self, body: bytes, context: Context) -> bytes:
-        tried: list[Backend] = []
-        while (backend := self.pool.choose(None, tried).backend) is not None:
-            tried.append(backend)
-            reply: Reply = await backend.transport.unary(
-                METADATA, body, {}, context.time_remaining()
-            )
-            if reply.code == 0:
-                return reply.body
-            if reply.code not in BACKEND_FAILURES:
-                await context.abort(CODES[reply.code], reply.message)
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "no backend can answer Metadata")
+        """Metadata from the least loaded backend, through the same planner."""
+        reply = await self.planner.run(
+            None,
+            self._deadline(context),
+            lambda backend, left: backend.transport.unary(METADATA, body, NO_METADATA, left),
+        )
+        if reply.code == 0:
+            return reply.body
+        await context.abort(CODES[reply.code], reply.message)
 
     async def health(self, body: bytes, context: Context) -> bytes:
         try:
@@ -182,7 +142,7 @@ class BalancerService:
                 calls=self.pool.calls,
                 retries=self.budget.retries,
                 retries_refused=self.budget.refused,
-                unavailable=self.unavailable,
+                unavailable=self.planner.unavailable,
             ),
         )
         return response.SerializeToString()

@@ -2,7 +2,7 @@
 
   direct           client -> server (unary Predict)
   direct-stream    client -> server over PredictStream (multiplexed)
-  embedded         client with its own balancing (client.routing) -> server
+  embedded         client with its own balancing (the planner, as SluiceClient) -> server
   balancer         client -> sluice-balancer -> server
   balancer-stream  client -> sluice-balancer over PredictStream -> server
   bare-proxy       client -> perf/bare_proxy.py (raw bytes, unary) -> server

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from sluice.client.routing import NoBackendError, Router
+from sluice.client.client import AsyncSluiceClient
 from sluice.core.datatypes import DATATYPES
 from sluice.perf import stats
 from sluice.wire.mux import MuxStream, StreamBroken
@@ -194,36 +194,14 @@ def stream_call(streams_list: Sequence[MuxStream], timeout: float) -> Call:
     return call
 
 
-def embedded_call(
-    channels: Mapping[str, Sequence[grpc.aio.Channel]], method: str, timeout: float
-) -> Call:
-    """The client's own balancing (client.routing) over the targets, as SluiceClient does."""
-    router = Router(list(channels))
-    stubs = {
-        target: itertools.cycle(
-            [
-                ch.unary_unary(method, request_serializer=None, response_deserializer=None)
-                for ch in chs
-            ]
-        )
-        for target, chs in channels.items()
-    }
+def embedded_call(channels: Mapping[str, Sequence[grpc.aio.Channel]], timeout: float) -> Call:
+    """Predict through the client core (AsyncSluiceClient) over the targets' channels: with
+    several targets, its own balancing and the shared call planner, as SluiceClient does."""
+    client = AsyncSluiceClient.on_channels(channels, timeout=timeout)
 
     async def call(body: bytes) -> str:
-        key, tried = router.first(body, {})
-        while True:
-            try:
-                attempt = router.next(key, tried)
-            except NoBackendError:
-                return "UNAVAILABLE"
-            try:
-                await next(stubs[attempt.backend.address])(body, timeout=timeout)
-            except grpc.aio.AioRpcError as exc:
-                if router.failed(attempt, exc):
-                    continue
-                return str(exc.code().name)
-            router.done(attempt)
-            return "OK"
+        reply = await client.call_raw(body, timeout=timeout)
+        return CODE_NAMES.get(reply.code, str(reply.code))
 
     return call
 
@@ -247,7 +225,7 @@ async def run_level(spec: LevelSpec) -> LevelResult:
     try:
         first_target = channels[spec.targets[0]]
         if spec.embedded:
-            call = embedded_call(channels, spec.method, spec.timeout)
+            call = embedded_call(channels, spec.timeout)
         elif spec.call == "stream":
             streams = [MuxStream(ch) for ch in first_target]
             call = stream_call(streams, spec.timeout)

@@ -122,7 +122,7 @@ class Pool:
             + (f" breaker {b.breaker.state.value}" if b.breaker.state is not State.CLOSED else "")
             for b in candidates
         )
-        return f"no backend can take the call ({states})"
+        return f"none is usable ({states})"
 
     def start(self, backend: Backend) -> bool:
         """Claim a call on `backend`; False when its breaker refuses (a probe is out)."""
