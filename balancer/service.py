@@ -12,11 +12,13 @@ from collections.abc import AsyncIterator, Callable, Mapping
 import grpc
 from google.protobuf.message import DecodeError
 
+from sluice.core.errors import status_name
 from sluice.core.keys import NO_CACHE_HEADER, affinity_key
 from sluice.core.stats import ServingStats, health_fields
 from sluice.routing.budget import RetryBudget
 from sluice.routing.planner import Planner
 from sluice.routing.pool import Pool
+from sluice.runtime.status import grpc_code
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import stream
 from sluice.wire.mux import Reply, StreamBroken
@@ -27,7 +29,6 @@ SERVICE = "sluice.v1.Inference"
 PREDICT = f"/{SERVICE}/Predict"
 METADATA = f"/{SERVICE}/Metadata"
 FORWARDED = ("x-request-id", NO_CACHE_HEADER)
-CODES = {code.value[0]: code for code in grpc.StatusCode}
 NO_METADATA: Mapping[str, str] = {}
 Context = grpc.aio.ServicerContext[bytes, bytes]
 
@@ -70,7 +71,7 @@ class BalancerService:
         context.set_trailing_metadata(tuple(reply.trailers.items()))
         if reply.code == 0:
             return reply.body
-        await context.abort(CODES[reply.code], reply.message)
+        await context.abort(grpc_code(reply.code), reply.message)
 
     async def predict_stream(self, requests: AsyncIterator[bytes], context: Context) -> None:
         """Clients may multiplex too: each message is forwarded on its own."""
@@ -100,7 +101,7 @@ class BalancerService:
             deadline,
             lambda backend, left: backend.transport.predict(body, forwarded, left),
         )
-        self.stats.end(started, None if reply.code == 0 else CODES[reply.code].name)
+        self.stats.end(started, None if reply.code == 0 else status_name(reply.code))
         return reply
 
     async def metadata(self, body: bytes, context: Context) -> bytes:
@@ -112,7 +113,7 @@ class BalancerService:
         )
         if reply.code == 0:
             return reply.body
-        await context.abort(CODES[reply.code], reply.message)
+        await context.abort(grpc_code(reply.code), reply.message)
 
     async def health(self, body: bytes, context: Context) -> bytes:
         try:

@@ -33,6 +33,7 @@ from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
 from sluice.routing.planner import Planner
 from sluice.routing.pool import Backend, Pool
+from sluice.runtime.status import grpc_code
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec
@@ -43,7 +44,6 @@ ChannelOptions = Sequence[tuple[str, Any]]
 Metadata = tuple[tuple[str, str], ...]
 # Sends one raw Predict body on one channel (the targets' channels are used in turn).
 Sender = Callable[..., Any]
-CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def failure(error: grpc.aio.AioRpcError) -> Reply:
 def rpc_error(reply: Reply) -> grpc.aio.AioRpcError:
     """A failed Reply as the error grpc raises for a failed call."""
     return grpc.aio.AioRpcError(
-        CODES.get(reply.code, grpc.StatusCode.UNKNOWN),
+        grpc_code(reply.code),
         grpc.aio.Metadata(),
         grpc.aio.Metadata(*reply.trailers.items()),
         reply.message,

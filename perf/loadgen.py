@@ -21,12 +21,12 @@ import numpy as np
 
 from sluice.client.client import AsyncSluiceClient
 from sluice.core.datatypes import DATATYPES
+from sluice.core.errors import status_name
 from sluice.perf import stats
 from sluice.wire.mux import MuxStream, StreamBroken
 
 Call = Callable[[bytes], Awaitable[str]]  # sends one body; returns the status name
 Clock = Callable[[], float]
-CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 UNIQUE_ELEMENTS = 10  # base-100 digits of the call number: 10^20 distinct bodies
 
 
@@ -189,7 +189,7 @@ def stream_call(streams_list: Sequence[MuxStream], timeout: float) -> Call:
             return "UNAVAILABLE"
         except TimeoutError:
             return "DEADLINE_EXCEEDED"
-        return CODE_NAMES[reply.code]
+        return status_name(reply.code)
 
     return call
 
@@ -201,7 +201,7 @@ def embedded_call(channels: Mapping[str, Sequence[grpc.aio.Channel]], timeout: f
 
     async def call(body: bytes) -> str:
         reply = await client.call_raw(body, timeout=timeout)
-        return CODE_NAMES.get(reply.code, str(reply.code))
+        return status_name(reply.code)
 
     return call
 

@@ -13,9 +13,10 @@ from typing import Any
 
 import grpc
 
-from sluice.core.errors import SluiceError
+from sluice.core.errors import Code, SluiceError
 from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE
 from sluice.core.stats import ServingStats, health_fields
+from sluice.runtime.status import status_of
 from sluice.server.convert import V1, model_info, parse
 from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL
 from sluice.server.dataplane.plane import Dataplane
@@ -39,11 +40,6 @@ class Call:
 
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
 Method = Callable[[bytes, Call], Awaitable[bytes]]
-
-
-def status_of(error: SluiceError) -> grpc.StatusCode:
-    """The one table from core errors to gRPC status codes: each error names its status."""
-    return grpc.StatusCode[error.status]
 
 
 class InferenceService:
@@ -150,7 +146,7 @@ class InferenceService:
                 return None
             return pb.StreamResponse(
                 id=message.id,
-                code=grpc.StatusCode.UNAVAILABLE.value[0],
+                code=Code.UNAVAILABLE,
                 message=f"node {self.node_id} is draining",
                 retryable=True,
             ).SerializeToString()

@@ -1,10 +1,13 @@
-"""Errors the core raises, each naming the gRPC status it maps to.
+"""The one error table: the errors the core raises, each naming the gRPC status it maps to,
+and the status codes by number.
 
-The core never imports grpc: the status is a name, turned into a grpc.StatusCode
-by the service layer in one place (`server.service.status_of`).
+The core never imports grpc: a status is a name or a number here, turned into a
+grpc.StatusCode in one place (`sluice.runtime.status`).
 """
 
 from __future__ import annotations
+
+from enum import IntEnum
 
 
 class SluiceError(Exception):
@@ -41,3 +44,32 @@ class DeadlineExpired(SluiceError):
     """The caller's deadline passed before the work could run."""
 
     status = "DEADLINE_EXCEEDED"
+
+
+class Code(IntEnum):
+    """gRPC status codes by number, for the layers that never import grpc."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
+
+
+def status_name(code: int) -> str:
+    try:
+        return Code(code).name
+    except ValueError:
+        return f"status {code}"

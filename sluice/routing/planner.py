@@ -19,40 +19,12 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from enum import IntEnum, StrEnum
+from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
+from sluice.core.errors import Code, status_name
 from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Backend, Pool
-
-
-class Code(IntEnum):
-    """gRPC status codes, by number (the planner never imports grpc)."""
-
-    OK = 0
-    CANCELLED = 1
-    UNKNOWN = 2
-    INVALID_ARGUMENT = 3
-    DEADLINE_EXCEEDED = 4
-    NOT_FOUND = 5
-    ALREADY_EXISTS = 6
-    PERMISSION_DENIED = 7
-    RESOURCE_EXHAUSTED = 8
-    FAILED_PRECONDITION = 9
-    ABORTED = 10
-    OUT_OF_RANGE = 11
-    UNIMPLEMENTED = 12
-    INTERNAL = 13
-    UNAVAILABLE = 14
-    DATA_LOSS = 15
-    UNAUTHENTICATED = 16
-
-
-def status_name(code: int) -> str:
-    try:
-        return Code(code).name
-    except ValueError:
-        return f"status {code}"
 
 
 class Outcome(StrEnum):

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from sluice.core.errors import Code
 from sluice.routing.breaker import BreakerSettings, State
 from sluice.routing.budget import RetryBudget
-from sluice.routing.planner import RULES, Code, Outcome, Planner, outcome_of, rule_of
+from sluice.routing.planner import RULES, Outcome, Planner, outcome_of, rule_of
 from sluice.routing.pool import Backend, Health, Pool
 from sluice.wire.mux import Reply
 
