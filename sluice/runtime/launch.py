@@ -4,14 +4,14 @@ line, readiness is the gRPC health check, and every process is stopped by its pi
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import re
-import selectors
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,39 +37,43 @@ class Process:
             text=True,
             env={**os.environ, **(env or {})},
         )
+        # One thread reads stderr from the start, keeps every line and hands over the address
+        # when it is announced: no line can hide in a buffer between a poll and a read.
+        self._announced: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         self.address = self._wait_for_address(timeout=30.0)
-        self._drain = threading.Thread(target=self._keep_reading, daemon=True)
-        self._drain.start()
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def _wait_for_address(self, timeout: float) -> str:
+    def _read(self) -> None:
         assert self.proc.stderr is not None
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stderr, selectors.EVENT_READ)
-            while (left := deadline - time.monotonic()) > 0:
-                if not sel.select(left):
-                    break
-                line = self.proc.stderr.readline()
-                if not line:
-                    break
-                self.lines.append(line)
-                found = LISTENING.search(line)
-                if found:
-                    return f"{found[1]}:{found[2]}"
-        self.kill()
-        raise RuntimeError(
-            f"{' '.join(self.argv)} did not start (exit status {self.proc.returncode}):\n"
-            + self.log()
-        )
-
-    def _keep_reading(self) -> None:
-        assert self.proc.stderr is not None
+        announced = False
         for line in self.proc.stderr:
             self.lines.append(line)
+            if not announced and (found := LISTENING.search(line)):
+                announced = True
+                self._announced.put(f"{found[1]}:{found[2]}")
+        self._announced.put(None)  # stderr closed: the process ended before announcing
+
+    def _wait_for_address(self, timeout: float) -> str:
+        try:
+            address = self._announced.get(timeout=timeout)
+        except queue.Empty:
+            address = None
+        else:
+            if address is None:  # its stderr closed: let it finish exiting, for its status
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=10)
+        if address is None:
+            self.kill()
+            raise RuntimeError(
+                f"{' '.join(self.argv)} did not start (exit status {self.proc.returncode}):\n"
+                + self.log()
+            )
+        return address
 
     def log(self) -> str:
         return "".join(self.lines)
@@ -102,11 +106,11 @@ class Process:
         self.close()
 
     def close(self) -> None:
-        """Collect the rest of stderr once the process has exited."""
-        drain = getattr(self, "_drain", None)
-        if drain is not None:
-            drain.join(timeout=10)
-        if self.proc.stderr is not None:
+        """Collect the rest of stderr once the process has exited. A child of its that still
+        holds the pipe keeps the reader waiting: then the pipe is left to the reader (closing
+        it under a blocked read would block too)."""
+        self._reader.join(timeout=10)
+        if not self._reader.is_alive() and self.proc.stderr is not None:
             self.proc.stderr.close()
 
 

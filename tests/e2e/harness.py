@@ -1,26 +1,34 @@
 """The end-to-end harness: real Sluice processes on port 0 (sluice.runtime.launch), with the
-CPU forced so the tests behave alike on any machine."""
+CPU forced so the tests behave alike on any machine. Waits poll something a process reports,
+with a bound that only guards against a hang."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from sluice.client import SluiceClient
 from sluice.runtime.launch import BIN, Process, module_argv, running
 from sluice.runtime.launch import server_argv as _server_argv
+from sluice.v1 import inference_pb2 as pb
 
 __all__ = [
     "BIN",
     "Process",
+    "children",
     "module_argv",
     "running",
     "running_server",
     "server_argv",
     "wait_arrived",
+    "wait_for",
+    "wait_health",
 ]
+
+T = TypeVar("T")
 
 
 def server_argv(*extra: str, node_id: str = "test-node", model: Path | None = None) -> list[str]:
@@ -33,12 +41,50 @@ def running_server(*extra: str, node_id: str = "test-node") -> Iterator[Process]
         yield proc
 
 
+def wait_for(probe: Callable[[], T | None], what: str, timeout: float = 30.0) -> T:
+    """Poll `probe` until it returns something other than None or False (bounded)."""
+    deadline = time.monotonic() + timeout
+    while (found := probe()) is None or found is False:
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+    return found
+
+
+def wait_health(
+    address: str,
+    condition: Callable[[pb.HealthResponse], bool],
+    what: str,
+    timeout: float = 30.0,
+) -> pb.HealthResponse:
+    """The first Health report of the process at `address` that meets `condition` (bounded).
+    Health goes over its own connection so it does not queue behind big requests."""
+    with SluiceClient(address, options=[("grpc.use_local_subchannel_pool", 1)]) as watcher:
+
+        def probe() -> pb.HealthResponse | None:
+            health = watcher.health()
+            return health if condition(health) else None
+
+        return wait_for(probe, what, timeout)
+
+
 def wait_arrived(address: str, count: int, timeout: float = 30.0) -> int:
     """Until the server reports `count` Predict calls begun (bounded); returns how many are in
-    flight then. Health goes over its own connection so it does not queue behind big requests."""
-    deadline = time.monotonic() + timeout
-    with SluiceClient(address, options=[("grpc.use_local_subchannel_pool", 1)]) as watcher:
-        while (health := watcher.health()).requests < count:
-            assert time.monotonic() < deadline, "calls never arrived at the server"
-            time.sleep(0.005)
+    flight then."""
+    health = wait_health(
+        address, lambda h: h.requests >= count, "calls to arrive at the server", timeout
+    )
     return health.in_flight
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux: read from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # pid (comm) state ppid ...: comm may hold spaces, so split after its ")".
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it exited while we looked
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found

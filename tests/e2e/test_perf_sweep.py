@@ -64,11 +64,16 @@ def test_open_loop_sweep_through_the_bare_proxy_to_the_echo_floor(tmp_path: Path
             "--quiet", "--out", str(out),
         )  # fmt: skip
     levels = json.loads(out.with_suffix(".json").read_text())["levels"]
-    assert [(lv["mode"], lv["calls"], lv["ok"]) for lv in levels] == [
-        ("rate", 100, 100),
-        ("rate", 200, 200),
+    assert [(lv["mode"], lv["value"], lv["calls"], lv["ok"]) for lv in levels] == [
+        ("rate", 100, 100, 100),
+        ("rate", 200, 200, 200),
     ]
-    assert levels[1]["throughput"] == pytest.approx(200, rel=0.2)
+    for lv in levels:
+        # Calls go out on the schedule, never ahead of it, however fast the answers come: the
+        # last is sent (calls - 1) / rate after the first. How close a busy machine keeps to
+        # the rate is no behaviour of the sweep (the unit tests check the schedule exactly).
+        assert lv["wall_s"] >= (lv["calls"] - 1) / lv["value"]
+        assert lv["throughput"] == pytest.approx(lv["calls"] / lv["wall_s"])
 
 
 @pytest.mark.parametrize(

@@ -57,10 +57,9 @@ async def test_async_client_matches_onnxruntime(
     np.testing.assert_array_equal(got["label"], expected(reference, batch)["label"])
 
 
-@pytest.mark.parametrize("sample", SAMPLES[:3], ids=lambda s: f"digit-{s.label}")
-def test_cli_predict_matches_onnxruntime(
-    server: Process, reference: ort.InferenceSession, sample: Sample
-) -> None:
+def test_cli_predict_matches_onnxruntime(server: Process, reference: ort.InferenceSession) -> None:
+    sample = SAMPLES[2]  # one is enough: every sample takes this path, and the sync client test
+    # compares every sample's answer with ONNX Runtime
     want = expected(reference, sample.input)
     for value in (str(sample.path), json.dumps(sample.input.tolist())):
         out = subprocess.run(
@@ -145,32 +144,17 @@ def tensor(name: str = "input", datatype: str = "FP32", shape=(1, 64), **fields)
     return pb.Tensor(name=name, datatype=datatype, shape=shape, **fields)
 
 
+# Bodies the server must refuse with INVALID_ARGUMENT and a message naming the fault, and go
+# on serving. The unit tests hold each of the model's checks and the codec's; here is
+# one case of each (through the real server, and through the balancer in its own tests).
 HOSTILE = {
-    "unknown input name": (
-        [tensor(), tensor("pixels")],
-        "unknown input 'pixels'",
-    ),
-    "missing input": ([], "missing input 'input'"),
-    "wrong datatype": (
-        [tensor(datatype="FP64", raw_data=np.ones(64, np.float64).tobytes())],
-        "is FP64 but the model takes FP32",
-    ),
-    "unknown datatype": ([tensor(datatype="FP8", raw_data=b"\0" * 64)], "unknown datatype 'FP8'"),
-    "wrong rank": ([tensor(shape=(64,))], "rank 1"),
+    # The model's checks (unit: tests/unit/test_dataplane.py).
     "wrong dimension": ([tensor(shape=(1, 63))], "needs 64"),
+    # The codec's checks (unit: tests/unit/test_codec.py).
     "byte length off by one": (
         [tensor(raw_data=b"\0" * 255)],
         "255 bytes of raw_data but FP32 shape [1, 64] needs 256",
     ),
-    "raw and typed together": (
-        [tensor(raw_data=b"\0" * 256, fp32_data=[0.0] * 64)],
-        "both raw_data and fp32_data",
-    ),
-    "typed field of another datatype": ([tensor(int64_data=[1] * 64)], "FP32 values go in"),
-    "typed count off": ([tensor(fp32_data=[1.0] * 63)], "63 values"),
-    "zero rows": ([tensor(shape=(0, 64), raw_data=b"")], "is empty"),
-    "negative dimension": ([tensor(shape=(-1, 64), raw_data=b"\0" * 256)], "negative dimension"),
-    "repeated input": ([tensor(), tensor()], "appears more than once"),
 }
 
 
@@ -199,13 +183,6 @@ def test_hostile_input_is_invalid_argument(
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in caught.value.details()
     assert_still_correct(server, reference)
-
-
-def test_unknown_output_is_invalid_argument(server: Process) -> None:
-    with SluiceClient(server.address) as client, pytest.raises(grpc.RpcError) as caught:
-        client.predict({"input": SAMPLES[0].input}, outputs=["logits"])
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "unknown output 'logits'" in caught.value.details()
 
 
 def test_random_bytes_are_invalid_argument(

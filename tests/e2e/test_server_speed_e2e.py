@@ -13,8 +13,10 @@ import pytest
 
 from sluice.client import AsyncSluiceClient, SluiceClient
 from sluice.perf.make_mlp import build
+from sluice.v1 import inference_pb2 as pb
+from sluice.wire import codec
 from tests.conftest import SAMPLES
-from tests.e2e.harness import Process, running, server_argv, wait_arrived
+from tests.e2e.harness import Process, running, server_argv, wait_health
 
 pytestmark = pytest.mark.e2e
 
@@ -131,19 +133,57 @@ async def test_full_queue_is_resource_exhausted_and_the_rest_succeed(mlp: Path) 
             assert (await client.predict({"input": inputs[0]}))["output"].shape == (1, 10)
 
 
-async def test_a_request_whose_deadline_passes_in_the_queue_is_dropped() -> None:
-    big = np.random.default_rng(15).uniform(0, 16, (60_000, 64)).astype(np.float32)
-    with running(server_argv()) as server:
-        await deadline_case(server, big)
+# A call of this many rows holds the one instance for about 0.5 s here (longer on a loaded
+# machine): far longer than the deadline of the call queued behind it.
+BIG_ROWS = 16_000
+QUEUED_DEADLINE_S = 0.1
+STREAM = "/sluice.v1.Inference/PredictStream"
 
 
-async def deadline_case(server: Process, big: np.ndarray) -> None:
-    async with AsyncSluiceClient(server.address, timeout=60) as client:
-        begun = (await client.health()).requests
-        slow = [asyncio.create_task(client.predict({"input": big + i})) for i in range(3)]
-        await asyncio.to_thread(wait_arrived, server.address, begun + 3)
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await client.predict({"input": SAMPLES[0].input + 0.5}, timeout=0.05)
-        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        for task in slow:
-            assert (await task)["label"].shape == (60_000,)
+async def stream_once(channel: grpc.aio.Channel, message: pb.StreamRequest) -> pb.StreamResponse:
+    """One call on a PredictStream of its own; the stream ends once it is answered."""
+    call = channel.stream_stream(STREAM, request_serializer=None, response_deserializer=None)
+    replies = [
+        pb.StreamResponse.FromString(raw)
+        async for raw in call(iter([message.SerializeToString()]), timeout=60)
+    ]
+    assert [r.id for r in replies] == [message.id]
+    return replies[0]
+
+
+async def test_a_request_whose_deadline_passes_in_the_queue_is_dropped(mlp: Path) -> None:
+    """The dropped call goes on a PredictStream: its deadline travels in the message, so gRPC
+    knows nothing of it and only the server's queue can drop it. (A unary call's deadline
+    cancels the call itself, which then leaves the queue as abandoned, not expired.)"""
+    big = [x.repeat(BIG_ROWS, axis=0) for x in rows(2, seed=15)]
+    small = pb.PredictRequest(inputs=[codec.encode("input", rows(1, seed=16)[0])])
+    argv = ("--instances", "1", "--max-batch", "1", "--cache-entries", "0", *NOT_INLINE)
+    with running(server_argv(*argv, model=mlp)) as server:
+        async with (
+            AsyncSluiceClient(server.address, timeout=60) as client,
+            grpc.aio.insecure_channel(server.address) as channel,
+        ):
+            await channel.channel_ready()
+            before = (await client.health()).batcher
+            ahead = [asyncio.create_task(client.predict({"input": x})) for x in big]
+            # One big call runs and the other waits: a whole run is ahead of the next call.
+            await asyncio.to_thread(
+                wait_health,
+                server.address,
+                lambda h: h.batcher.busy_instances == 1 and h.batcher.queue_depth == 1,
+                "one big call running and one queued",
+            )
+            reply = await stream_once(
+                channel,
+                pb.StreamRequest(
+                    id=1, request=small.SerializeToString(), timeout_s=QUEUED_DEADLINE_S
+                ),
+            )
+            answers = await asyncio.gather(*ahead)
+            after = (await client.health()).batcher
+    assert reply.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], reply
+    assert "while the request waited" in reply.message  # dropped in the queue, not before it
+    assert after.expired - before.expired == 1
+    assert after.requests - before.requests == 2  # the two big calls ran; the dropped one did not
+    assert after.queue_depth == 0
+    assert [a["output"].shape for a in answers] == [(BIG_ROWS, 10)] * 2

@@ -1,17 +1,21 @@
-"""SIGTERM and SIGINT on a busy server: every in-flight call completes, the exit is clean."""
+"""SIGTERM and SIGINT on a busy server: every in-flight call completes, the exit is clean;
+with --drain-delay-s, the server says NOT_SERVING for a while before it refuses calls."""
 
 from __future__ import annotations
 
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 import onnxruntime as ort
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.client import SluiceClient
-from tests.e2e.harness import Process, running_server, server_argv, wait_arrived
+from tests.conftest import SAMPLES
+from tests.e2e.harness import Process, running_server, server_argv, wait_arrived, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -52,3 +56,37 @@ def test_refuses_to_share_a_taken_port() -> None:
         with pytest.raises(RuntimeError, match="cannot listen on 127.0.0.1:" + port):
             Process(server_argv("--port", port))
         first.wait_serving()
+
+
+# Long next to the few calls made in it, even on a loaded machine.
+DRAIN_DELAY_S = 3.0
+
+
+def test_drain_delay_says_not_serving_while_still_answering_then_exits_zero(
+    reference: ort.InferenceSession,
+) -> None:
+    x = SAMPLES[0].input
+    with running_server("--drain-delay-s", str(DRAIN_DELAY_S)) as server:
+        with (
+            grpc.insecure_channel(server.address) as channel,
+            SluiceClient(server.address) as client,
+        ):
+            check = health_pb2_grpc.HealthStub(channel).Check
+            client.predict({"input": x})  # both connections are up before the signal
+            signalled = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            wait_for(
+                lambda: (
+                    check(health_pb2.HealthCheckRequest(), timeout=10).status
+                    == health_pb2.HealthCheckResponse.NOT_SERVING
+                ),
+                "grpc.health.v1 to say NOT_SERVING",
+            )
+            # Told NOT_SERVING, and still answering: after the delay it refuses new calls.
+            answer = client.predict({"input": x}, no_cache=True)
+            assert client.health().status == "NOT_SERVING"
+        assert server.proc.wait(60) == 0, server.log()
+        stopped = time.monotonic()
+        server.close()
+    assert stopped - signalled >= DRAIN_DELAY_S  # it waited out the delay before stopping
+    np.testing.assert_array_equal(answer["label"], reference.run(["label"], {"input": x})[0])

@@ -55,6 +55,12 @@ def test_unsupported_numpy_dtype() -> None:
             "several typed fields",
         ),
         (pb.Tensor(datatype="FP32", shape=[1], raw_data=b"\0" * 3), "a tensor with no name"),
+        (
+            pb.Tensor(name="x", datatype="FP32", shape=[1], raw_data=b"\0" * 4, fp32_data=[0]),
+            "both raw_data and fp32_data",
+        ),
+        (pb.Tensor(name="x", datatype="FP32", shape=[2], fp32_data=[1.0]), "has 1 values"),
+        (pb.Tensor(name="x", datatype="FP32", shape=[-1, 2], raw_data=b""), "negative dimension"),
     ],
 )
 def test_decode_errors_name_the_fault(tensor: pb.Tensor, message: str) -> None:
@@ -65,3 +71,9 @@ def test_decode_errors_name_the_fault(tensor: pb.Tensor, message: str) -> None:
 def test_empty_tensor_decodes_with_no_data() -> None:
     array = codec.decode(pb.Tensor(name="x", datatype="FP32", shape=[0, 64]))
     assert array.shape == (0, 64)
+
+
+def test_a_repeated_name_is_refused() -> None:
+    x = codec.encode("x", np.zeros((1, 2), np.float32))
+    with pytest.raises(codec.TensorError, match="appears more than once"):
+        codec.decode_all([x, x])

@@ -36,3 +36,11 @@ def test_bad_values_are_refused_with_a_reason() -> None:
         parse(["--device", "tpu"])
     with pytest.raises(SystemExit, match="SLUICE_GRACE_S='soon'"):
         parse([], {"SLUICE_GRACE_S": "soon"})
+
+
+def test_drain_delay_from_a_flag_or_the_environment_and_never_negative() -> None:
+    assert parse([]).drain_delay_s == 0.0  # off unless asked for
+    assert parse(["--drain-delay-s", "2.5"]).drain_delay_s == 2.5
+    assert parse([], {"SLUICE_DRAIN_DELAY_S": "1"}).drain_delay_s == 1.0
+    with pytest.raises(ValueError, match="--drain-delay-s must not be negative"):
+        parse(["--drain-delay-s", "-1"])

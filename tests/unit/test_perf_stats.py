@@ -4,7 +4,9 @@ open-loop schedule."""
 from __future__ import annotations
 
 import asyncio
-import time
+import selectors
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -15,6 +17,8 @@ from sluice.perf import stats
 from sluice.perf.loadgen import Bodies, closed_loop, open_loop
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
+
+T = TypeVar("T")
 
 
 @pytest.mark.parametrize(
@@ -88,8 +92,54 @@ def test_unique_bodies_differ_and_still_parse() -> None:
     assert len(bodies.body(7)) == len(body)
 
 
+class VirtualClock:
+    """Seconds that pass only when the event loop below has nothing to do."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class JumpingSelector(selectors.DefaultSelector):
+    """Never waits: when no I/O is ready, the clock jumps to the end of the wait instead."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        ready = super().select(0)
+        if ready or timeout == 0:
+            return ready
+        if timeout is None:  # no timer at all: only another thread can wake the loop
+            return super().select(None)
+        self.clock.now += timeout
+        return []
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop on a VirtualClock: asyncio.sleep takes no real time, and every time the
+    code under test reads is exact however loaded the machine. For code without I/O."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        super().__init__(JumpingSelector(clock))
+        self.clock = clock
+
+    def time(self) -> float:
+        return self.clock.now
+
+
+def on_virtual_time(main: Callable[[VirtualClock], Coroutine[Any, Any, T]]) -> T:
+    clock = VirtualClock()
+    with asyncio.Runner(loop_factory=lambda: VirtualTimeLoop(clock)) as runner:
+        return runner.run(main(clock))
+
+
 class SerialServer:
-    """A fake target that answers one call at a time; the first call takes `slow_s`."""
+    """A fake target that answers one call at a time, in arrival order; the first call takes
+    `slow_s`, the others `fast_s`."""
 
     def __init__(self, slow_s: float, fast_s: float) -> None:
         self.lock = asyncio.Lock()
@@ -103,25 +153,51 @@ class SerialServer:
         return "OK"
 
 
-async def test_open_loop_latency_includes_the_wait_behind_a_slow_response() -> None:
-    server = SerialServer(slow_s=0.2, fast_s=0.001)
-    started = time.perf_counter()
-    result = await open_loop(server.call, Bodies((b"",)), rate=100, total=20, duration=0)
-    elapsed = time.perf_counter() - started
+def test_open_loop_keeps_to_its_schedule() -> None:
+    server = SerialServer(slow_s=0.001, fast_s=0.001)
+    result = on_virtual_time(
+        lambda clock: open_loop(
+            server.call, Bodies((b"",)), rate=200, total=0, duration=1.0, clock=clock
+        )
+    )
     summary = stats.summarize(stats.merge([result.histogram]))
-    assert result.statuses == {"OK": 20}
-    # Arrivals kept to the schedule rather than waiting on the slow call...
-    assert result.max_outstanding >= 10
-    # ...and each call queued behind it counts the wait from its scheduled send time:
-    # the call scheduled at 10 ms waits until about 200 ms, the one at 100 ms until 200 ms.
-    assert summary.p50 >= 80
-    assert elapsed < 2.0
+    assert result.statuses == {"OK": 200}  # rate x duration calls
+    # Sent every 5 ms, the last at 995 ms, each answered in 1 ms: never faster, never later.
+    assert result.wall_s == pytest.approx(0.996)
+    assert result.max_outstanding == 1
+    assert summary.min == pytest.approx(1.0, abs=0.002)
+    assert summary.max == pytest.approx(1.0, abs=0.002)
 
 
-async def test_closed_loop_hides_that_wait_which_is_why_open_loop_exists() -> None:
+def test_open_loop_latency_includes_the_wait_behind_a_slow_response() -> None:
     server = SerialServer(slow_s=0.2, fast_s=0.001)
-    result = await closed_loop(server.call, Bodies((b"",)), concurrency=1, total=20, duration=0)
+    result = on_virtual_time(
+        lambda clock: open_loop(
+            server.call, Bodies((b"",)), rate=100, total=20, duration=0, clock=clock
+        )
+    )
     summary = stats.summarize(stats.merge([result.histogram]))
     assert result.statuses == {"OK": 20}
-    assert summary.p50 < 50  # only one call saw the stall
-    assert summary.max >= 200
+    # Arrivals kept to the schedule (every 10 ms) rather than waiting on the slow call: all
+    # 20 were out before its answer at 200 ms, and the last was answered at 219 ms...
+    assert result.max_outstanding == 20
+    assert result.wall_s == pytest.approx(0.219)
+    # ...and each call queued behind it counts the wait from its scheduled send time: call k
+    # (sent at 10k ms, answered at 200 + k ms) took 200 - 9k ms, from 191 ms down to 29 ms.
+    assert summary.max == pytest.approx(200, abs=0.5)
+    assert summary.min == pytest.approx(29, abs=0.5)
+    assert summary.p50 == pytest.approx(110, abs=0.5)
+
+
+def test_closed_loop_hides_that_wait_which_is_why_open_loop_exists() -> None:
+    server = SerialServer(slow_s=0.2, fast_s=0.001)
+    result = on_virtual_time(
+        lambda clock: closed_loop(
+            server.call, Bodies((b"",)), concurrency=1, total=20, duration=0, clock=clock
+        )
+    )
+    summary = stats.summarize(stats.merge([result.histogram]))
+    assert result.statuses == {"OK": 20}
+    assert result.wall_s == pytest.approx(0.219)  # the same calls in the same time...
+    assert summary.p50 == pytest.approx(1, abs=0.01)  # ...but only one call saw the stall
+    assert summary.max == pytest.approx(200, abs=0.5)
