@@ -31,6 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", default="3s", help="per level per round")
     parser.add_argument("--levels", default="1,32", help="concurrency: idle, then saturated")
+    parser.add_argument(
+        "--call", default="predict", choices=("predict", "stream"), help="the sweep's --call"
+    )
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     # The model by path: an older install may not carry it as package data.
@@ -49,7 +52,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             targets[f"{name}-balancer"] = balancer.address
         runs = paired.rounds(
             targets,
-            ["-c", args.levels, "-z", args.duration, "--warmup", "1s", "--unique"],
+            [
+                *("-c", args.levels, "-z", args.duration, "--warmup", "1s", "--unique"),
+                "--call",
+                args.call,
+            ],
             args.rounds,
             "versions",
         )
