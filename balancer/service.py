@@ -16,8 +16,8 @@ from sluice.core.errors import status_name
 from sluice.core.keys import NO_CACHE_HEADER, affinity_key
 from sluice.core.stats import ServingStats, health_fields
 from sluice.routing.budget import RetryBudget
-from sluice.routing.planner import Planner
-from sluice.routing.pool import Pool
+from sluice.routing.planner import Planner, rule_of
+from sluice.routing.pool import Backend, Pool
 from sluice.runtime.status import grpc_code
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import stream
@@ -26,7 +26,6 @@ from sluice.wire.mux import Reply, StreamBroken
 log = logging.getLogger("sluice.balancer")
 
 SERVICE = "sluice.v1.Inference"
-PREDICT = f"/{SERVICE}/Predict"
 METADATA = f"/{SERVICE}/Metadata"
 FORWARDED = ("x-request-id", NO_CACHE_HEADER)
 NO_METADATA: Mapping[str, str] = {}
@@ -96,24 +95,34 @@ class BalancerService:
         multiplexed streams with the time left."""
         started = self.stats.begin()
         forwarded = {k: metadata[k] for k in FORWARDED if k in metadata}
-        reply = await self.planner.run(
-            affinity_key(body, metadata),
-            deadline,
-            lambda backend, left: backend.transport.predict(body, forwarded, left),
-        )
+        try:
+            reply = await self.planner.run(
+                affinity_key(body, metadata),
+                deadline,
+                lambda backend, left: backend.transport.predict(body, forwarded, left),
+            )
+        except BaseException:  # cancelled by its caller: it is not in flight any more
+            self.stats.end(started, "CANCELLED")
+            raise
         self.stats.end(started, None if reply.code == 0 else status_name(reply.code))
         return reply
 
     async def metadata(self, body: bytes, context: Context) -> bytes:
-        """Metadata from the least loaded backend, through the same planner."""
-        reply = await self.planner.run(
-            None,
-            self._deadline(context),
-            lambda backend, left: backend.transport.unary(METADATA, body, NO_METADATA, left),
-        )
-        if reply.code == 0:
-            return reply.body
-        await context.abort(grpc_code(reply.code), reply.message)
+        """Metadata from the first usable backend that answers. A control call: it stays out
+        of the routing record (no budget, no breaker verdict, no latency sample), so it can
+        neither open nor close a breaker; the planner's table still says which failures
+        mean "ask the next one"."""
+        tried: list[Backend] = []
+        while (backend := self.pool.choose(None, tried).backend) is not None:
+            tried.append(backend)
+            reply: Reply = await backend.transport.unary(
+                METADATA, body, NO_METADATA, context.time_remaining()
+            )
+            if reply.code == 0:
+                return reply.body
+            if not rule_of(reply.code, reply.retryable).retry:
+                await context.abort(grpc_code(reply.code), reply.message)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "no backend can answer Metadata")
 
     async def health(self, body: bytes, context: Context) -> bytes:
         try:

@@ -7,19 +7,15 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.routing.pool import Health
+from sluice.wire import unary
 from sluice.wire.mux import MuxStream, Reply
 
 log = logging.getLogger("sluice.upstream")
-
-
-def pairs(metadata: Any) -> dict[str, str]:
-    return {str(k): str(v) for k, v in metadata or ()}
 
 
 class Upstream:
@@ -51,16 +47,8 @@ class Upstream:
     async def unary(
         self, method: str, body: bytes, metadata: Mapping[str, str], timeout: float | None
     ) -> Reply:
-        call = self.channel.unary_unary(
-            method, request_serializer=None, response_deserializer=None
-        )(body, timeout=timeout, metadata=tuple(metadata.items()))
-        try:
-            reply: bytes = await call
-        except grpc.aio.AioRpcError as exc:
-            trailers = pairs(exc.trailing_metadata())
-            return Reply(exc.code().value[0], exc.details() or "", b"", trailers)
-        trailers = pairs(await call.trailing_metadata())
-        return Reply(0, "", reply, trailers)
+        stub = self.channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+        return await unary.attempt(stub, body, tuple(metadata.items()), timeout)
 
     def watch_health(self, report: Callable[[str, bool], None]) -> None:
         """Report (state, unreachable): SERVING / NOT_SERVING as the server's health watch

@@ -1,29 +1,26 @@
 """Clients over raw-bytes gRPC calls. Tensors travel as raw little-endian bytes.
 
-`AsyncSluiceClient` is the one client core: request building, routing and decoding. Given
-one target (a server or a balancer) it sends each call straight there; given several
+One client core (`_Core`): targets, request building, routing and decoding. Given one
+target (a server or a balancer) a client sends each call straight there; given several
 servers it balances them itself (proxyless), with the balancer's own pool, breakers,
-retry budget and attempt loop (sluice.routing.planner), and no extra hop.
-`SluiceClient` is a blocking layer over it: a private event loop in a daemon thread runs
-the async client's coroutines.
+retry budget and call planner (sluice.routing.planner), and no extra hop.
+`AsyncSluiceClient` (asyncio) and `SluiceClient` (blocking, on grpc's blocking channels:
+no event loop or thread of its own) add only the sending.
 
-Failures raise `grpc.RpcError`, in fact `grpc.aio.AioRpcError`, whose `code()` and
-`details()` say what went wrong: with one target, grpc's own error for the call; with
-several, the last attempt's status, or UNAVAILABLE with the reason no server could take it.
+Failures raise `grpc.RpcError` whose `code()` and `details()` say what went wrong: with one
+target, grpc's own error for the call; with several, the last attempt's status, or
+UNAVAILABLE with the reason no server could take it (a `grpc.aio.AioRpcError`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import itertools
 import os
 import threading
-import weakref
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Concatenate, ParamSpec, Self, TypeVar
+from typing import Any, Self
 
 import grpc
 import numpy as np
@@ -36,12 +33,13 @@ from sluice.routing.pool import Backend, Pool
 from sluice.runtime.status import grpc_code
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
-from sluice.wire import codec
+from sluice.wire import codec, unary
 from sluice.wire.mux import Reply
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 ChannelOptions = Sequence[tuple[str, Any]]
 Metadata = tuple[tuple[str, str], ...]
+PREDICT_ARGS = {"request_serializer": None, "response_deserializer": None}
 # Sends one raw Predict body on one channel (the targets' channels are used in turn).
 Sender = Callable[..., Any]
 
@@ -83,17 +81,6 @@ def call_metadata(request_id: str | None, no_cache: bool = False) -> dict[str, s
     return metadata
 
 
-def pairs(metadata: Any) -> dict[str, str]:
-    return {str(k): str(v) for k, v in metadata or ()}
-
-
-def failure(error: grpc.aio.AioRpcError) -> Reply:
-    """A failed call as a Reply."""
-    return Reply(
-        error.code().value[0], error.details() or "", b"", pairs(error.trailing_metadata())
-    )
-
-
 def rpc_error(reply: Reply) -> grpc.aio.AioRpcError:
     """A failed Reply as the error grpc raises for a failed call."""
     return grpc.aio.AioRpcError(
@@ -120,7 +107,60 @@ def router(targets: Sequence[str], breaker: BreakerSettings | None = None) -> Pl
     return Planner(pool, RetryBudget(), Reply)
 
 
-class AsyncSluiceClient:
+class _Core:
+    """What both clients are: their targets, routing state, request building and decoding."""
+
+    targets: list[str]
+    target: str
+    timeout: float | None
+    _router: Planner[Reply] | None
+    _senders: dict[str, Iterator[Sender]]
+
+    def _start(self, methods: Mapping[str, Sequence[Sender]], timeout: float | None) -> None:
+        """`methods`: each target's raw-bytes Predict callables (one per channel, used in
+        turn)."""
+        self.targets = target_list(list(methods))
+        self.target = self.targets[0]
+        self.timeout = timeout
+        self._senders = {t: itertools.cycle(ms) for t, ms in methods.items()}
+        self._router = router(self.targets) if len(self.targets) > 1 else None
+
+    def _request(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        outputs: Sequence[str],
+        request_id: str | None,
+        no_cache: bool,
+    ) -> tuple[bytes, Metadata]:
+        body = predict_request(inputs, outputs).SerializeToString()
+        return body, tuple(call_metadata(request_id, no_cache).items())
+
+    def _route(self, body: bytes, metadata: Metadata, timeout: float | None) -> Route:
+        """How one call goes: straight to the one target, or through the planner (each
+        attempt gets the time left before the deadline)."""
+        timeout = timeout or self.timeout
+        if self._router is None:
+            return Route(timeout, None, None)
+        deadline = None if timeout is None else self._router.clock() + timeout
+        return Route(timeout, affinity_key(body, dict(metadata)), deadline)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    timeout: float | None
+    key: int | None  # with several targets: the ring key ...
+    deadline: float | None  # ... and the deadline on the planner's clock
+
+
+def prediction(reply: Reply) -> Prediction:
+    """The answer a reply holds; a failed reply is raised as grpc raises a failed call."""
+    if reply.code:
+        raise rpc_error(reply)
+    response = pb.PredictResponse.FromString(reply.body)
+    return Prediction(codec.decode_all(response.outputs), reply.trailers)
+
+
+class AsyncSluiceClient(_Core):
     """asyncio client; create and use it inside a running event loop. One target is a server
     or a balancer; several targets are servers that this client balances itself."""
 
@@ -132,10 +172,11 @@ class AsyncSluiceClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: ChannelOptions = (),
     ) -> None:
-        targets = target_list(target)
         settings = channel_options(max_message_bytes, options)
-        self._start({t: [grpc.aio.insecure_channel(t, options=settings)] for t in targets}, timeout)
-        self._owned = True
+        channels = {
+            t: [grpc.aio.insecure_channel(t, options=settings)] for t in target_list(target)
+        }
+        self._attach(channels, timeout, owned=True)
 
     @classmethod
     def on_channels(
@@ -144,26 +185,20 @@ class AsyncSluiceClient:
         """A client over channels the caller made and closes, several per target if it likes
         (used in turn); for the load generator's connection counts."""
         client = cls.__new__(cls)
-        client._start({t: list(chs) for t, chs in channels.items()}, timeout)
-        client._owned = False
+        client._attach({t: list(chs) for t, chs in channels.items()}, timeout, owned=False)
         return client
 
-    def _start(self, channels: dict[str, list[grpc.aio.Channel]], timeout: float | None) -> None:
-        self.targets = target_list(list(channels))
-        self.target = self.targets[0]
-        self.timeout = timeout
-        self._channels = channels
-        self._stub = pb_grpc.InferenceStub(channels[self.target][0])
-        self._senders: dict[str, Iterator[Sender]] = {
-            t: itertools.cycle(
-                [
-                    ch.unary_unary(PREDICT, request_serializer=None, response_deserializer=None)
-                    for ch in chs
-                ]
-            )
+    def _attach(
+        self, channels: dict[str, list[grpc.aio.Channel]], timeout: float | None, *, owned: bool
+    ) -> None:
+        methods = {
+            t: [ch.unary_unary(PREDICT, **PREDICT_ARGS) for ch in chs]
             for t, chs in channels.items()
         }
-        self._router = router(self.targets) if len(self.targets) > 1 else None
+        self._start(methods, timeout)
+        self._channels = channels
+        self._owned = owned
+        self._stub = pb_grpc.InferenceStub(channels[self.target][0])
 
     async def predict(
         self,
@@ -191,12 +226,8 @@ class AsyncSluiceClient:
         no_cache: bool = False,
     ) -> Prediction:
         """Run the model; returns its outputs with the response metadata."""
-        body = predict_request(inputs, outputs).SerializeToString()
-        reply = await self._call(body, call_metadata(request_id, no_cache), timeout)
-        if reply.code:
-            raise rpc_error(reply)
-        response = pb.PredictResponse.FromString(reply.body)
-        return Prediction(codec.decode_all(response.outputs), reply.trailers)
+        body, metadata = self._request(inputs, outputs, request_id, no_cache)
+        return prediction(await self._call(body, metadata, timeout))
 
     async def call_raw(
         self,
@@ -207,40 +238,28 @@ class AsyncSluiceClient:
         """One Predict of a serialized PredictRequest; failures come back as the Reply's
         status, never raised. For the load generator."""
         try:
-            return await self._call(body, metadata or {}, timeout)
+            return await self._call(body, tuple((metadata or {}).items()), timeout)
         except grpc.aio.AioRpcError as exc:
-            return failure(exc)
+            return unary.failure(exc)
 
-    async def _call(self, body: bytes, metadata: Mapping[str, str], timeout: float | None) -> Reply:
-        """One Predict: straight to the one target (its errors raised as grpc raises them),
-        or routed by the planner over several, each attempt with the time left."""
-        timeout = timeout or self.timeout
-        sent = tuple(metadata.items())
+    async def _call(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
+        route = self._route(body, metadata, timeout)
         if self._router is None:
-            return await self._send(self.target, body, sent, timeout)
-        deadline = None if timeout is None else self._router.clock() + timeout
-        return await self._router.run(
-            affinity_key(body, metadata),
-            deadline,
-            lambda backend, left: self._attempt(backend, body, sent, left),
-        )
+            return await self._send(self.target, body, metadata, route.timeout)
+
+        async def attempt(backend: Backend, left: float | None) -> Reply:
+            try:
+                return await self._send(backend.address, body, metadata, left)
+            except grpc.aio.AioRpcError as exc:
+                return unary.failure(exc)  # for the planner to classify
+
+        return await self._router.run(route.key, route.deadline, attempt)
 
     async def _send(
         self, target: str, body: bytes, metadata: Metadata, timeout: float | None
     ) -> Reply:
-        """One attempt on one target; raises grpc.aio.AioRpcError."""
-        call = next(self._senders[target])(body, timeout=timeout, metadata=metadata)
-        reply: bytes = await call
-        return Reply(0, "", reply, pairs(await call.trailing_metadata()))
-
-    async def _attempt(
-        self, backend: Backend, body: bytes, metadata: Metadata, timeout: float | None
-    ) -> Reply:
-        """One attempt for the planner: a failure is a Reply to classify, not an error."""
-        try:
-            return await self._send(backend.address, body, metadata, timeout)
-        except grpc.aio.AioRpcError as exc:
-            return failure(exc)
+        """One call to one target: the transport step. Raises grpc.aio.AioRpcError."""
+        return await unary.call(next(self._senders[target]), body, metadata, timeout)
 
     async def health(self, *, timeout: float | None = None) -> pb.HealthResponse:
         """The first target's Health."""
@@ -271,39 +290,9 @@ class AsyncSluiceClient:
         await self.close()
 
 
-P = ParamSpec("P")
-T = TypeVar("T")
-
-
-def _blocking(
-    method: Callable[Concatenate[AsyncSluiceClient, P], Coroutine[Any, Any, T]],
-) -> Callable[Concatenate[SluiceClient, P], T]:
-    """The AsyncSluiceClient method, run to completion on the blocking client's loop."""
-
-    def run(self: SluiceClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self._run(method(self._core, *args, **kwargs))
-
-    functools.update_wrapper(run, method)  # its name, docstring and __wrapped__
-    return run
-
-
-def _serve(loop: asyncio.AbstractEventLoop) -> None:
-    asyncio.set_event_loop(loop)
-    try:
-        loop.run_forever()
-    finally:
-        loop.close()
-
-
-async def _on_loop(make: Callable[[], T]) -> T:
-    """`make()` called on the running loop (grpc.aio channels belong to the loop they are
-    made on)."""
-    return make()
-
-
-class SluiceClient:
-    """Blocking client with the same methods as AsyncSluiceClient, which does the work on a
-    private event loop in a daemon thread. Safe to use from several threads at once."""
+class SluiceClient(_Core):
+    """Blocking client with the same methods as AsyncSluiceClient (but call_raw), on grpc's
+    blocking channels. Safe to use from several threads at once."""
 
     def __init__(
         self,
@@ -313,73 +302,79 @@ class SluiceClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: ChannelOptions = (),
     ) -> None:
-        target_list(target)  # a bad argument fails here, before a thread starts
-        self._loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=_serve, args=(self._loop,), name="sluice-client")
-        thread.daemon = True
-        thread.start()
-        self._thread = thread
-        # Forgotten without close(): at least the thread ends.
-        self._finalizer = weakref.finalize(self, self._loop.call_soon_threadsafe, self._loop.stop)
-        self._finalizer.atexit = False
-        try:
-            core = functools.partial(
-                AsyncSluiceClient,
-                target,
-                timeout=timeout,
-                max_message_bytes=max_message_bytes,
-                options=options,
-            )
-            self._core = self._run(_on_loop(core))
-        except BaseException:
-            self._stop()
-            raise
+        settings = channel_options(max_message_bytes, options)
+        self._channels = {
+            t: grpc.insecure_channel(t, options=settings) for t in target_list(target)
+        }
+        self._start(
+            {t: [ch.unary_unary(PREDICT, **PREDICT_ARGS)] for t, ch in self._channels.items()},
+            timeout,
+        )
+        self._stub = pb_grpc.InferenceStub(self._channels[self.target])
+        self._lock = threading.Lock()  # the planner's steps, when several threads call
 
-    def _run(self, work: Coroutine[Any, Any, T]) -> T:
-        future = asyncio.run_coroutine_threadsafe(work, self._loop)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()  # interrupted while waiting: the call stops too
-            raise
+    def predict(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        outputs: Sequence[str] = (),
+        timeout: float | None = None,
+        request_id: str | None = None,
+        no_cache: bool = False,
+    ) -> dict[str, np.ndarray]:
+        """Run the model; returns its outputs by name. `no_cache` keeps the call out of the
+        result cache (and out of cache-affinity routing)."""
+        return self.infer(
+            inputs, outputs=outputs, timeout=timeout, request_id=request_id, no_cache=no_cache
+        ).outputs
 
-    predict = _blocking(AsyncSluiceClient.predict)
-    infer = _blocking(AsyncSluiceClient.infer)
-    health = _blocking(AsyncSluiceClient.health)
-    metadata = _blocking(AsyncSluiceClient.metadata)
+    def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        outputs: Sequence[str] = (),
+        timeout: float | None = None,
+        request_id: str | None = None,
+        no_cache: bool = False,
+    ) -> Prediction:
+        """Run the model; returns its outputs with the response metadata."""
+        body, metadata = self._request(inputs, outputs, request_id, no_cache)
+        return prediction(self._call(body, metadata, timeout))
 
-    @property
-    def targets(self) -> list[str]:
-        return self._core.targets
+    def _call(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
+        route = self._route(body, metadata, timeout)
+        if self._router is None:
+            return self._send(self.target, body, metadata, route.timeout)
 
-    @property
-    def target(self) -> str:
-        return self._core.target
+        def attempt(backend: Backend, left: float | None) -> Reply:
+            try:
+                return self._send(backend.address, body, metadata, left)
+            except grpc.RpcError as exc:
+                return unary.failure(exc)  # for the planner to classify
 
-    @property
-    def timeout(self) -> float | None:
-        return self._core.timeout
+        return self._router.run_sync(route.key, route.deadline, attempt, self._lock)
 
-    @timeout.setter
-    def timeout(self, value: float | None) -> None:
-        self._core.timeout = value
+    def _send(self, target: str, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
+        """One call to one target: the transport step. Raises grpc.RpcError."""
+        return unary.call_sync(next(self._senders[target]), body, metadata, timeout)
 
-    @property
-    def _router(self) -> Planner[Reply] | None:
-        return self._core._router
+    def health(self, *, timeout: float | None = None) -> pb.HealthResponse:
+        """The first target's Health."""
+        response: pb.HealthResponse = self._stub.Health(
+            pb.HealthRequest(), timeout=timeout or self.timeout
+        )
+        return response
+
+    def metadata(self, *, timeout: float | None = None) -> pb.MetadataResponse:
+        """The first target's model metadata."""
+        response: pb.MetadataResponse = self._stub.Metadata(
+            pb.MetadataRequest(), timeout=timeout or self.timeout
+        )
+        return response
 
     def close(self) -> None:
-        if not self._finalizer.alive:
-            return
-        try:
-            self._run(self._core.close())
-        finally:
-            self._stop()
-
-    def _stop(self) -> None:
-        if self._finalizer.alive:
-            self._finalizer()  # stops the loop; the thread closes it
-        self._thread.join()
+        for channel in self._channels.values():
+            channel.close()
 
     def __enter__(self) -> Self:
         return self

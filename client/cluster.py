@@ -11,21 +11,10 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-BIN = Path(sys.executable).parent
-
-
-def wait_serving(address: str, timeout: float = 60.0) -> None:
-    with grpc.insecure_channel(address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=True
-        )
-    if reply.status != health_pb2.HealthCheckResponse.SERVING:
-        raise RuntimeError(f"{address} is not serving")
+from sluice.runtime.launch import BIN, wait_serving
 
 
 def free_ports(host: str, count: int) -> list[int]:
@@ -81,14 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
         for address in addresses:
-            wait_serving(address)
+            wait_serving(address, 60.0)
         balancer = subprocess.Popen(
             [str(BIN / "sluice-balancer"), "--host", args.host, "--port", str(args.port)]
             + [a for address in addresses for a in ("--backend", address)]
             + [a for arg in args.balancer_arg for a in arg.split()],
             **detach,  # type: ignore[call-overload]
         )
-        wait_serving(f"{args.host}:{args.port}")
+        wait_serving(f"{args.host}:{args.port}", 60.0)
         print(
             f"sluice up: balancer on {args.host}:{args.port} -> servers on "
             + ", ".join(addresses)

@@ -28,6 +28,7 @@ import numpy as np
 
 from sluice import models
 from sluice.core.datatypes import DATATYPES
+from sluice.core.keys import PREDICT
 from sluice.perf import loadgen, report, stats
 from sluice.perf.loadgen import (
     LEVEL_STRIDE,
@@ -43,7 +44,6 @@ from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec
 
-METHOD = "/sluice.v1.Inference/Predict"
 CONTROL_TIMEOUT = 10.0  # Metadata and Health calls, whatever --timeout says
 SATURATED = 0.85  # a load-generator process busier than this share of a core is the limit
 
@@ -225,7 +225,7 @@ def run_level(
     specs = [
         LevelSpec(
             targets=tuple(args.target.split(",")),
-            method=METHOD,
+            method=PREDICT,
             bodies=bodies,
             call=args.call,
             embedded=args.embedded,

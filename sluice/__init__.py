@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 __all__ = ["AsyncSluiceClient", "Prediction", "SluiceClient"]
 
 
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
 def __getattr__(name: str) -> Any:
     # Lazy, so that `import sluice.server` does not load the client.
     if name in __all__:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
@@ -79,7 +80,7 @@ def outcome_of(code: int, retryable: bool = False) -> Outcome:
     return OUTCOME_OF_CODE.get(code, Outcome.CALLER_ERROR)
 
 
-# RULES by status number, for the per-call path (the same decisions, looked up once).
+# RULES by status number (the same decisions, looked up once: this is every call's path).
 _RULE_OF_CODE = {int(code): RULES[outcome] for code, outcome in OUTCOME_OF_CODE.items()}
 _CALLERS = RULES[Outcome.CALLER_ERROR]
 _REFUSED = RULES[Outcome.REFUSED]
@@ -94,6 +95,7 @@ def rule_of(code: int, retryable: bool = False) -> Rule:
     return _RULE_OF_CODE.get(code, _CALLERS)
 
 
+NO_LOCK: AbstractContextManager[object] = nullcontext()
 _UNAVAILABLE = int(Code.UNAVAILABLE)
 _DEADLINE_EXCEEDED = int(Code.DEADLINE_EXCEEDED)
 
@@ -114,8 +116,94 @@ class ReplyLike(Protocol):
 R = TypeVar("R", bound=ReplyLike)
 
 
+@dataclass(slots=True)
+class Attempt:
+    """Where a plan sends its next attempt, and with how much time."""
+
+    backend: Backend
+    timeout: float | None  # the time left before the caller's deadline
+    sent: float
+
+
+class Plan(Generic[R]):
+    """One call's way through the backends, without I/O: `next()` names the next attempt
+    (or gives the final answer), `answered` and `failed` record how it went. The drivers,
+    `Planner.run` (asyncio) and `Planner.run_sync` (blocking), only do the sending."""
+
+    __slots__ = ("_planner", "deadline", "key", "last", "retry", "tried")
+
+    def __init__(self, planner: Planner[R], key: int | None, deadline: float | None) -> None:
+        self._planner = planner
+        self.key = key
+        self.deadline = deadline
+        self.tried: list[Backend] = []
+        self.last = ""  # the last failure, for the message when the call cannot go on
+        self.retry = False  # the next attempt is a retry: it takes a token from the budget
+        planner.budget.deposit()
+
+    def next(self) -> Attempt | R:
+        planner = self._planner
+        clock, pool = planner.clock, planner.pool
+        while True:
+            left = None if self.deadline is None else self.deadline - clock()
+            if left is not None and left <= 0:
+                return planner.reply(_DEADLINE_EXCEEDED, f"the deadline passed{self.last}")
+            choice = pool.choose(self.key, self.tried)
+            backend = choice.backend
+            if backend is None:
+                planner.unavailable += 1
+                why = f"no backend can take the call: {choice.why}"
+                return planner.reply(_UNAVAILABLE, f"{why}{self.last}")
+            self.tried.append(backend)
+            if self.retry:
+                if not planner.budget.withdraw():  # counted by the budget
+                    why = "no backend can take the call: the retry budget is spent"
+                    return planner.reply(_UNAVAILABLE, f"{why}{self.last}")
+                self.retry = False
+            if pool.start(backend):
+                return Attempt(backend, left, clock())
+            # choose() passed over a breaker whose probe is out, and nothing ran since;
+            # should the pool ever change in between, the next backend is tried.
+
+    def answered(self, attempt: Attempt, answer: R) -> R | None:
+        """The reply to an attempt: the call's answer, or None to try the next backend."""
+        rule = rule_of(answer.code, answer.retryable)
+        self._finish(attempt, rule)
+        if not rule.retry:
+            return answer
+        self._failed(attempt, f"{status_name(answer.code)}: {answer.message}")
+        return None
+
+    def failed(self, attempt: Attempt, error: BaseException) -> R | None:
+        """An attempt that raised TimeoutError or one of the planner's `broken` errors: the
+        planner's own answer, or None to try the next backend."""
+        if isinstance(error, TimeoutError):
+            rule, why, code = _TIMEOUT, "did not answer in time", _DEADLINE_EXCEEDED
+        else:
+            rule, why, code = _BROKEN, str(error) or type(error).__name__, _UNAVAILABLE
+        self._finish(attempt, rule)
+        if not rule.retry:
+            return self._planner.reply(code, f"{attempt.backend.address}: {why}{self.last}")
+        self._failed(attempt, why)
+        return None
+
+    def abandon(self, attempt: Attempt) -> None:
+        """The attempt ended with no verdict on its backend (the caller cancelled, or the
+        transport itself failed): the error goes on to the caller."""
+        self._planner.pool.finish(attempt.backend, self._planner.clock() - attempt.sent, "neutral")
+
+    def _finish(self, attempt: Attempt, rule: Rule) -> None:
+        planner = self._planner
+        planner.pool.finish(attempt.backend, planner.clock() - attempt.sent, rule.verdict)
+
+    def _failed(self, attempt: Attempt, why: str) -> None:
+        self.last = f"; {attempt.backend.address}: {why}"
+        self.retry = True
+
+
 class Planner(Generic[R]):
-    """The attempt loop over one pool and one retry budget. Not thread-safe: one event loop.
+    """The calls over one pool and one retry budget. Not thread-safe: one event loop, or
+    one thread (the blocking client holds a lock around each step).
 
     `reply(code, message)` makes the planner's own answers (no backend, deadline passed);
     `broken` are the exception types an attempt raises when its connection or stream broke
@@ -136,6 +224,12 @@ class Planner(Generic[R]):
         self.broken = broken
         self.clock = clock
         self.unavailable = 0  # calls answered UNAVAILABLE because no backend could take them
+        self._known: tuple[type[BaseException], ...] = (TimeoutError, *broken)
+
+    def plan(self, key: int | None, deadline: float | None) -> Plan[R]:
+        """One call: `key` routes it (None: least loaded), `deadline` is on the planner's
+        clock (None: none), and each attempt gets the time left before it."""
+        return Plan(self, key, deadline)
 
     async def run(
         self,
@@ -143,55 +237,50 @@ class Planner(Generic[R]):
         deadline: float | None,
         attempt: Callable[[Backend, float | None], Awaitable[R]],
     ) -> R:
-        """One call: `key` routes it (None: least loaded), `deadline` is on the planner's
-        clock (None: none), and each attempt gets the time left before it."""
-        pool = self.pool
-        clock = self.clock
-        self.budget.deposit()
-        tried: list[Backend] = []
-        last = ""  # the last failure, for the message when the call cannot go on
-        retry = False  # the next attempt is a retry: it takes a token from the budget
+        """The call, sending each attempt with `attempt(backend, time_left)`."""
+        plan = Plan(self, key, deadline)
         while True:
-            left = None if deadline is None else deadline - clock()
-            if left is not None and left <= 0:
-                return self.reply(_DEADLINE_EXCEEDED, f"the deadline passed{last}")
-            choice = pool.choose(key, tried)
-            backend = choice.backend
-            if backend is None:
-                return self._unavailable(choice.why, last)
-            tried.append(backend)
-            if retry:
-                if not self.budget.withdraw():
-                    return self._unavailable("the retry budget is spent", last)
-                retry = False
-            if not pool.start(backend):
-                continue  # its breaker's single half-open probe is out: try the next one
-            sent = clock()
-            answer: R | None = None
-            why = ""
+            step = plan.next()
+            if not isinstance(step, Attempt):
+                return step
             try:
-                answer = await attempt(backend, left)
-            except TimeoutError:
-                rule, why = _TIMEOUT, "did not answer in time"
-            except self.broken as exc:
-                rule, why = _BROKEN, str(exc) or type(exc).__name__
-            except BaseException:  # cancelled, or a fault in the transport: no verdict
-                pool.finish(backend, clock() - sent, "neutral")
+                answer = await attempt(step.backend, step.timeout)
+            except self._known as exc:
+                final = plan.failed(step, exc)
+            except BaseException:
+                plan.abandon(step)
                 raise
-            else:  # rule_of(answer.code, answer.retryable), inlined: this is every call's path
-                code = answer.code
-                rule = _REFUSED if code and answer.retryable else _RULE_OF_CODE.get(code, _CALLERS)
-            pool.finish(backend, clock() - sent, rule.verdict)
-            if answer is not None:
-                if not rule.retry:
-                    return answer
-                why = f"{status_name(answer.code)}: {answer.message}"
-            elif not rule.retry:  # no reply, and no retry: the planner answers
-                code = _DEADLINE_EXCEEDED if rule is _TIMEOUT else _UNAVAILABLE
-                return self.reply(code, f"{backend.address}: {why}{last}")
-            last = f"; {backend.address}: {why}"
-            retry = True
+            else:
+                final = plan.answered(step, answer)
+            if final is not None:
+                return final
 
-    def _unavailable(self, why: str, last: str) -> R:
-        self.unavailable += 1
-        return self.reply(_UNAVAILABLE, f"no backend can take the call: {why}{last}")
+    def run_sync(
+        self,
+        key: int | None,
+        deadline: float | None,
+        attempt: Callable[[Backend, float | None], R],
+        lock: AbstractContextManager[object] = NO_LOCK,
+    ) -> R:
+        """`run` for blocking transports; `lock` guards each step (not the sending)."""
+        with lock:
+            plan = Plan(self, key, deadline)
+        while True:
+            with lock:
+                step = plan.next()
+            if not isinstance(step, Attempt):
+                return step
+            try:
+                answer = attempt(step.backend, step.timeout)
+            except self._known as exc:
+                with lock:
+                    final = plan.failed(step, exc)
+            except BaseException:
+                with lock:
+                    plan.abandon(step)
+                raise
+            else:
+                with lock:
+                    final = plan.answered(step, answer)
+            if final is not None:
+                return final

@@ -23,6 +23,17 @@ BIN = Path(sys.executable).parent
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 
 
+def wait_serving(address: str, timeout: float = 30.0, *, require: bool = True) -> None:
+    """Until the process at `address` answers its grpc.health.v1 check; RuntimeError unless
+    it says SERVING (with `require`)."""
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=True
+        )
+    if require and reply.status != health_pb2.HealthCheckResponse.SERVING:
+        raise RuntimeError(f"{address} is not serving")
+
+
 class Process:
     """A started Sluice process; its stderr is kept in `lines` for failure messages."""
 
@@ -79,13 +90,7 @@ class Process:
         return "".join(self.lines)
 
     def wait_serving(self, timeout: float = 30.0, *, require: bool = True) -> None:
-        with grpc.insecure_channel(self.address) as channel:
-            grpc.channel_ready_future(channel).result(timeout=timeout)
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=True
-            )
-            if require:
-                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        wait_serving(self.address, timeout, require=require)
 
     def terminate(self, timeout: float = 30.0) -> int:
         """SIGTERM, then wait for the exit status."""

@@ -1,17 +1,17 @@
-"""One client core: the blocking client runs the async client's own methods on its private
-loop, with no socket: the one transport step (`AsyncSluiceClient._send`) is faked."""
+"""One client core: both clients build, route and decode through the same code, and add
+only the sending. No socket: the one transport step (`_send`) is faked."""
 
 from __future__ import annotations
 
-import inspect
-import threading
+import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
-from sluice.client import AsyncSluiceClient, SluiceClient
+from sluice.client import AsyncSluiceClient, Prediction, SluiceClient
 from sluice.client.client import rpc_error
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
@@ -21,15 +21,15 @@ DEAD = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]  # never dialled: the trans
 
 
 class FakeServers:
-    """Stands in for `AsyncSluiceClient._send`: answers by target, records each attempt."""
+    """Stands in for the clients' one transport step (`_send`): answers by target and
+    records each attempt."""
 
     def __init__(self) -> None:
         self.down: set[str] = set()
-        self.refuse: grpc.aio.AioRpcError | None = None
+        self.refuse: grpc.RpcError | None = None
         self.sent: list[tuple[str, float | None, dict[str, str]]] = []
-        self.threads: set[str] = set()
 
-    async def send(
+    def send(
         self,
         target: str,
         body: bytes,
@@ -37,7 +37,6 @@ class FakeServers:
         timeout: float | None,
     ) -> Reply:
         self.sent.append((target, timeout, dict(metadata)))
-        self.threads.add(threading.current_thread().name)
         if target in self.down:
             raise rpc_error(Reply(grpc.StatusCode.UNAVAILABLE.value[0], f"{target} is down"))
         if self.refuse is not None:
@@ -52,8 +51,12 @@ class FakeServers:
 @pytest.fixture
 def servers(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeServers]:
     fake = FakeServers()
-    # A function, so it binds as a method: `self` is the client, dropped here.
-    monkeypatch.setattr(AsyncSluiceClient, "_send", lambda client, *args: fake.send(*args))
+
+    async def send_async(client: AsyncSluiceClient, *args: Any) -> Reply:
+        return fake.send(*args)
+
+    monkeypatch.setattr(AsyncSluiceClient, "_send", send_async)
+    monkeypatch.setattr(SluiceClient, "_send", lambda client, *args: fake.send(*args))
     yield fake
 
 
@@ -61,26 +64,20 @@ def x() -> dict[str, np.ndarray]:
     return {"input": np.arange(4, dtype=np.float32).reshape(1, 4)}
 
 
-def test_the_blocking_methods_are_the_async_ones() -> None:
-    for name in ("predict", "infer", "health", "metadata"):
-        method = getattr(SluiceClient, name)
-        assert method.__wrapped__ is getattr(AsyncSluiceClient, name), name
-        assert inspect.iscoroutinefunction(getattr(AsyncSluiceClient, name))
-        assert not inspect.iscoroutinefunction(method)
-        assert method.__doc__ == getattr(AsyncSluiceClient, name).__doc__
+def test_both_clients_build_route_and_decode_alike(servers: FakeServers) -> None:
+    async def with_async() -> Prediction:
+        async with AsyncSluiceClient(DEAD, timeout=3.0) as client:
+            return await client.infer(x(), request_id="r1", no_cache=True)
 
-
-def test_the_blocking_client_runs_the_core_on_its_own_loop(servers: FakeServers) -> None:
-    with SluiceClient(DEAD[0], timeout=3.0) as client:
-        answer = client.infer(x(), request_id="r1")
-        outputs = client.predict(x())
-        assert isinstance(client._core, AsyncSluiceClient) and client._router is None
-    np.testing.assert_array_equal(answer.outputs["input"], x()["input"] * 2)
-    assert (answer.node_id, answer.request_id) == (DEAD[0], "r1")
-    assert list(outputs) == ["input"]
-    assert servers.threads == {"sluice-client"}  # not the caller's thread
-    assert [(t, timeout) for t, timeout, _ in servers.sent] == [(DEAD[0], 3.0)] * 2
-    assert not client._thread.is_alive()
+    with SluiceClient(DEAD, timeout=3.0) as client:
+        blocking = client.infer(x(), request_id="r1", no_cache=True)
+    asynchronous = asyncio.run(with_async())
+    for answer in (blocking, asynchronous):
+        np.testing.assert_array_equal(answer.outputs["input"], x()["input"] * 2)
+        assert answer.request_id == "r1" and answer.node_id in DEAD
+    (_, first, sent_a), (_, second, sent_b) = servers.sent
+    assert sent_a == sent_b == {"x-request-id": "r1", "x-cache-control": "no-cache"}
+    assert first is not None and second is not None and 0 < first <= 3.0 and 0 < second <= 3.0
 
 
 def test_one_target_raises_grpcs_own_error(servers: FakeServers) -> None:
@@ -89,6 +86,7 @@ def test_one_target_raises_grpcs_own_error(servers: FakeServers) -> None:
         client.predict(x())
     assert caught.value is servers.refuse
     assert len(servers.sent) == 1  # one target: no retries, the balancer behind does those
+    assert servers.sent[0][1] == 10.0  # the client's timeout, whole
 
 
 def test_several_targets_route_through_the_planner(servers: FakeServers) -> None:
@@ -148,3 +146,10 @@ async def test_the_async_core_gives_raw_replies(servers: FakeServers) -> None:
 def test_no_target_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="at least one target"):
         SluiceClient([])
+
+
+def test_a_closed_blocking_client_says_so() -> None:
+    client = SluiceClient(DEAD[0])
+    client.close()
+    with pytest.raises(ValueError, match="closed channel"):
+        client.predict(x())

@@ -1,18 +1,14 @@
-"""The request key and the affinity key: which calls meet on one server."""
+"""The affinity key: which calls meet on one server."""
 
 from __future__ import annotations
 
 from collections import Counter
-
-from hypothesis import given
-from hypothesis import strategies as st
 
 from sluice.core.keys import (
     AFFINITY_HEADER,
     NO_CACHE_HEADER,
     NO_CACHE_VALUE,
     affinity_key,
-    request_key,
 )
 
 BODIES = [b"", b"\x00", b"one body", b"another body", bytes(range(256))]
@@ -47,23 +43,3 @@ def test_affinity_keys_are_64_bit_and_spread_evenly() -> None:
     slices = Counter(k >> 61 for k in keys if k is not None)
     assert sorted(slices) == list(range(8))
     assert all(abs(n - 3000 / 8) < 0.15 * 3000 / 8 for n in slices.values()), slices
-
-
-@given(
-    st.text(st.characters(codec="ascii", exclude_characters="\0"), max_size=20),
-    st.binary(max_size=40),
-    st.text(st.characters(codec="ascii", exclude_characters="\0"), max_size=20),
-    st.binary(max_size=40),
-)
-def test_request_keys_differ_unless_method_and_body_are_equal(
-    method_a: str, body_a: bytes, method_b: str, body_b: bytes
-) -> None:
-    """The method and the body are kept apart: ("/a", b"b...") is not ("/ab", b"...")."""
-    same = request_key(method_a, body_a) == request_key(method_b, body_b)
-    assert same == ((method_a, body_a) == (method_b, body_b))
-    assert len(request_key(method_a, body_a)) == 16
-
-
-def test_the_method_is_part_of_the_request_key() -> None:
-    assert request_key("/sluice.v1.Inference/Predict", b"x") != request_key("/other/Predict", b"x")
-    assert request_key("/a", b"bc") != request_key("/ab", b"c")
