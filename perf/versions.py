@@ -6,22 +6,63 @@ own; the same sweep goes to all four in rotating rounds, so drift hits each alik
 
 `--before` and `--after` are the `bin` folders holding each install's `sluice-server` and
 `sluice-balancer` (after: this one). Unique inputs, so every call runs the model.
+
+  python -m sluice.perf.versions --before ../baseline/.venv/bin --blocking-client
+
+times each install's blocking SluiceClient instead: sequential calls from its own Python
+against one server, the installs taking turns.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
 import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from sluice.models import DIGITS
+from sluice.models import DIGITS, SAMPLES
 from sluice.perf import paired
 from sluice.runtime.launch import BIN, running
 
 KEYS = ("p50", "p99", "throughput")
+# Run by each install's own Python: its SluiceClient (an older install names its package
+# `client`), sequential cache-hit calls to one server; prints ms per call.
+CLIENT_TIMING = """
+import sys, time
+try:
+    from sluice import SluiceClient
+except ImportError:
+    from client import SluiceClient
+import numpy as np
+x = np.load(sys.argv[2])
+with SluiceClient(sys.argv[1]) as client:
+    for _ in range(200):
+        client.predict({"input": x})
+    started = time.perf_counter()
+    for _ in range(3000):
+        client.predict({"input": x})
+    print((time.perf_counter() - started) / 3000 * 1e3)
+"""
+
+
+def blocking_client(folders: dict[str, Path], rounds: int) -> dict[str, Any]:
+    """Median ms per call of each install's blocking client, and after / before."""
+    times: dict[str, list[float]] = {name: [] for name in folders}
+    server = [str(folders["after"] / "sluice-server"), "--model", str(DIGITS), "--port", "0"]
+    with running([*server, "--device", "cpu"]) as target:
+        for _ in range(rounds):
+            for name, folder in folders.items():
+                argv = [str(folder / "python"), "-c", CLIENT_TIMING, target.address]
+                done = subprocess.run(
+                    [*argv, str(SAMPLES / "digit-3.npy")], capture_output=True, text=True
+                )
+                times[name].append(float(done.stdout.strip().splitlines()[-1]))
+    result = {name: statistics.median(t) for name, t in times.items()}
+    return {"ms_per_call": result, "after_vs_before": result["after"] / result["before"]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,8 +75,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--call", default="predict", choices=("predict", "stream"), help="the sweep's --call"
     )
+    parser.add_argument("--blocking-client", action="store_true", help="time the clients")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
+    if args.blocking_client:
+        folders = {"before": Path(args.before), "after": Path(args.after)}
+        timed = blocking_client(folders, args.rounds)
+        timed["command"] = "python -m sluice.perf.versions " + " ".join(argv or sys.argv[1:])
+        print(paired.save(timed, args.out))
+        return 0
     # The model by path: an older install may not carry it as package data.
     server = ["--model", str(DIGITS), "--port", "0", "--device", "cpu", "--cache-entries", "0"]
     targets: dict[str, str] = {}
