@@ -57,8 +57,10 @@ class Pool:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         table_size: int | None = None,
+        panic_threshold: float = 0.5,
     ) -> None:
         self.breaker_settings = breaker or BreakerSettings()
+        self.panic_threshold = panic_threshold
         self.balance_factor = balance_factor
         self.ewma_decay_s = ewma_decay_s
         self.clock = clock
@@ -92,7 +94,12 @@ class Pool:
     def choose(self, key: int | None, exclude: Iterable[Backend] = ()) -> Choice:
         skip = set(map(id, exclude))
         candidates = [b for b in self.backends.values() if id(b) not in skip]
-        usable = [b for b in candidates if b.usable]
+        panic = self.panicking()
+        usable = [
+            b
+            for b in candidates
+            if b.health != Health.NOT_SERVING and (panic or b.breaker.available())
+        ]
         if not usable:
             return Choice(None, self._why_none(candidates))
         if key is None:
@@ -124,9 +131,23 @@ class Pool:
         )
         return f"none is usable ({states})"
 
+    def panicking(self) -> bool:
+        """Whether breakers hold out so many of the backends that report SERVING that fewer
+        than `panic_threshold` of them are left: then the breakers are overruled (Envoy's
+        panic threshold), so no run of failures, whoever caused it, can make the pool refuse
+        every call. A backend whose health watch says NOT_SERVING stays out regardless."""
+        live = 0
+        usable = 0
+        for backend in self.backends.values():
+            if backend.health != Health.NOT_SERVING:
+                live += 1
+                usable += backend.breaker.available()
+        return usable < self.panic_threshold * live
+
     def start(self, backend: Backend) -> bool:
-        """Claim a call on `backend`; False when its breaker refuses (a probe is out)."""
-        if not backend.breaker.acquire():
+        """Claim a call on `backend`; False when its breaker refuses (a probe is out) and
+        the pool is not panicking."""
+        if not backend.breaker.acquire() and not self.panicking():
             return False
         backend.in_flight += 1
         backend.calls += 1
@@ -157,4 +178,4 @@ class Pool:
         backend.latency.fail()
 
     def serving(self) -> bool:
-        return any(b.usable for b in self.backends.values())
+        return any(b.usable for b in self.backends.values()) or self.panicking()

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from sluice.routing.breaker import Breaker, BreakerSettings, State
 from sluice.routing.budget import RetryBudget
 from sluice.routing.p2c import PeakEwma, p2c
-from sluice.routing.pool import Health, Pool
+from sluice.routing.pool import Backend, Health, Pool
 from sluice.routing.ring import MaglevRing, load_bound, pick_bounded
 
 SMALL_TABLE = 5_003  # prime; keeps property tests quick
@@ -248,6 +248,48 @@ def test_pool_breaker_takes_a_failing_backend_out_and_back() -> None:
     assert pool.start(bad)
     pool.finish(bad, 0.001, "ok")
     assert bad.breaker.state is State.CLOSED
+
+
+def trip(pool: Pool, backend: Backend) -> None:
+    for _ in range(pool.breaker_settings.failures_to_open):
+        assert pool.start(backend)
+        pool.finish(backend, 0.001, "failed")
+
+
+def test_no_run_of_failures_can_make_the_pool_refuse_every_call() -> None:
+    """One caller's bad requests could trip every breaker: past the panic threshold (half of
+    the serving backends held out) the breakers are overruled, as in Envoy."""
+    pool = make_pool(3, FakeClock())
+    first, second, third = pool.backends.values()
+    trip(pool, first)
+    assert not pool.panicking()  # one of three out: it stays out
+    assert {pool.choose(None).backend for _ in range(50)} == {second, third}
+    trip(pool, second)
+    assert pool.panicking()  # two of three out: everyone serves again
+    chosen = {pool.choose(None).backend for _ in range(100)}
+    assert chosen == {first, second, third}
+    assert pool.start(first) and pool.serving()
+    pool.finish(first, 0.001, "ok")
+    third.health = Health.NOT_SERVING  # what the health watch says is never overruled
+    assert {pool.choose(None).backend for _ in range(50)} == {first, second}
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 8), st.lists(st.integers(0, 7), max_size=20))
+def test_at_least_the_panic_threshold_of_serving_backends_stay_routable(
+    n: int, failing: list[int]
+) -> None:
+    pool = make_pool(n, FakeClock())
+    backends = list(pool.backends.values())
+    for i in failing:
+        backend = backends[i % n]
+        if pool.start(backend):
+            pool.finish(backend, 0.001, "failed")
+    routable: list[Backend] = []  # every backend a call may still go to
+    while (backend := pool.choose(None, routable).backend) is not None:
+        routable.append(backend)
+    assert routable, "the pool refused every call"
+    assert len(routable) >= min(n, -(-n // 2))  # ceil(n / 2) of them, or all when panicking
 
 
 def test_pool_least_loaded_avoids_the_busy_backend() -> None:
