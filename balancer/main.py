@@ -8,7 +8,6 @@ import logging
 import os
 import random
 import signal
-import subprocess
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 
@@ -23,8 +22,9 @@ from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Backend, Pool
 from sluice.runtime import config
-from sluice.runtime.listener import bind, new_server
+from sluice.runtime.listener import bind, check_port_free, new_server
 from sluice.runtime.process import event_loop, setup_logging
+from sluice.runtime.supervise import Supervisor, attach_to_parent
 
 log = logging.getLogger("sluice.balancer")
 WORKER_ENV = "SLUICE_BALANCER_WORKER"  # set in the extra worker processes
@@ -87,12 +87,15 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
             log.info("backend %s removed", backend.address)
         spawn(publish_health())
 
+    is_worker = bool(os.environ.get(WORKER_ENV))
+    reuseport = settings.workers > 1 or is_worker
     server, health_servicer = new_server(
-        service.handler(),
-        max_message_bytes=settings.max_message_bytes,
-        reuseport=settings.workers > 1 or bool(os.environ.get(WORKER_ENV)),
+        service.handler(), max_message_bytes=settings.max_message_bytes, reuseport=reuseport
     )
     try:
+        if reuseport and not is_worker:
+            # Its workers join it on the port; another balancer must not.
+            check_port_free(settings.host, settings.port)
         port = bind(server, settings.host, settings.port)
     except SluiceError as exc:
         log.error("%s", exc)
@@ -108,11 +111,13 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
             await publish_health()
 
     refreshing = asyncio.create_task(breaker_clock())
-    workers = start_workers(settings, argv, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if is_worker:
+        attach_to_parent(loop, stop.set)  # a worker does not outlive the first process
+    workers = start_workers(settings, argv, port)
     log.info(
         "%s balancing %d backends, listening on %s:%d",
         settings.node_id,
@@ -123,26 +128,26 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
     await stop.wait()
 
     log.info("shutting down: draining for up to %.1fs", settings.grace_s)
-    for worker in workers:
-        worker.send_signal(signal.SIGTERM)
+    if workers is not None:
+        workers.forward(signal.SIGTERM)
     await health_servicer.shut_down()
     await server.stop(settings.grace_s)
     for task in (watching, refreshing):
         task.cancel()
     for backend in pool.backends.values():
         await backend.transport.close()
-    for worker in workers:
-        await asyncio.to_thread(worker.wait)
+    if workers is not None:
+        # They drain for grace_s as this one did; a little more, then SIGKILL.
+        await workers.stop(settings.grace_s + 5.0)
     log.info("stopped after %d calls", service.stats.requests)
     return 0
 
 
-def start_workers(
-    settings: BalancerSettings, argv: Sequence[str], port: int
-) -> list[subprocess.Popen[bytes]]:
-    """The extra processes of --workers N, on the port this one bound (SO_REUSEPORT)."""
+def start_workers(settings: BalancerSettings, argv: Sequence[str], port: int) -> Supervisor | None:
+    """The extra processes of --workers N, on the port this one bound (SO_REUSEPORT),
+    supervised: respawned with backoff when one dies, stopped with this one."""
     if settings.workers <= 1 or os.environ.get(WORKER_ENV):
-        return []
+        return None
     args = [
         sys.executable,
         "-m",
@@ -153,11 +158,11 @@ def start_workers(
         "--port",
         str(port),
     ]
-    env = {**os.environ, WORKER_ENV: "1"}
-    return [
-        subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL)
-        for _ in range(settings.workers - 1)
-    ]
+    workers = Supervisor(
+        args, settings.workers - 1, env={**os.environ, WORKER_ENV: "1"}, name="balancer worker"
+    )
+    workers.start()
+    return workers
 
 
 def main(argv: Sequence[str] | None = None) -> int:

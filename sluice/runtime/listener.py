@@ -3,6 +3,8 @@ reflection (so grpcurl needs no protos), message size limits, and keepalive ping
 
 from __future__ import annotations
 
+import socket
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -49,3 +51,31 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
         return server.add_insecure_port(address)
     except RuntimeError as exc:
         raise SluiceError(f"cannot listen on {address}: {exc}") from None
+
+
+def check_port_free(host: str, port: int) -> None:
+    """SluiceError if another process listens on host:port. For a process about to bind with
+    SO_REUSEPORT (its workers join it there), which would otherwise silently share a port
+    some other program holds. A probe, not a lock: a process binding between this check and
+    the real bind is not seen (a small race, only at start)."""
+    if port == 0:
+        return  # the kernel picks a free port
+    address = f"{host}:{port}"
+    try:
+        infos = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError as exc:
+        raise SluiceError(f"cannot listen on {address}: {exc}") from None
+    for family, kind, proto, _, sockaddr in infos[:1]:
+        with socket.socket(family, kind, proto) as probe:
+            # SO_REUSEADDR: TIME_WAIT leftovers of an earlier run do not count; no
+            # SO_REUSEPORT, so any listener on the port, sharing or not, makes this fail.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+                probe.listen(1)
+            except OSError as exc:
+                raise SluiceError(
+                    f"cannot listen on {address}: {exc.strerror or exc} (another process holds it)"
+                ) from None

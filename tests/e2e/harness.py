@@ -4,9 +4,11 @@ with a bound that only guards against a hang."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TypeVar
 
@@ -18,7 +20,9 @@ from sluice.v1 import inference_pb2 as pb
 __all__ = [
     "BIN",
     "Process",
+    "alive",
     "children",
+    "kill_strays",
     "module_argv",
     "running",
     "running_server",
@@ -88,3 +92,21 @@ def children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             found.append(int(stat.parent.name))
     return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a live process (Linux: a zombie, exited but not yet reaped, is not)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[0] != "Z"
+
+
+def kill_strays(pids: Iterable[int], marker: bytes) -> None:
+    """SIGKILL each of `pids` still running a command line holding `marker` (and not some
+    process that took its pid since)."""
+    for pid in pids:
+        with suppress(OSError):
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
