@@ -6,13 +6,14 @@ shared call planner, sluice.routing.planner."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from sluice.core.errors import status_name
+from sluice.core.errors import Code, status_name
 from sluice.core.keys import NO_CACHE_HEADER, affinity_key
 from sluice.core.stats import ServingStats, health_fields
 from sluice.routing.budget import RetryBudget
@@ -30,6 +31,18 @@ METADATA = f"/{SERVICE}/Metadata"
 FORWARDED = ("x-request-id", NO_CACHE_HEADER)
 NO_METADATA: Mapping[str, str] = {}
 Context = grpc.aio.ServicerContext[bytes, bytes]
+BAD_REQUEST_ID = "x-request-id must be printable ASCII"
+
+
+def refusal(metadata: Mapping[str, str], timeout_s: float = 0.0) -> str | None:
+    """Why a Predict is refused (INVALID_ARGUMENT) before it is forwarded, as the server
+    would refuse it: a request id that cannot travel back as metadata (not printable
+    ASCII), or a stream call's `timeout_s` that is NaN or negative (0 and infinity: none)."""
+    if not all(" " <= c <= "~" for c in metadata.get("x-request-id", "")):
+        return BAD_REQUEST_ID
+    if math.isnan(timeout_s) or timeout_s < 0:
+        return f"timeout_s must be a number >= 0 (0: no deadline), not {timeout_s}"
+    return None
 
 
 class BalancerService:
@@ -65,7 +78,14 @@ class BalancerService:
         return None if remaining is None else self.clock() + remaining
 
     async def predict(self, body: bytes, context: Context) -> bytes:
-        metadata = {k: str(v) for k, v in context.invocation_metadata() or ()}
+        metadata = {
+            k: v if isinstance(v, str) else v.decode("latin-1")
+            for k, v in context.invocation_metadata() or ()
+        }
+        refused = refusal(metadata)
+        if refused is not None:
+            self._refused()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
         reply = await self.forward(body, metadata, self._deadline(context))
         context.set_trailing_metadata(tuple(reply.trailers.items()))
         if reply.code == 0:
@@ -76,8 +96,16 @@ class BalancerService:
         """Clients may multiplex too: each message is forwarded on its own."""
 
         async def answer(message: pb.StreamRequest) -> bytes:
-            deadline = self.clock() + message.timeout_s if message.timeout_s > 0 else None
-            reply = await self.forward(message.request, dict(message.metadata), deadline)
+            metadata, timeout = dict(message.metadata), message.timeout_s
+            refused = refusal(metadata, timeout)
+            if refused is not None:
+                self._refused()
+                return pb.StreamResponse(
+                    id=message.id, code=Code.INVALID_ARGUMENT, message=refused
+                ).SerializeToString()
+            none = timeout == 0 or math.isinf(timeout)
+            deadline = None if none else self.clock() + timeout
+            reply = await self.forward(message.request, metadata, deadline)
             return pb.StreamResponse(
                 id=message.id,
                 code=reply.code,
@@ -87,6 +115,10 @@ class BalancerService:
             ).SerializeToString()
 
         await stream.serve(requests, context.write, answer)
+
+    def _refused(self) -> None:
+        """Count a call refused before any forwarding."""
+        self.stats.end(self.stats.begin(), "INVALID_ARGUMENT")
 
     async def forward(
         self, body: bytes, metadata: Mapping[str, str], deadline: float | None

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from sluice.core.errors import Code, SluiceError
+from sluice.core.errors import Code, InvalidInput, SluiceError
 from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE
 from sluice.core.stats import ServingStats, health_fields
 from sluice.runtime.status import status_of
@@ -36,6 +37,23 @@ class Call:
     trailers: list[tuple[str, str]]
     deadline: float | None  # on the dataplane's clock
     no_cache: bool = False
+    refused: SluiceError | None = None  # the call's metadata is unusable: answer this
+
+
+def printable(value: str) -> bool:
+    """Whether `value` may travel back as a gRPC metadata value (printable ASCII)."""
+    return all(" " <= c <= "~" for c in value)
+
+
+BAD_REQUEST_ID = "x-request-id must be printable ASCII"
+
+
+def stream_timeout(timeout_s: float) -> float | None:
+    """A StreamRequest's `timeout_s` as the time left: 0 (unset) and infinity mean no
+    deadline; NaN and negative values are refused with INVALID_ARGUMENT."""
+    if math.isnan(timeout_s) or timeout_s < 0:
+        raise InvalidInput(f"timeout_s must be a number >= 0 (0: no deadline), not {timeout_s}")
+    return None if timeout_s == 0 or math.isinf(timeout_s) else timeout_s
 
 
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
@@ -74,21 +92,31 @@ class InferenceService:
         self.serving = False
         self._draining.set()
 
-    def _call(self, metadata: Iterable[tuple[str, Any]], remaining: float | None) -> Call:
+    def _call(
+        self,
+        metadata: Iterable[tuple[str, Any]],
+        remaining: float | None,
+        refused: SluiceError | None = None,
+    ) -> Call:
+        """The call's settings; a request id that cannot be echoed back (not printable
+        ASCII) refuses the call before any work, and is not echoed."""
         request_id = ""
         no_cache = False
         for key, value in metadata:
             if key == "x-request-id":
-                request_id = str(value)
+                request_id = value if isinstance(value, str) else value.decode("latin-1")
             elif key == NO_CACHE_HEADER:
                 no_cache = value == NO_CACHE_VALUE
         trailers = [("x-node-id", self.node_id)]
-        if request_id:
+        if request_id and not printable(request_id):
+            refused = refused or InvalidInput(BAD_REQUEST_ID)
+        elif request_id:
             trailers.append(("x-request-id", request_id))
         return Call(
             trailers=trailers,
             deadline=None if remaining is None else self.clock() + remaining,
             no_cache=no_cache,
+            refused=refused,
         )
 
     async def _invoke(
@@ -97,6 +125,8 @@ class InferenceService:
         """The reply, or the status and message of the failure, counted in `stats`."""
         started = stats.begin()
         try:
+            if info.refused is not None:
+                raise info.refused
             reply = await fn(body, info)
         except SluiceError as exc:
             stats.end(started, exc.status)
@@ -130,9 +160,11 @@ class InferenceService:
         retryable and the stream ends once the calls already read are answered."""
 
         async def answer(message: pb.StreamRequest) -> bytes:
-            info = self._call(
-                message.metadata.items(), message.timeout_s if message.timeout_s > 0 else None
-            )
+            try:
+                timeout, refused = stream_timeout(message.timeout_s), None
+            except InvalidInput as exc:
+                timeout, refused = None, exc
+            info = self._call(message.metadata.items(), timeout, refused)
             outcome = await self._invoke(self.predict, message.request, info, self.stats)
             reply = pb.StreamResponse(id=message.id, trailers=dict(info.trailers))
             if isinstance(outcome, bytes):

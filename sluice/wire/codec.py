@@ -22,6 +22,13 @@ class TensorError(ValueError):
     """A tensor message that cannot be decoded; the message says why."""
 
 
+MAX_RANK = 64  # numpy's own limit (NPY_MAXDIMS)
+# The most elements a shape may describe, counting its non-zero dimensions only (numpy
+# refuses even an empty array whose other dimensions overflow its sizes); far beyond any
+# message gRPC lets through, and far within numpy's byte count.
+MAX_ELEMENTS = 2**48
+
+
 _TYPED_FIELDS = sorted({d.typed_field for d in DATATYPES.values()})
 
 
@@ -59,8 +66,15 @@ def decode(tensor: pb.Tensor) -> np.ndarray:
             f"expected one of {', '.join(DATATYPES)}"
         )
     shape = tuple(tensor.shape)
+    if len(shape) > MAX_RANK:
+        raise TensorError(f"{label} has {len(shape)} dimensions; at most {MAX_RANK} are allowed")
     if any(d < 0 for d in shape):
         raise TensorError(f"{label} has a negative dimension in shape {list(shape)}")
+    if math.prod(d for d in shape if d) > MAX_ELEMENTS:
+        raise TensorError(
+            f"{label} has shape {list(shape)}, over {MAX_ELEMENTS} elements; "
+            "no message can carry it"
+        )
     count = math.prod(shape)
     present = [f for f in _TYPED_FIELDS if len(getattr(tensor, f))]
     if tensor.raw_data and present:
@@ -87,7 +101,10 @@ def decode(tensor: pb.Tensor) -> np.ndarray:
             f"{label} has {len(tensor.raw_data)} bytes of raw_data but {dt.name} "
             f"shape {list(shape)} needs {expected} ({count} x {dt.dtype.itemsize} bytes)"
         )
-    return np.frombuffer(tensor.raw_data, dtype=dt.dtype).reshape(shape)
+    array = np.frombuffer(tensor.raw_data, dtype=dt.dtype)
+    if dt.dtype.kind == "b" and array.view(np.uint8).max(initial=0) > 1:
+        raise TensorError(f"{label} is BOOL but its raw_data holds bytes other than 0 and 1")
+    return array.reshape(shape)
 
 
 def _typed_array(values: Iterable[object], dt: DataType, label: str) -> np.ndarray:
@@ -96,6 +113,12 @@ def _typed_array(values: Iterable[object], dt: DataType, label: str) -> np.ndarr
         info = np.iinfo(dt.dtype)  # type: ignore[type-var]  # integer kinds only, checked above
         if array.size and (array.min() < info.min or array.max() > info.max):
             raise TensorError(f"{label} has values outside the range of {dt.name}")
+    elif dt.dtype.kind == "f" and dt.dtype.itemsize < array.dtype.itemsize:
+        # NaN and infinity are values too; a finite value the narrower type cannot hold
+        # would turn into infinity.
+        largest = float(np.finfo(dt.dtype).max)  # type: ignore[type-var]  # float kinds only
+        if (np.isfinite(array) & (np.abs(array) > largest)).any():
+            raise TensorError(f"{label} has finite values outside the range of {dt.name}")
     return array.astype(dt.dtype.newbyteorder("="))
 
 

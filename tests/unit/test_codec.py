@@ -61,6 +61,12 @@ def test_unsupported_numpy_dtype() -> None:
         ),
         (pb.Tensor(name="x", datatype="FP32", shape=[2], fp32_data=[1.0]), "has 1 values"),
         (pb.Tensor(name="x", datatype="FP32", shape=[-1, 2], raw_data=b""), "negative dimension"),
+        (pb.Tensor(name="x", datatype="FP32", shape=[1] * 65, raw_data=b"\0" * 4), "at most 64"),
+        (pb.Tensor(name="x", datatype="FP32", shape=[0] * 65), "65 dimensions"),
+        (pb.Tensor(name="x", datatype="FP32", shape=[0, 2**62, 2**62]), "elements"),
+        (pb.Tensor(name="x", datatype="INT8", shape=[2**63 - 1, 2]), "elements"),
+        (pb.Tensor(name="x", datatype="BOOL", shape=[3], raw_data=b"\0\1\2"), "other than 0 and 1"),
+        (pb.Tensor(name="x", datatype="FP16", shape=[1], fp32_data=[70000.0]), "range of FP16"),
     ],
 )
 def test_decode_errors_name_the_fault(tensor: pb.Tensor, message: str) -> None:
@@ -71,6 +77,16 @@ def test_decode_errors_name_the_fault(tensor: pb.Tensor, message: str) -> None:
 def test_empty_tensor_decodes_with_no_data() -> None:
     array = codec.decode(pb.Tensor(name="x", datatype="FP32", shape=[0, 64]))
     assert array.shape == (0, 64)
+
+
+def test_the_deepest_shape_numpy_allows_decodes() -> None:
+    array = codec.decode(pb.Tensor(name="x", datatype="FP32", shape=[1] * 64, raw_data=b"\0" * 4))
+    assert array.ndim == 64
+
+
+def test_bool_raw_bytes_of_0_and_1_decode() -> None:
+    array = codec.decode(pb.Tensor(name="x", datatype="BOOL", shape=[2], raw_data=b"\1\0"))
+    assert array.tolist() == [True, False]
 
 
 def test_a_repeated_name_is_refused() -> None:
