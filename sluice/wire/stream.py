@@ -26,6 +26,13 @@ def parse_request(raw: bytes) -> pb.StreamRequest | None:
         return None
 
 
+# Calls a stream may hold read but not yet written, running or awaiting the writer. At the
+# bound the stream stops reading, so HTTP/2 flow control pushes back on a sender that writes
+# faster than it reads. It matches the balancer's calls in flight on one upstream stream
+# (--stream-max-in-flight), so a balancer's stream to a server is not held below its own bound.
+MAX_PENDING = 512
+
+
 async def serve(
     requests: AsyncIterator[bytes],
     write: Callable[[bytes], Awaitable[None]],
@@ -33,20 +40,36 @@ async def serve(
     *,
     refuse: Callable[[pb.StreamRequest], bytes | None] = lambda message: None,
     stop: asyncio.Event | None = None,
+    max_pending: int = MAX_PENDING,
 ) -> None:
     """The receiving side of PredictStream: each message is answered in its own task, and
     the replies are written in completion order by this one writer (grpc.aio allows one
-    pending write per stream). `refuse` may answer a message at once instead. The stream
-    ends when the sender closes it, sends garbage, or `stop` is set, once every call read
-    so far is answered."""
+    pending write per stream). `refuse` may answer a message at once instead. At most
+    `max_pending` messages are read and not yet answered and written: at the bound the next
+    message is read only once a reply is written. The stream ends when the sender closes it,
+    sends garbage, or `stop` is set, once every call read so far is answered."""
+    if max_pending < 1:
+        raise ValueError(f"max_pending must be at least 1, not {max_pending}")
     replies: asyncio.Queue[bytes | None] = asyncio.Queue()
     running: set[asyncio.Task[None]] = set()
+    # One slot per message read and not yet written; the writer frees it.
+    slots = asyncio.Semaphore(max_pending)
 
     async def one(message: pb.StreamRequest) -> None:
-        replies.put_nowait(await answer(message))
+        try:
+            reply = await answer(message)
+        except BaseException:
+            slots.release()  # no reply will be written for it
+            raise
+        replies.put_nowait(reply)
 
     async def read() -> None:
-        async for raw in requests:
+        while True:
+            await slots.acquire()
+            try:
+                raw = await requests.__anext__()
+            except StopAsyncIteration:
+                return
             message = parse_request(raw)
             if message is None:
                 replies.put_nowait(BAD_MESSAGE)
@@ -63,9 +86,11 @@ async def serve(
         waiting: list[asyncio.Future[object]] = [asyncio.ensure_future(read())]
         if stop is not None:
             waiting.append(asyncio.ensure_future(stop.wait()))
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        for task in waiting:
-            task.cancel()
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when the stream is cancelled: the reader must not outlive it
+            for task in waiting:
+                task.cancel()
         if running:
             await asyncio.gather(*running, return_exceptions=True)
         replies.put_nowait(None)
@@ -74,6 +99,7 @@ async def serve(
     try:
         while (reply := await replies.get()) is not None:
             await write(reply)
+            slots.release()
     finally:
         finishing.cancel()
         for task in running:
