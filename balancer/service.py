@@ -6,14 +6,14 @@ shared call planner, sluice.routing.planner."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from sluice.core.errors import Code, status_name
+from sluice.core.calls import check_request_id, stream_timeout
+from sluice.core.errors import Code, InvalidInput, status_name
 from sluice.core.keys import NO_CACHE_HEADER, affinity_key
 from sluice.core.stats import ServingStats, health_fields
 from sluice.routing.budget import RetryBudget
@@ -31,17 +31,16 @@ METADATA = f"/{SERVICE}/Metadata"
 FORWARDED = ("x-request-id", NO_CACHE_HEADER)
 NO_METADATA: Mapping[str, str] = {}
 Context = grpc.aio.ServicerContext[bytes, bytes]
-BAD_REQUEST_ID = "x-request-id must be printable ASCII"
 
 
 def refusal(metadata: Mapping[str, str], timeout_s: float = 0.0) -> str | None:
     """Why a Predict is refused (INVALID_ARGUMENT) before it is forwarded, as the server
-    would refuse it: a request id that cannot travel back as metadata (not printable
-    ASCII), or a stream call's `timeout_s` that is NaN or negative (0 and infinity: none)."""
-    if not all(" " <= c <= "~" for c in metadata.get("x-request-id", "")):
-        return BAD_REQUEST_ID
-    if math.isnan(timeout_s) or timeout_s < 0:
-        return f"timeout_s must be a number >= 0 (0: no deadline), not {timeout_s}"
+    would refuse it (sluice.core.calls)."""
+    try:
+        check_request_id(metadata.get("x-request-id", ""))
+        stream_timeout(timeout_s)
+    except InvalidInput as exc:
+        return str(exc)
     return None
 
 
@@ -103,8 +102,8 @@ class BalancerService:
                 return pb.StreamResponse(
                     id=message.id, code=Code.INVALID_ARGUMENT, message=refused
                 ).SerializeToString()
-            none = timeout == 0 or math.isinf(timeout)
-            deadline = None if none else self.clock() + timeout
+            left = stream_timeout(timeout)
+            deadline = None if left is None else self.clock() + left
             reply = await self.forward(message.request, metadata, deadline)
             return pb.StreamResponse(
                 id=message.id,

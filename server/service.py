@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from sluice.core.calls import BAD_REQUEST_ID, printable, stream_timeout
 from sluice.core.errors import Code, InvalidInput, SluiceError
 from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE
 from sluice.core.stats import ServingStats, health_fields
@@ -38,22 +38,6 @@ class Call:
     deadline: float | None  # on the dataplane's clock
     no_cache: bool = False
     refused: SluiceError | None = None  # the call's metadata is unusable: answer this
-
-
-def printable(value: str) -> bool:
-    """Whether `value` may travel back as a gRPC metadata value (printable ASCII)."""
-    return all(" " <= c <= "~" for c in value)
-
-
-BAD_REQUEST_ID = "x-request-id must be printable ASCII"
-
-
-def stream_timeout(timeout_s: float) -> float | None:
-    """A StreamRequest's `timeout_s` as the time left: 0 (unset) and infinity mean no
-    deadline; NaN and negative values are refused with INVALID_ARGUMENT."""
-    if math.isnan(timeout_s) or timeout_s < 0:
-        raise InvalidInput(f"timeout_s must be a number >= 0 (0: no deadline), not {timeout_s}")
-    return None if timeout_s == 0 or math.isinf(timeout_s) else timeout_s
 
 
 Handler = Callable[[bytes, Context], Awaitable[bytes]]

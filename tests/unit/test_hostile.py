@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from sluice import models
 from sluice.balancer.service import refusal
+from sluice.core.calls import stream_timeout
 from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import Code, InvalidInput, SluiceError
 from sluice.server.convert import V1
@@ -28,7 +29,7 @@ from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Dataplane
-from sluice.server.service import InferenceService, stream_timeout
+from sluice.server.service import InferenceService
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 from tests.conftest import SAMPLES

@@ -1,0 +1,29 @@
+"""What a call may carry besides its body, checked alike by server and balancer: a request id
+that can travel back as metadata, and a PredictStream message's time left."""
+
+from __future__ import annotations
+
+import math
+
+from sluice.core.errors import InvalidInput
+
+BAD_REQUEST_ID = "x-request-id must be printable ASCII"
+
+
+def printable(value: str) -> bool:
+    """Whether `value` may travel back as a gRPC metadata value (printable ASCII)."""
+    return all(" " <= c <= "~" for c in value)
+
+
+def check_request_id(request_id: str) -> None:
+    """InvalidInput unless the id can be echoed back (grpc cannot send other values)."""
+    if not printable(request_id):
+        raise InvalidInput(BAD_REQUEST_ID)
+
+
+def stream_timeout(timeout_s: float) -> float | None:
+    """A StreamRequest's `timeout_s` as the time left: 0 (unset) and infinity mean no
+    deadline; NaN and negative values are refused with InvalidInput."""
+    if math.isnan(timeout_s) or timeout_s < 0:
+        raise InvalidInput(f"timeout_s must be a number >= 0 (0: no deadline), not {timeout_s}")
+    return None if timeout_s == 0 or math.isinf(timeout_s) else timeout_s
