@@ -78,6 +78,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
                 backend.address,
                 streams=settings.streams,
                 max_in_flight=settings.stream_max_in_flight,
+                keepalive_s=settings.keepalive_s,
             )
             backend.transport = upstream
             upstream.watch_health(reporter(backend))

@@ -51,6 +51,13 @@ class BalancerSettings:
         default=512, metadata={"help": "calls in flight on one stream"}
     )
     ewma_decay_s: float = field(default=5.0, metadata={"help": "latency estimate decay time"})
+    keepalive_s: float = field(
+        default=1.0,
+        metadata={
+            "help": "probe each server this often (HTTP/2 ping, health check); one that "
+            "answers neither within as long is out until it answers again"
+        },
+    )
     max_message_bytes: int = field(
         default=64 * 1024 * 1024, metadata={"help": "largest request or response message"}
     )
@@ -70,6 +77,8 @@ class BalancerSettings:
                 raise ValueError(f"--backend {address!r} is not HOST:PORT")
         if self.balance_factor < 1.0:
             raise ValueError("--balance-factor must be at least 1")
+        if not 0.1 <= self.keepalive_s <= 300:
+            raise ValueError("--keepalive-s must be between 0.1 and 300 seconds")
         for name in ("workers", "breaker_failures", "breaker_successes", "streams"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")

@@ -19,16 +19,29 @@ log = logging.getLogger("sluice.upstream")
 
 
 class Upstream:
-    def __init__(self, address: str, *, streams: int = 1, max_in_flight: int = 256) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        streams: int = 1,
+        max_in_flight: int = 256,
+        keepalive_s: float = 1.0,
+    ) -> None:
         self.address = address
         self.channel = grpc.aio.insecure_channel(
             address,
             options=[
                 ("grpc.max_receive_message_length", -1),
                 ("grpc.max_send_message_length", -1),
-                # Find a dead peer within seconds even when no call is running.
-                ("grpc.keepalive_time_ms", 10_000),
-                ("grpc.keepalive_timeout_ms", 5_000),
+                # A hung server (SIGSTOP, a wedged host) answers no ping: within about
+                # twice `keepalive_s` its connection is closed, its streams break (their
+                # calls are retried elsewhere) and its health watch reports it out.
+                ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+                ("grpc.keepalive_timeout_ms", int(keepalive_s * 1000)),
+                # By default grpc stops pinging after two pings with no data sent between
+                # them: an idle balancer would stop watching. Servers allow it (listener).
+                ("grpc.http2.max_pings_without_data", 0),
+                ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 2_000),
             ],
@@ -37,7 +50,9 @@ class Upstream:
             MuxStream(self.channel, max_in_flight=max_in_flight) for _ in range(streams)
         ]
         self._turn = itertools.cycle(self.streams)
-        self._watch: asyncio.Task[None] | None = None
+        self._keepalive_s = keepalive_s
+        self._tasks: list[asyncio.Task[None]] = []
+        self.hung = False  # a health check went unanswered: out until one is answered
 
     async def predict(
         self, body: bytes, metadata: Mapping[str, str], timeout: float | None
@@ -73,11 +88,36 @@ class Upstream:
                 await asyncio.sleep(backoff)  # reconnect backoff, not a poll
                 backoff = min(backoff * 2, 2.0)
 
-        self._watch = asyncio.create_task(watch())
+        async def probe() -> None:
+            # A hung server (SIGSTOP, a wedged host) sends no NOT_SERVING and may keep its
+            # connection: a health check it cannot answer in time takes it out, and the
+            # calls waiting on its streams fail as broken, so the planner retries them.
+            stub = health_pb2_grpc.HealthStub(self.channel)
+            while True:
+                await asyncio.sleep(self._keepalive_s)  # a period, not a wait for a state
+                try:
+                    reply = await stub.Check(
+                        health_pb2.HealthCheckRequest(), timeout=self._keepalive_s
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self.hung:
+                        self.hung = True
+                        log.warning("backend %s does not answer: taken out", self.address)
+                        report(Health.NOT_SERVING, True)
+                        for stream in self.streams:
+                            await stream.close()  # its waiting calls: StreamBroken
+                    continue
+                if self.hung:
+                    self.hung = False
+                    log.info("backend %s answers again", self.address)
+                    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+                    report(Health.SERVING if serving else Health.NOT_SERVING, False)
+
+        self._tasks = [asyncio.create_task(watch()), asyncio.create_task(probe())]
 
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
+        for task in self._tasks:
+            task.cancel()
         for stream in self.streams:
             await stream.close()
         await self.channel.close(grace=None)
