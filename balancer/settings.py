@@ -55,7 +55,7 @@ class BalancerSettings:
         default=1.0,
         metadata={
             "help": "probe each server this often (HTTP/2 ping, health check); one that "
-            "answers neither within as long is out until it answers again"
+            "misses two checks in a row is out until it answers again"
         },
     )
     max_message_bytes: int = field(

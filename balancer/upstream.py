@@ -92,7 +92,9 @@ class Upstream:
             # A hung server (SIGSTOP, a wedged host) sends no NOT_SERVING and may keep its
             # connection: a health check it cannot answer in time takes it out, and the
             # calls waiting on its streams fail as broken, so the planner retries them.
+            # Two misses in a row, so that one slow moment of a busy server is not a hang.
             stub = health_pb2_grpc.HealthStub(self.channel)
+            missed = 0
             while True:
                 await asyncio.sleep(self._keepalive_s)  # a period, not a wait for a state
                 try:
@@ -100,13 +102,16 @@ class Upstream:
                         health_pb2.HealthCheckRequest(), timeout=self._keepalive_s
                     )
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self.hung:
+                    late = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                    missed = missed + 1 if late else 0
+                    if missed >= 2 and not self.hung:
                         self.hung = True
                         log.warning("backend %s does not answer: taken out", self.address)
                         report(Health.NOT_SERVING, True)
                         for stream in self.streams:
                             await stream.close()  # its waiting calls: StreamBroken
                     continue
+                missed = 0
                 if self.hung:
                     self.hung = False
                     log.info("backend %s answers again", self.address)
