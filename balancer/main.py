@@ -43,7 +43,9 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         rng=random.Random(),
     )
     budget = RetryBudget(settings.retry_ratio, settings.retry_min_per_s)
-    service = BalancerService(pool, budget, node_id=settings.node_id)
+    service = BalancerService(
+        pool, budget, node_id=settings.node_id, default_timeout_s=settings.default_timeout_s or None
+    )
     background: set[asyncio.Task[None]] = set()
 
     def spawn(work: Coroutine[None, None, None]) -> None:

@@ -52,10 +52,12 @@ class BalancerService:
         *,
         node_id: str,
         clock: Callable[[], float] = time.monotonic,
+        default_timeout_s: float | None = None,
     ) -> None:
         self.pool = pool
         self.budget = budget
         self.node_id = node_id
+        self.default_timeout_s = default_timeout_s  # for calls that carry no deadline
         self.clock = clock
         self.stats = ServingStats(clock=clock)
         # A stream that broke before the reply fails its calls with StreamBroken.
@@ -72,8 +74,10 @@ class BalancerService:
             },
         )
 
-    def _deadline(self, context: Context) -> float | None:
-        remaining = context.time_remaining()
+    def _deadline(self, remaining: float | None) -> float | None:
+        """The call's deadline on our clock; `default_timeout_s` for a call that has none."""
+        if remaining is None:
+            remaining = self.default_timeout_s
         return None if remaining is None else self.clock() + remaining
 
     async def predict(self, body: bytes, context: Context) -> bytes:
@@ -85,7 +89,7 @@ class BalancerService:
         if refused is not None:
             self._refused()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
-        reply = await self.forward(body, metadata, self._deadline(context))
+        reply = await self.forward(body, metadata, self._deadline(context.time_remaining()))
         context.set_trailing_metadata(tuple(reply.trailers.items()))
         if reply.code == 0:
             return reply.body
@@ -102,8 +106,7 @@ class BalancerService:
                 return pb.StreamResponse(
                     id=message.id, code=Code.INVALID_ARGUMENT, message=refused
                 ).SerializeToString()
-            left = stream_timeout(timeout)
-            deadline = None if left is None else self.clock() + left
+            deadline = self._deadline(stream_timeout(timeout))
             reply = await self.forward(message.request, metadata, deadline)
             return pb.StreamResponse(
                 id=message.id,

@@ -58,6 +58,10 @@ class BalancerSettings:
             "misses two checks in a row is out until it answers again"
         },
     )
+    default_timeout_s: float = field(
+        default=0.0,
+        metadata={"help": "deadline for calls that carry none, in seconds (0: none)"},
+    )
     max_message_bytes: int = field(
         default=64 * 1024 * 1024, metadata={"help": "largest request or response message"}
     )
@@ -82,5 +86,7 @@ class BalancerSettings:
         for name in ("workers", "breaker_failures", "breaker_successes", "streams"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.default_timeout_s < 0:
+            raise ValueError("--default-timeout-s must not be negative")
         if not self.node_id:
             object.__setattr__(self, "node_id", f"balancer@{socket.gethostname()}")

@@ -44,7 +44,9 @@ async def serve(settings: ServerSettings) -> int:
     plane = Dataplane(
         Models([Model(engine, batcher)]), LRUCache(settings.cache_entries, settings.cache_bytes)
     )
-    service = InferenceService(plane, node_id=settings.node_id)
+    service = InferenceService(
+        plane, node_id=settings.node_id, default_timeout_s=settings.default_timeout_s or None
+    )
     server, health_servicer = new_server(
         service.handler(), max_message_bytes=settings.max_message_bytes, reuseport=False
     )

@@ -46,10 +46,16 @@ Method = Callable[[bytes, Call], Awaitable[bytes]]
 
 class InferenceService:
     def __init__(
-        self, plane: Dataplane, *, node_id: str, stats: ServingStats | None = None
+        self,
+        plane: Dataplane,
+        *,
+        node_id: str,
+        stats: ServingStats | None = None,
+        default_timeout_s: float | None = None,
     ) -> None:
         self.plane = plane
         self.node_id = node_id
+        self.default_timeout_s = default_timeout_s  # for calls that carry no deadline
         self.clock = plane.clock
         self.stats = stats or ServingStats(clock=plane.clock)
         self.serving = True
@@ -96,6 +102,8 @@ class InferenceService:
             refused = refused or InvalidInput(BAD_REQUEST_ID)
         elif request_id:
             trailers.append(("x-request-id", request_id))
+        if remaining is None:
+            remaining = self.default_timeout_s
         return Call(
             trailers=trailers,
             deadline=None if remaining is None else self.clock() + remaining,

@@ -46,6 +46,10 @@ class ServerSettings:
         default=100.0,
         metadata={"help": "on the CPU, runs expected to take less than this run on the event loop"},
     )
+    default_timeout_s: float = field(
+        default=0.0,
+        metadata={"help": "deadline for calls that carry none, in seconds (0: none)"},
+    )
     max_message_bytes: int = field(
         default=64 * 1024 * 1024, metadata={"help": "largest request or response message"}
     )
@@ -75,6 +79,8 @@ class ServerSettings:
             raise ValueError("--max-message-bytes must be at least 1024")
         if self.grace_s < 0 or self.drain_delay_s < 0:
             raise ValueError("--grace-s and --drain-delay-s must not be negative")
+        if self.default_timeout_s < 0:
+            raise ValueError("--default-timeout-s must not be negative")
         if not self.node_id:
             object.__setattr__(self, "node_id", socket.gethostname())
         if not self.model:
