@@ -94,12 +94,9 @@ class Pool:
     def choose(self, key: int | None, exclude: Iterable[Backend] = ()) -> Choice:
         skip = set(map(id, exclude))
         candidates = [b for b in self.backends.values() if id(b) not in skip]
-        panic = self.panicking()
-        usable = [
-            b
-            for b in candidates
-            if b.health != Health.NOT_SERVING and (panic or b.breaker.available())
-        ]
+        usable = [b for b in candidates if b.usable]
+        if len(usable) < len(candidates) and self.panicking():  # only when some are out
+            usable = [b for b in candidates if b.health != Health.NOT_SERVING]
         if not usable:
             return Choice(None, self._why_none(candidates))
         if key is None:

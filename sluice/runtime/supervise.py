@@ -78,7 +78,6 @@ class Supervisor:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self._read_fd, self._write_fd = os.pipe()  # both non-inheritable
-        self.respawns = 0
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._keep(slot)) for slot in range(self.count)]
@@ -133,7 +132,6 @@ class Supervisor:
                 await asyncio.wait_for(self._stopping.wait(), delay)
             if self._stopping.is_set():
                 return
-            self.respawns += 1
             log.info("%s %d respawning", self.name, slot)
 
     def forward(self, sig: int = signal.SIGTERM) -> None:

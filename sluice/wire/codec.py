@@ -70,12 +70,13 @@ def decode(tensor: pb.Tensor) -> np.ndarray:
         raise TensorError(f"{label} has {len(shape)} dimensions; at most {MAX_RANK} are allowed")
     if any(d < 0 for d in shape):
         raise TensorError(f"{label} has a negative dimension in shape {list(shape)}")
-    if math.prod(d for d in shape if d) > MAX_ELEMENTS:
+    count = math.prod(shape)
+    # An empty shape is judged by its other dimensions (only those pay for a generator).
+    if count > MAX_ELEMENTS or (not count and math.prod(d for d in shape if d) > MAX_ELEMENTS):
         raise TensorError(
             f"{label} has shape {list(shape)}, over {MAX_ELEMENTS} elements; "
             "no message can carry it"
         )
-    count = math.prod(shape)
     present = [f for f in _TYPED_FIELDS if len(getattr(tensor, f))]
     if tensor.raw_data and present:
         raise TensorError(

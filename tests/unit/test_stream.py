@@ -69,9 +69,9 @@ async def echo(message: pb.StreamRequest) -> bytes:
     return pb.StreamResponse(id=message.id).SerializeToString()
 
 
-async def settle() -> None:
-    """Let every runnable task run until nothing more happens."""
-    for _ in range(100):
+async def settle(rounds: int = 100) -> None:
+    """Let every runnable task run until nothing more happens (`rounds` turns of the loop)."""
+    for _ in range(rounds):
         await asyncio.sleep(0)
 
 
@@ -111,8 +111,7 @@ async def test_calls_in_flight_count_towards_the_bound() -> None:
 async def test_the_default_bound_holds() -> None:
     sender, writer = Sender([request(i) for i in range(1, 2001)]), Writer()
     serving = asyncio.create_task(stream.serve(sender, writer, echo))
-    await settle()
-    await asyncio.sleep(0.05)
+    await settle(10 * stream.MAX_PENDING)  # room to pull every message, were it unbounded
     assert sender.pulled == stream.MAX_PENDING
     writer.allow()
     await asyncio.wait_for(serving, 10)
