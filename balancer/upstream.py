@@ -95,8 +95,12 @@ class Upstream:
             # Two misses in a row, so that one slow moment of a busy server is not a hang.
             stub = health_pb2_grpc.HealthStub(self.channel)
             missed = 0
+            loop = asyncio.get_running_loop()
+            asked = loop.time()
             while True:
-                await asyncio.sleep(self._keepalive_s)  # a period, not a wait for a state
+                # One check per period, a missed one included (its timeout spent the period).
+                await asyncio.sleep(max(0.0, asked + self._keepalive_s - loop.time()))
+                asked = loop.time()
                 try:
                     reply = await stub.Check(
                         health_pb2.HealthCheckRequest(), timeout=self._keepalive_s
