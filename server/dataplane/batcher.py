@@ -7,9 +7,13 @@ no queue wait and no timer. While every instance is busy, requests wait in one b
 queue. When an instance frees up, its batch is the oldest waiting request plus the
 compatible requests (same non-batch dimensions, datatypes and requested outputs) that
 arrived within the latency budget of that oldest one, in arrival order, up to the maximum
-rows. Batches therefore grow with load and shrink to one when idle. A request whose
-deadline passed is dropped before inference; a caller that cancels leaves the queue, or if
-its batch already runs, simply does not get the answer: its batch-mates are unaffected.
+rows. Batches therefore grow with load and shrink to one when idle.
+
+Deadlines are kept at both ends of the queue: a request that cannot be answered in time,
+given the rows ahead of it and the measured drain rate, is refused at the door (see
+admission); one whose deadline would pass before its run ends is dropped when it leaves the
+queue, before inference. A caller that cancels leaves the queue, or if its batch already
+runs, simply does not get the answer: its batch-mates are unaffected.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from sluice.core.errors import DeadlineExpired, Overloaded
+from sluice.server.dataplane.admission import Admission
 
 Arrays = dict[str, np.ndarray]
 FULL, BUDGET, DRAINED = "full", "budget", "drained"
@@ -64,6 +69,7 @@ class BatchQueue:
         self.max_rows = max_rows
         self.budget_s = budget_s
         self.max_queue = max_queue
+        self.rows = 0  # rows waiting
         self._items: deque[Pending] = deque()
 
     def __len__(self) -> int:
@@ -75,9 +81,11 @@ class BatchQueue:
                 f"the request queue is full ({self.max_queue} waiting); retry later or elsewhere"
             )
         self._items.append(item)
+        self.rows += item.rows
 
-    def take(self, now: float) -> Taken | None:
-        """The next batch, with the requests that expired on the way; None when empty."""
+    def take(self, now: float, row_s: float = 0.0) -> Taken | None:
+        """The next batch, with the requests that expired on the way (or would expire before
+        a run of `row_s` seconds per row could answer them); None when empty."""
         expired: list[Pending] = []
         batch: list[Pending] = []
         keep: deque[Pending] = deque()
@@ -87,7 +95,7 @@ class BatchQueue:
         for item in self._items:
             if item.abandoned:
                 continue
-            if item.deadline is not None and item.deadline <= now:
+            if item.deadline is not None and item.deadline <= now + item.rows * row_s:
                 expired.append(item)
                 continue
             if closed:
@@ -110,6 +118,7 @@ class BatchQueue:
                 batch.append(item)
                 rows += item.rows
         self._items = keep
+        self.rows = sum(item.rows for item in keep)
         if not batch and not expired:
             return None
         if batch and rows >= self.max_rows:
@@ -135,7 +144,7 @@ class BatcherStats:
     requests: int = 0  # run in batches
     rows: int = 0
     flushes: Counter[str] = field(default_factory=Counter)  # full, budget, drained
-    rejected: int = 0  # queue full
+    rejected: int = 0  # refused at the door: queue full, or no time to answer
     expired: int = 0  # deadline passed while waiting
 
     @property
@@ -158,8 +167,10 @@ class Batcher:
         self.queue = BatchQueue(max_rows=max_rows, budget_s=budget_s, max_queue=max_queue)
         self.clock = clock
         self.stats = BatcherStats()
+        self.admission = Admission(len(runners))
         self._idle = list(runners)
         self.busy = 0  # runners with a batch
+        self._running_rows = 0
         self.runs = Counter[int]()  # batches per runner index
         self._index = {id(r): i for i, r in enumerate(runners)}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -173,18 +184,25 @@ class Batcher:
         group: Hashable,
         deadline: float | None = None,
     ) -> Arrays:
-        """Run one request; raises Overloaded when the queue is full, DeadlineExpired when its
-        deadline passes first."""
+        """Run one request; raises Overloaded when the queue is full or the request cannot
+        be answered before its deadline, DeadlineExpired when its deadline passes first."""
+        now = self.clock()
+        try:
+            self.admission.admit(now, deadline, self.queue.rows + self._running_rows, rows)
+        except Overloaded:
+            self.stats.rejected += 1
+            raise
         if self._idle and not len(self.queue):
             # The fast path: an idle instance whose runs are tiny answers right here, with
             # no future, task or extra trip round the event loop.
             runner = self._idle[-1]
             result = runner.run_inline(inputs, outputs, rows)
             if result is not None:
+                self.admission.observe(self.clock() - now, rows)
                 self._count(runner, [rows], DRAINED)
                 return result
         future: asyncio.Future[Arrays] = asyncio.get_running_loop().create_future()
-        item = Pending(inputs, tuple(outputs), rows, group, self.clock(), deadline, future)
+        item = Pending(inputs, tuple(outputs), rows, group, now, deadline, future)
         try:
             self.queue.add(item)
         except Overloaded:
@@ -195,7 +213,9 @@ class Batcher:
 
     def _pump(self) -> None:
         while self._idle and len(self.queue):
-            taken = self.queue.take(self.clock())
+            # A lone request on an idle server runs even if it may end late, as at the door.
+            contended = self.busy > 0 or len(self.queue) > 1
+            taken = self.queue.take(self.clock(), self.admission.row_s if contended else 0.0)
             if taken is None:
                 return
             for item in taken.expired:
@@ -205,8 +225,9 @@ class Batcher:
                 continue
             runner = self._idle.pop()  # the most recently used: its memory is warm
             self.busy += 1
+            self._running_rows += taken.rows
             self._count(runner, [p.rows for p in taken.batch], taken.reason)
-            task = asyncio.create_task(self._run(runner, taken.batch))
+            task = asyncio.create_task(self._run(runner, taken.batch, taken.rows))
             self._tasks.add(task)  # held until done: a task nobody holds can be collected
             task.add_done_callback(self._tasks.discard)
 
@@ -217,18 +238,21 @@ class Batcher:
         self.stats.flushes[reason] += 1
         self.runs[self._index[id(runner)]] += 1
 
-    async def _run(self, runner: Runner, batch: list[Pending]) -> None:
+    async def _run(self, runner: Runner, batch: list[Pending], rows: int) -> None:
+        started = self.clock()
         try:
             results = await runner.run(batch)
         except Exception as exc:  # every waiter must hear of the failure
             for item in batch:
                 _fail(item, exc)
         else:
+            self.admission.observe(self.clock() - started, rows)
             for item, result in zip(batch, results, strict=True):
                 if item.future is not None and not item.future.done():
                     item.future.set_result(result)
         finally:
             self.busy -= 1
+            self._running_rows -= rows
             self._idle.append(runner)
             self._pump()
 

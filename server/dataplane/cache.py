@@ -97,7 +97,15 @@ class SingleFlight:
         if task is None:
             task = asyncio.ensure_future(compute())
             self._flights[key] = task
-            task.add_done_callback(lambda _: self._flights.pop(key, None))
+
+            def done(finished: asyncio.Task[Entry]) -> None:
+                self._flights.pop(key, None)
+                # Every caller may have gone (cancelled): the outcome is then read here, so
+                # asyncio does not log it as an exception nobody retrieved.
+                if not finished.cancelled():
+                    finished.exception()
+
+            task.add_done_callback(done)
         else:
             self.joined += 1
         return await asyncio.shield(task)

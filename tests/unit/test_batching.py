@@ -15,6 +15,7 @@ from hypothesis.extra import numpy as hnp
 from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import DeadlineExpired, Overloaded
 from sluice.server.dataplane import staging
+from sluice.server.dataplane.admission import WARMUP
 from sluice.server.dataplane.batcher import (
     BUDGET,
     DRAINED,
@@ -308,3 +309,66 @@ async def test_tiny_runs_take_the_inline_fast_path_when_idle() -> None:
     assert (await submit(batcher, 5))["y"].tolist() == [10]
     assert runner.batches == [[5]] and batcher.stats.batches == 1
     assert batcher.busy == 0 and len(batcher.queue) == 0
+
+
+class Timed(Doubler):
+    """A slow instance on a fake clock: each run takes `seconds` of it."""
+
+    def __init__(self, now: list[float], seconds: float) -> None:
+        super().__init__()
+        self.now = now
+        self.seconds = seconds
+
+    async def run(self, batch: Sequence[Pending]) -> list[Arrays]:
+        results = await super().run(batch)
+        self.now[0] += self.seconds
+        return results
+
+
+async def test_a_request_that_cannot_finish_in_time_is_refused_at_the_door() -> None:
+    now = [0.0]
+    runner = Timed(now, seconds=0.010)
+    batcher = Batcher([runner], max_rows=1, budget_s=1.0, clock=lambda: now[0])
+    for x in range(WARMUP):  # the drain rate is measured: 10 ms a row
+        await submit(batcher, x, deadline=now[0] + 1.0)
+    assert batcher.admission.row_s == pytest.approx(0.010)
+    runner.gate.clear()
+    ahead = [asyncio.create_task(submit(batcher, x, deadline=now[0] + 1.0)) for x in range(5)]
+    await settle()  # one runs, four wait: five rows ahead of the next request
+    with pytest.raises(Overloaded, match="cannot answer within the deadline"):
+        await submit(batcher, 99, deadline=now[0] + 0.055)  # needs ~60 ms
+    assert len(batcher.queue) == 4  # refused before it queued
+    admitted = asyncio.create_task(submit(batcher, 7, deadline=now[0] + 0.065))
+    runner.gate.set()
+    assert (await admitted)["y"].tolist() == [14]
+    await asyncio.gather(*ahead)
+    assert batcher.stats.rejected == 1 and batcher.admission.refused == 1
+
+
+async def test_an_idle_server_admits_even_a_hopeless_request() -> None:
+    """Nothing ahead: the request delays nobody, and its run refreshes the estimate."""
+    now = [0.0]
+    batcher = Batcher([Timed(now, seconds=0.050)], max_rows=1, clock=lambda: now[0])
+    for x in range(WARMUP):
+        await submit(batcher, x, deadline=now[0] + 1.0)
+    assert (await submit(batcher, 3, deadline=now[0] + 0.001))["y"].tolist() == [6]
+
+
+async def test_a_request_whose_deadline_would_pass_during_its_run_is_dropped_at_dequeue() -> None:
+    now = [0.0]
+    runner = Timed(now, seconds=0.010)
+    batcher = Batcher([runner], max_rows=1, budget_s=1.0, clock=lambda: now[0])
+    for x in range(WARMUP):
+        await submit(batcher, x, deadline=now[0] + 1.0)
+    runner.gate.clear()
+    first = asyncio.create_task(submit(batcher, 1, deadline=now[0] + 1.0))
+    await settle()
+    late = asyncio.create_task(submit(batcher, 2, deadline=now[0] + 0.025))  # admitted
+    await settle()
+    now[0] += 0.020  # by the time it could start, 5 ms are left for a 10 ms run
+    runner.gate.set()
+    await first
+    with pytest.raises(DeadlineExpired):
+        await late
+    assert runner.batches[-1] == [1]  # never ran
+    assert batcher.stats.expired == 1
