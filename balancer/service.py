@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError
 
 from sluice.core.calls import check_request_id, stream_timeout
 from sluice.core.errors import Code, InvalidInput, status_name
-from sluice.core.keys import NO_CACHE_HEADER, affinity_key
+from sluice.core.keys import NO_CACHE_HEADER, OVERLOADED, REFUSED_HEADER, affinity_key
 from sluice.core.stats import ServingStats, health_fields
 from sluice.routing.budget import RetryBudget
 from sluice.routing.planner import Planner, rule_of
@@ -90,7 +90,10 @@ class BalancerService:
             self._refused()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
         reply = await self.forward(body, metadata, self._deadline(context.time_remaining()))
-        context.set_trailing_metadata(tuple(reply.trailers.items()))
+        trailers = reply.trailers
+        if reply.retryable and REFUSED_HEADER not in trailers:  # refused here, not upstream
+            trailers = {**trailers, REFUSED_HEADER: OVERLOADED}
+        context.set_trailing_metadata(tuple(trailers.items()))
         if reply.code == 0:
             return reply.body
         await context.abort(grpc_code(reply.code), reply.message)
@@ -114,6 +117,7 @@ class BalancerService:
                 message=reply.message,
                 response=reply.body,
                 trailers=reply.trailers,
+                retryable=reply.retryable,
             ).SerializeToString()
 
         await stream.serve(requests, context.write, answer)
@@ -179,6 +183,7 @@ class BalancerService:
                     failures=b.failures,
                     ewma_ms=b.latency.current() * 1000,
                     share=b.calls / total,
+                    limit=self.planner.limits.limit(b) or 0.0,
                 )
                 for b in self.pool.backends.values()
             ],
@@ -187,6 +192,7 @@ class BalancerService:
                 retries=self.budget.retries,
                 retries_refused=self.budget.refused,
                 unavailable=self.planner.unavailable,
+                shed=self.planner.limits.shed,
             ),
         )
         return response.SerializeToString()

@@ -14,8 +14,8 @@ from typing import Any
 import grpc
 
 from sluice.core.calls import BAD_REQUEST_ID, printable, stream_timeout
-from sluice.core.errors import Code, InvalidInput, SluiceError
-from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE
+from sluice.core.errors import Code, InvalidInput, Overloaded, SluiceError
+from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, OVERLOADED, REFUSED_HEADER
 from sluice.core.stats import ServingStats, health_fields
 from sluice.runtime.status import status_of
 from sluice.server.convert import V1, model_info, parse
@@ -122,6 +122,8 @@ class InferenceService:
             reply = await fn(body, info)
         except SluiceError as exc:
             stats.end(started, exc.status)
+            if isinstance(exc, Overloaded):  # refused before any work: another may take it
+                info.trailers.append((REFUSED_HEADER, OVERLOADED))
             return status_of(exc), str(exc)
         except asyncio.CancelledError:
             stats.end(started, "CANCELLED")
@@ -163,6 +165,7 @@ class InferenceService:
                 reply.response = outcome
             else:
                 reply.code, reply.message = outcome[0].value[0], outcome[1]
+                reply.retryable = REFUSED_HEADER in reply.trailers
             return reply.SerializeToString()
 
         def refuse(message: pb.StreamRequest) -> bytes | None:

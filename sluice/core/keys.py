@@ -13,6 +13,10 @@ NO_CACHE_VALUE = "no-cache"
 # Callers may give their own affinity key; calls with the same key go to the same server.
 AFFINITY_HEADER = "x-affinity-key"
 PREDICT = "/sluice.v1.Inference/Predict"
+# A trailer on a call refused before any work because its server (or every server behind a
+# balancer) is at its limit: RESOURCE_EXHAUSTED that another server with headroom may take.
+REFUSED_HEADER = "x-refused"
+OVERLOADED = "overloaded"
 
 
 def affinity_key(body: bytes, metadata: Mapping[str, str]) -> int | None:

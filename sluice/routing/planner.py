@@ -12,7 +12,12 @@ backend.
 Calls in flight on a stream that broke got no reply, but may already have run. Inference
 is a pure function of the request, so sending them again is safe; it costs only the load
 of a second run, which the retry budget bounds (about 20% of calls). They are retried, and
-the break counts against the backend."""
+the break counts against the backend.
+
+A server that refuses a call for want of capacity (RESOURCE_EXHAUSTED, retryable) teaches
+the planner its concurrency limit (sluice.routing.limit); calls go, and such refusals are
+retried, only where a backend has headroom, and when none has, the call is refused at once
+(RESOURCE_EXHAUSTED, retryable) rather than queued."""
 
 from __future__ import annotations
 
@@ -25,12 +30,14 @@ from typing import Generic, Protocol, TypeVar
 
 from sluice.core.errors import Code, status_name
 from sluice.routing.budget import RetryBudget
+from sluice.routing.limit import Limits
 from sluice.routing.pool import Backend, Pool
 
 
 class Outcome(StrEnum):
     OK = "ok"
     REFUSED = "refused"  # refused before any work (a draining server): the `retryable` flag
+    OVERLOADED = "overloaded"  # RESOURCE_EXHAUSTED before any work: the server is at its limit
     UNAVAILABLE = "unavailable"  # UNAVAILABLE: no connection, or the server cannot take it
     BROKEN = "broken"  # the stream broke before the reply: the call may have run
     BACKEND_ERROR = "backend error"  # INTERNAL, UNKNOWN: the backend failed on this call
@@ -50,6 +57,8 @@ RULES: dict[Outcome, Rule] = {
     Outcome.OK: Rule(retry=False, verdict="ok"),
     # No work was done, and draining is no fault: its health watch already takes it out.
     Outcome.REFUSED: Rule(retry=True, verdict="neutral"),
+    # No work was done; busy is no fault. Retried only on a backend with headroom (Limits).
+    Outcome.OVERLOADED: Rule(retry=True, verdict="neutral"),
     Outcome.UNAVAILABLE: Rule(retry=True, verdict="failed"),
     # It may have run; inference is pure, so a second run costs load, not correctness.
     Outcome.BROKEN: Rule(retry=True, verdict="failed"),
@@ -75,6 +84,8 @@ OUTCOME_OF_CODE: dict[int, Outcome] = {
 
 def outcome_of(code: int, retryable: bool = False) -> Outcome:
     """The outcome of a reply with status `code`; `retryable` marks a refusal before work."""
+    if retryable and code == Code.RESOURCE_EXHAUSTED:
+        return Outcome.OVERLOADED
     if retryable and code != Code.OK:
         return Outcome.REFUSED
     return OUTCOME_OF_CODE.get(code, Outcome.CALLER_ERROR)
@@ -84,6 +95,7 @@ def outcome_of(code: int, retryable: bool = False) -> Outcome:
 _RULE_OF_CODE = {int(code): RULES[outcome] for code, outcome in OUTCOME_OF_CODE.items()}
 _CALLERS = RULES[Outcome.CALLER_ERROR]
 _REFUSED = RULES[Outcome.REFUSED]
+_OVERLOADED = RULES[Outcome.OVERLOADED]
 _BROKEN = RULES[Outcome.BROKEN]
 _TIMEOUT = RULES[Outcome.TIMEOUT]
 
@@ -91,13 +103,14 @@ _TIMEOUT = RULES[Outcome.TIMEOUT]
 def rule_of(code: int, retryable: bool = False) -> Rule:
     """RULES[outcome_of(code, retryable)] in one step."""
     if retryable and code:
-        return _REFUSED
+        return _OVERLOADED if code == _RESOURCE_EXHAUSTED else _REFUSED
     return _RULE_OF_CODE.get(code, _CALLERS)
 
 
 NO_LOCK: AbstractContextManager[object] = nullcontext()
 _UNAVAILABLE = int(Code.UNAVAILABLE)
 _DEADLINE_EXCEEDED = int(Code.DEADLINE_EXCEEDED)
+_RESOURCE_EXHAUSTED = int(Code.RESOURCE_EXHAUSTED)
 
 
 class ReplyLike(Protocol):
@@ -114,6 +127,13 @@ class ReplyLike(Protocol):
 
 
 R = TypeVar("R", bound=ReplyLike)
+R_co = TypeVar("R_co", bound=ReplyLike, covariant=True)
+
+
+class MakeReply(Protocol[R_co]):
+    """Makes the planner's own answers (sluice.wire.mux.Reply is one)."""
+
+    def __call__(self, code: int, message: str, *, retryable: bool = False) -> R_co: ...
 
 
 @dataclass(slots=True)
@@ -148,8 +168,17 @@ class Plan(Generic[R]):
             left = None if self.deadline is None else self.deadline - clock()
             if left is not None and left <= 0:
                 return planner.reply(_DEADLINE_EXCEEDED, f"the deadline passed{self.last}")
-            choice = pool.choose(self.key, self.tried)
+            limits = planner.limits
+            full = [b for b in pool.backends.values() if limits.full(b)] if limits else []
+            choice = pool.choose(self.key, self.tried + full if full else self.tried)
             backend = choice.backend
+            if backend is None and full:
+                limits.shed += 1
+                held = sum(b.in_flight for b in full)
+                why = f"refused: every backend is at its limit ({held} calls in flight)"
+                return planner.reply(
+                    _RESOURCE_EXHAUSTED, f"{why}; retry later{self.last}", retryable=True
+                )
             if backend is None:
                 planner.unavailable += 1
                 why = f"no backend can take the call: {choice.why}"
@@ -169,6 +198,10 @@ class Plan(Generic[R]):
         """The reply to an attempt: the call's answer, or None to try the next backend."""
         rule = rule_of(answer.code, answer.retryable)
         self._finish(attempt, rule)
+        if rule is _OVERLOADED:
+            self._planner.limits.refused(attempt.backend)
+        elif answer.code == 0 and self._planner.limits:
+            self._planner.limits.answered(attempt.backend)
         if not rule.retry:
             return answer
         self._failed(attempt, f"{status_name(answer.code)}: {answer.message}")
@@ -213,7 +246,7 @@ class Planner(Generic[R]):
         self,
         pool: Pool,
         budget: RetryBudget,
-        reply: Callable[[int, str], R],
+        reply: MakeReply[R],
         *,
         broken: tuple[type[BaseException], ...] = (),
         clock: Callable[[], float] = time.monotonic,
@@ -224,6 +257,7 @@ class Planner(Generic[R]):
         self.broken = broken
         self.clock = clock
         self.unavailable = 0  # calls answered UNAVAILABLE because no backend could take them
+        self.limits = Limits()  # how many calls each backend can take, from its refusals
         self._known: tuple[type[BaseException], ...] = (TimeoutError, *broken)
 
     def plan(self, key: int | None, deadline: float | None) -> Plan[R]:

@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from sluice.core.keys import REFUSED_HEADER
 from sluice.wire.mux import Reply
 
 Metadata = tuple[tuple[str, str], ...]
@@ -27,9 +28,10 @@ def pairs(metadata: Any) -> dict[str, str]:
 
 
 def failure(error: Failed) -> Reply:
-    """A failed call as a Reply."""
+    """A failed call as a Reply; one its server refused before any work is retryable."""
+    trailers = pairs(error.trailing_metadata())
     return Reply(
-        error.code().value[0], error.details() or "", b"", pairs(error.trailing_metadata())
+        error.code().value[0], error.details() or "", b"", trailers, REFUSED_HEADER in trailers
     )
 
 

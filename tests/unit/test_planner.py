@@ -112,6 +112,7 @@ def test_every_outcome_has_one_rule() -> None:
         (Code.CANCELLED, False, Outcome.CANCELLED),
         (Code.INVALID_ARGUMENT, False, Outcome.CALLER_ERROR),
         (Code.RESOURCE_EXHAUSTED, False, Outcome.CALLER_ERROR),
+        (Code.RESOURCE_EXHAUSTED, True, Outcome.OVERLOADED),
         (Code.NOT_FOUND, False, Outcome.CALLER_ERROR),
     ],
 )
@@ -356,3 +357,58 @@ def test_concurrent_calls_keep_the_pools_books() -> None:
     assert all(r.code == 0 for r in replies)
     assert sum(b.calls for b in p.pool.backends.values()) == 20
     assert all(b.in_flight == 0 for b in p.pool.backends.values())
+
+
+def busy(message: str = "refused: the server cannot answer within the deadline") -> Reply:
+    return status(Code.RESOURCE_EXHAUSTED, message, retryable=True)
+
+
+def test_an_overload_refusal_is_retried_where_there_is_headroom_and_sets_a_limit() -> None:
+    clock = FakeClock()
+    p = planner(clock, failures_to_open=1)
+    first, second, _ = order(p, 42)
+    for backend in p.pool.backends.values():
+        backend.in_flight = 3  # other calls each holds
+    transport = Transport(clock, {first: [busy()], second: [ok()]})
+    assert run(p, transport, deadline=None).code == 0
+    assert [a for a, _ in transport.sent] == [first, second]
+    backend = p.pool.backends[first]
+    assert p.limits.limit(backend) == 3 and p.limits.full(backend)
+    assert backend.failures == 0 and backend.breaker.state is State.CLOSED  # busy is no fault
+    # While it is full, calls whose key it owns go to the next on the ring, unsent to it.
+    transport.sent.clear()
+    assert run(p, transport, deadline=None).code == 0
+    assert [a for a, _ in transport.sent] == [second]
+
+
+def test_when_every_backend_is_full_the_call_is_shed_at_once_and_retryable() -> None:
+    clock = FakeClock()
+    p = planner(clock, ("a:1", "b:1"))
+    for backend in p.pool.backends.values():
+        backend.in_flight = 2
+        p.limits.refused(backend)
+    transport = Transport(clock, {})
+    reply = run(p, transport, deadline=None)
+    assert transport.sent == []
+    assert reply.code == Code.RESOURCE_EXHAUSTED and reply.retryable
+    assert "every backend is at its limit (4 calls in flight)" in reply.message
+    assert p.limits.shed == 1 and p.unavailable == 0
+
+
+def test_a_limit_rises_with_answers_and_is_forgotten_far_above_any_refusal() -> None:
+    clock = FakeClock()
+    p = planner(clock, ("a:1",))
+    backend = p.pool.backends["a:1"]
+    backend.in_flight = 4
+    p.limits.refused(backend)
+    backend.in_flight = 0
+    transport = Transport(clock, {"a:1": [ok()]})
+    for _ in range(4):  # one window of answers: +1
+        run(p, transport, deadline=None)
+    assert p.limits.limit(backend) == pytest.approx(5.0, abs=0.1)
+    for _ in range(600_000 // 1000):
+        for _ in range(1000):
+            p.limits.answered(backend)
+        if p.limits.limit(backend) is None:
+            break
+    assert p.limits.limit(backend) is None and not p.limits

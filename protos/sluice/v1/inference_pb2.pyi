@@ -188,7 +188,7 @@ class HealthResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., status: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., provider: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., errors_by_code: _Optional[_Mapping[str, int]] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., in_flight: _Optional[int] = ..., batcher: _Optional[_Union[BatcherStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., buffers: _Optional[_Union[BufferPoolStats, _Mapping]] = ..., role: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., balancer: _Optional[_Union[BalancerStats, _Mapping]] = ...) -> None: ...
 
 class BackendStatus(_message.Message):
-    __slots__ = ("address", "health", "breaker", "in_flight", "calls", "failures", "ewma_ms", "share")
+    __slots__ = ("address", "health", "breaker", "in_flight", "calls", "failures", "ewma_ms", "share", "limit")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     BREAKER_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,7 @@ class BackendStatus(_message.Message):
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     EWMA_MS_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
     address: str
     health: str
     breaker: str
@@ -205,19 +206,22 @@ class BackendStatus(_message.Message):
     failures: int
     ewma_ms: float
     share: float
-    def __init__(self, address: _Optional[str] = ..., health: _Optional[str] = ..., breaker: _Optional[str] = ..., in_flight: _Optional[int] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., ewma_ms: _Optional[float] = ..., share: _Optional[float] = ...) -> None: ...
+    limit: float
+    def __init__(self, address: _Optional[str] = ..., health: _Optional[str] = ..., breaker: _Optional[str] = ..., in_flight: _Optional[int] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., ewma_ms: _Optional[float] = ..., share: _Optional[float] = ..., limit: _Optional[float] = ...) -> None: ...
 
 class BalancerStats(_message.Message):
-    __slots__ = ("calls", "retries", "retries_refused", "unavailable")
+    __slots__ = ("calls", "retries", "retries_refused", "unavailable", "shed")
     CALLS_FIELD_NUMBER: _ClassVar[int]
     RETRIES_FIELD_NUMBER: _ClassVar[int]
     RETRIES_REFUSED_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    SHED_FIELD_NUMBER: _ClassVar[int]
     calls: int
     retries: int
     retries_refused: int
     unavailable: int
-    def __init__(self, calls: _Optional[int] = ..., retries: _Optional[int] = ..., retries_refused: _Optional[int] = ..., unavailable: _Optional[int] = ...) -> None: ...
+    shed: int
+    def __init__(self, calls: _Optional[int] = ..., retries: _Optional[int] = ..., retries_refused: _Optional[int] = ..., unavailable: _Optional[int] = ..., shed: _Optional[int] = ...) -> None: ...
 
 class BatcherStats(_message.Message):
     __slots__ = ("batches", "requests", "rows", "mean_batch_size", "flush_full", "flush_budget", "flush_drained", "queue_depth", "rejected", "expired", "max_batch", "budget_ms", "instances", "busy_instances", "instance_batches")
