@@ -13,6 +13,7 @@ import pytest
 
 from sluice.client import AsyncSluiceClient, SluiceClient
 from sluice.perf.make_mlp import build
+from sluice.server.dataplane.admission import WARMUP
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 from tests.conftest import SAMPLES
@@ -201,3 +202,48 @@ async def test_a_request_whose_deadline_passes_in_the_queue_is_dropped(mlp: Path
     assert after.requests - before.requests == 2  # the two big calls ran; the dropped one did not
     assert after.queue_depth == 0
     assert [a["output"].shape for a in answers] == [(BIG_ROWS, 10)] * 2
+
+
+async def test_a_call_that_cannot_finish_in_time_is_refused_at_the_door(mlp: Path) -> None:
+    """Once the server has measured its runs, a call with seconds of work ahead of it and a
+    short deadline is refused at once, marked retryable; one with time enough is admitted."""
+    warm = rows(WARMUP, seed=18)
+    blocker = rows(1, seed=19)[0].repeat(BIG_ROWS * 4, axis=0)  # seconds of work
+    small = pb.PredictRequest(inputs=[codec.encode("input", rows(1, seed=20)[0])])
+    argv = ("--instances", "1", "--max-batch", "1", "--cache-entries", "0", *NOT_INLINE)
+    with running(server_argv(*argv, model=mlp)) as server:
+        async with (
+            AsyncSluiceClient(server.address, timeout=300) as client,
+            grpc.aio.insecure_channel(server.address) as channel,
+        ):
+            for x in warm:  # the drain rate is measured from these runs
+                await client.predict({"input": x})
+            running_call = asyncio.create_task(client.predict({"input": blocker}))
+            await asyncio.to_thread(
+                wait_health,
+                server.address,
+                lambda h: h.batcher.busy_instances == 1,
+                "the long call to hold the instance",
+            )
+            before = (await client.health()).batcher
+            reply = await stream_once(
+                channel, pb.StreamRequest(id=1, request=small.SerializeToString(), timeout_s=0.5)
+            )
+            predict = channel.unary_unary(
+                "/sluice.v1.Inference/Predict",
+                request_serializer=None,
+                response_deserializer=None,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await predict(small.SerializeToString(), timeout=0.5)
+            admitted = await client.predict({"input": warm[0]})  # 300 s: time enough
+            after = (await client.health()).batcher
+            await running_call
+    assert reply.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], reply
+    assert reply.retryable and reply.trailers["x-refused"] == "overloaded"
+    assert "cannot answer within the deadline" in reply.message
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "cannot answer within the deadline" in (refused.value.details() or "")
+    assert ("x-refused", "overloaded") in tuple(refused.value.trailing_metadata() or ())
+    assert admitted["output"].shape == (1, 10)
+    assert after.rejected - before.rejected == 2
