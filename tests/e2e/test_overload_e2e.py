@@ -1,0 +1,88 @@
+"""Overload through the balancer, on real processes: a server's refusal for want of capacity
+teaches the balancer that server's limit, and while every server is at its limit the
+balancer refuses at once instead of queueing."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from sluice.client import AsyncSluiceClient, SluiceClient
+from sluice.perf.make_mlp import build
+from sluice.server.dataplane.admission import WARMUP
+from sluice.v1 import inference_pb2 as pb
+from sluice.wire import codec
+from tests.e2e.harness import BIN, running, server_argv, wait_health
+
+pytestmark = pytest.mark.e2e
+
+PREDICT = "/sluice.v1.Inference/Predict"
+BIG_ROWS = 64_000  # seconds of work for the one instance
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "mlp1024.onnx"
+    path.write_bytes(build(width=1024, depth=2))
+    return path
+
+
+def rows(count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.uniform(0, 16, (1, 64)).astype(np.float32) for _ in range(count)]
+
+
+async def test_the_balancer_learns_a_full_server_and_sheds_at_once(mlp: Path) -> None:
+    argv = server_argv(
+        "--instances", "1", "--max-batch", "1", "--cache-entries", "0", "--inline-max-us", "0",
+        model=mlp,
+    )  # fmt: skip
+    small = pb.PredictRequest(inputs=[codec.encode("input", rows(1, seed=3)[0])])
+    with running(argv) as server:
+        balancer_argv = [str(BIN / "sluice-balancer"), "--port", "0", "--backend", server.address]
+        with running(balancer_argv) as balancer:
+            async with (
+                AsyncSluiceClient(balancer.address, timeout=300) as client,
+                grpc.aio.insecure_channel(balancer.address) as channel,
+            ):
+                for x in rows(WARMUP, seed=1):  # the server measures its runs
+                    await client.predict({"input": x})
+                blocker = rows(1, seed=2)[0].repeat(BIG_ROWS, axis=0)
+                holding = asyncio.create_task(client.predict({"input": blocker}))
+                await asyncio.to_thread(
+                    wait_health,
+                    server.address,
+                    lambda h: h.batcher.busy_instances == 1,
+                    "the long call to hold the instance",
+                )
+                predict = channel.unary_unary(
+                    PREDICT, request_serializer=None, response_deserializer=None
+                )
+                failures = []
+                for _ in range(2):  # refused by the server, then by the balancer alone
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await predict(small.SerializeToString(), timeout=0.5)
+                    failures.append(refused.value)
+                health = await client.health()
+                server_health = await asyncio.to_thread(server_health_of, server.address)
+                await holding
+                after = await client.predict({"input": rows(1, seed=4)[0]})  # headroom again
+    first = failures[0]
+    for failure in failures:
+        assert failure.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "every backend is at its limit" in (failure.details() or "")
+        assert ("x-refused", "overloaded") in tuple(failure.trailing_metadata() or ())
+    assert "cannot answer within the deadline" in (first.details() or "")  # the server's word
+    assert health.balancer.shed == 2
+    assert health.backends[0].limit == 1  # it held the long call when it refused
+    assert server_health.batcher.rejected == 1  # the second never reached it
+    assert after["output"].shape == (1, 10)
+
+
+def server_health_of(address: str) -> pb.HealthResponse:
+    with SluiceClient(address) as client:
+        return client.health()
