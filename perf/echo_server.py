@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from sluice.runtime.listener import MAX_PENDING_CALLS
 from sluice.runtime.process import event_loop
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
@@ -57,7 +58,14 @@ async def serve(host: str, port: int) -> None:
         "Health": health_info,
         "Metadata": metadata,
     }
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            # As the real servers (sluice.runtime.listener): a burst is not dropped by grpc.
+            ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+        ]
+    )
     server.add_generic_rpc_handlers(
         [
             grpc.method_handlers_generic_handler(

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2
 from sluice.core.errors import SluiceError
 from sluice.runtime import config
 from sluice.runtime.listener import bind, new_server
-from sluice.runtime.process import event_loop, setup_logging
+from sluice.runtime.process import event_loop, return_large_blocks, setup_logging
 from sluice.server.dataplane.batcher import Batcher
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine
@@ -94,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sluice-server: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level)
+    return_large_blocks()
     try:
         with asyncio.Runner(loop_factory=event_loop) as runner:
             return runner.run(serve(settings))

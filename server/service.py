@@ -142,6 +142,9 @@ class InferenceService:
         async def call(body: bytes, context: Context) -> bytes:
             info = self._call(context.invocation_metadata() or (), context.time_remaining())
             outcome = await self._invoke(fn, body, info, stats)
+            # grpc keeps an aborted call's exception, whose traceback holds this frame: drop
+            # the body now, or a refused 25 MB request stays until the next call arrives.
+            del body
             context.set_trailing_metadata(info.trailers)
             if isinstance(outcome, bytes):
                 return outcome

@@ -31,17 +31,26 @@ class PoolStats:
     bytes: int  # resting in the pool
     reused: int
     allocated: int
-    dropped: int  # returned when the pool was full, and freed
+    dropped: int  # returned when the pool was full or the buffer too large, and freed
 
 
 Key = tuple[str, tuple[int, ...], int]
 
 
+# The largest buffer the pool keeps, as a share of its budget (16 MiB of the default 256 MiB).
+# Larger ones are freed on return: one rare large batch (a 25 MB request, staged on CUDA, takes
+# a 32 MiB pinned buffer and 6 MiB more for its outputs) would otherwise hold its memory for
+# good, and the budget the common sizes need.
+LARGEST_SHARE = 16
+
+
 class BufferPool:
-    """Thread-safe: buffers are taken on the event loop and may be returned from a runner."""
+    """Thread-safe: buffers are taken on the event loop and may be returned from a runner.
+    Keeps at most `max_bytes`, none larger than `max_bytes // LARGEST_SHARE`."""
 
     def __init__(self, max_bytes: int = 256 << 20, allocate: Allocator = numpy_allocator) -> None:
         self.max_bytes = max_bytes
+        self.max_buffer_bytes = max_bytes // LARGEST_SHARE
         self._allocate = allocate
         self._free: defaultdict[Key, list[np.ndarray]] = defaultdict(list)
         self._bytes = 0
@@ -71,7 +80,10 @@ class BufferPool:
     def give(self, buffer: np.ndarray) -> None:
         key: Key = (buffer.dtype.str, tuple(buffer.shape[1:]), buffer.shape[0])
         with self._lock:
-            if self._bytes + buffer.nbytes > self.max_bytes:
+            if (
+                buffer.nbytes > self.max_buffer_bytes
+                or self._bytes + buffer.nbytes > self.max_bytes
+            ):
                 self.dropped += 1
                 return
             self._free[key].append(buffer)

@@ -108,4 +108,9 @@ class SingleFlight:
             task.add_done_callback(done)
         else:
             self.joined += 1
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        finally:
+            # The frame would otherwise sit in a cycle (task -> exception -> traceback ->
+            # this frame -> task) that keeps a large request alive until the next collection.
+            del task, compute

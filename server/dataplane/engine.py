@@ -249,6 +249,9 @@ class Engine:
         options.intra_op_num_threads = intra_op_threads
         options.inter_op_num_threads = 1
         options.log_severity_level = 3  # errors only: CUDA probing warnings are not news.
+        # The CPU arena keeps each run's peak for good (+230 MB after one 100,000-row run of
+        # the digits model); without it small runs were no slower here (40 us against 63).
+        options.enable_cpu_mem_arena = False
         providers = choose_providers(device)
         allocator = gpu.pinned_allocator() if CUDA in providers else None
         self.pinned = allocator is not None

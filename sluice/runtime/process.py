@@ -4,8 +4,12 @@ purpose: the balancer and the perf floors import it without loading ONNX Runtime
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import sys
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD = 1 << 20
 
 
 def setup_logging(level: str) -> None:
@@ -24,3 +28,19 @@ def event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
     loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     return loop
+
+
+def return_large_blocks() -> bool:
+    """Have glibc give every block of 1 MiB or more its own mapping, unmapped when freed.
+    Its default threshold starts at 128 KiB but rises to the size of each mapped block freed
+    (up to 32 MiB): after one large request (a 25 MB body, its parsed copy, its arrays) later
+    blocks of that size come from the heap, which kept ~90 MB after each such call and grew
+    with every one. A fixed threshold turns that rise off. False where malloc is not glibc's."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
