@@ -48,7 +48,10 @@ async def serve(settings: ServerSettings) -> int:
         plane, node_id=settings.node_id, default_timeout_s=settings.default_timeout_s or None
     )
     server, health_servicer = new_server(
-        service.handler(), max_message_bytes=settings.max_message_bytes, reuseport=False
+        service.handler(),
+        max_message_bytes=settings.max_message_bytes,
+        reuseport=False,
+        max_pending_calls=settings.max_pending_calls,
     )
     port = bind(server, settings.host, settings.port)
     await server.start()

@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass, field
 
 from sluice.models import DIGITS
+from sluice.runtime.listener import MAX_PENDING_CALLS
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -37,6 +38,14 @@ class ServerSettings:
     max_queue: int = field(
         default=1024, metadata={"help": "requests that may wait; beyond, RESOURCE_EXHAUSTED"}
     )
+    max_pending_calls: int = field(
+        default=MAX_PENDING_CALLS,
+        metadata={
+            "help": "calls grpc may hold before the server takes them; past it grpc drops them "
+            "(CANCELLED, uncounted). Under overload they wait there unseen: about capacity x "
+            "half the usual deadline sheds instead (e.g. 64 for the digits model at 100 ms)"
+        },
+    )
     cache_entries: int = field(default=10_000, metadata={"help": "result cache entries; 0: off"})
     cache_bytes: int = field(default=64 << 20, metadata={"help": "result cache size in bytes"})
     buffer_pool_bytes: int = field(
@@ -67,7 +76,7 @@ class ServerSettings:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, not {self.device!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be 0-65535, not {self.port}")
-        for name in ("instances", "max_batch", "max_queue"):
+        for name in ("instances", "max_batch", "max_queue", "max_pending_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         for name in ("cache_entries", "cache_bytes", "buffer_pool_bytes", "batch_budget_ms"):

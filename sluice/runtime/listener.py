@@ -14,19 +14,22 @@ from sluice.runtime.health import HealthService
 from sluice.v1 import inference_pb2
 
 # grpc core holds each call that arrives before the application asks for one (grpc.aio asks
-# for one call at a time, from its event loop) in a pending queue. Past 1,000 pending its
-# defaults drop calls at random, and every call past 3,000 (grpc.server.max_pending_requests
-# and ..._hard_limit): a bare CANCELLED, no detail, unseen by the application and uncounted
-# in Health: a burst of 2,000 calls at one server lost 130-180 of them. With this bound a burst
-# reaches the application, which serves it or refuses what is over its own bounds with
-# RESOURCE_EXHAUSTED and a reason (the request queue's --max-queue). A pending call costs
-# grpc core ~15 KiB, so this bound is ~300 MiB at worst; beyond it core still drops calls
-# (soft and hard limit equal: no random drops below it).
+# for one call at a time, from its event loop) in a FIFO pending queue, and drops calls past
+# its bound with a bare CANCELLED the application never sees. grpc's defaults drop at random
+# past 1,000 and all past 3,000: a burst of 2,000 calls at one server lost 130-180. This
+# default lets a burst reach the application, which serves it or refuses with a reason; a
+# pending call costs grpc core ~15 KiB, so ~300 MiB at worst (soft and hard limit equal: no
+# random drops below it). Under sustained overload this queue is where calls wait unseen
+# (see --max-pending-calls).
 MAX_PENDING_CALLS = 20_000
 
 
 def new_server(
-    handler: grpc.GenericRpcHandler[bytes, bytes], *, max_message_bytes: int, reuseport: bool
+    handler: grpc.GenericRpcHandler[bytes, bytes],
+    *,
+    max_message_bytes: int,
+    reuseport: bool,
+    max_pending_calls: int = MAX_PENDING_CALLS,
 ) -> tuple[grpc.aio.Server, HealthService]:
     server = grpc.aio.server(
         options=[
@@ -39,8 +42,8 @@ def new_server(
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 500),
             ("grpc.http2.max_ping_strikes", 0),
-            ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
-            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests", max_pending_calls),
+            ("grpc.server.max_pending_requests_hard_limit", max_pending_calls),
         ]
     )
     server.add_generic_rpc_handlers([handler])
