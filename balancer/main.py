@@ -20,10 +20,10 @@ from sluice.balancer.upstream import Upstream
 from sluice.core.errors import SluiceError
 from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
-from sluice.routing.pool import Backend, Pool
+from sluice.routing.pool import Backend, OutlierSettings, Pool
 from sluice.runtime import config
 from sluice.runtime.listener import bind, check_port_free, new_server
-from sluice.runtime.process import event_loop, setup_logging
+from sluice.runtime.process import event_loop, return_large_blocks, setup_logging
 from sluice.runtime.supervise import Supervisor, attach_to_parent
 
 log = logging.getLogger("sluice.balancer")
@@ -41,6 +41,8 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         balance_factor=settings.balance_factor,
         ewma_decay_s=settings.ewma_decay_s,
         rng=random.Random(),
+        max_ejection_percent=settings.max_ejection_percent,
+        outlier=OutlierSettings(factor=settings.outlier_factor),
     )
     budget = RetryBudget(settings.retry_ratio, settings.retry_min_per_s)
     service = BalancerService(
@@ -93,7 +95,10 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
     is_worker = bool(os.environ.get(WORKER_ENV))
     reuseport = settings.workers > 1 or is_worker
     server, health_servicer = new_server(
-        service.handler(), max_message_bytes=settings.max_message_bytes, reuseport=reuseport
+        service.handler(),
+        max_message_bytes=settings.max_message_bytes,
+        reuseport=reuseport,
+        max_pending_calls=settings.max_pending_calls,
     )
     try:
         if reuseport and not is_worker:
@@ -178,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sluice-balancer: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level)
+    return_large_blocks()
     with asyncio.Runner(loop_factory=event_loop) as runner:
         return runner.run(serve(settings, argv))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
+from sluice.runtime.listener import MAX_PENDING_CALLS
+
 
 @dataclass(frozen=True)
 class BalancerSettings:
@@ -54,8 +56,33 @@ class BalancerSettings:
     keepalive_s: float = field(
         default=1.0,
         metadata={
-            "help": "probe each server this often (HTTP/2 ping, health check); one that "
-            "misses two checks in a row is out until it answers again"
+            "help": "a server silent this long after a ping is hung: pinged (HTTP/2) when "
+            "nothing came for 0.3x this, health-checked every 0.15x this; a stopped "
+            "server is out within 1.3x this, one whose event loop answers no check for "
+            "10x this too"
+        },
+    )
+    max_ejection_percent: float = field(
+        default=50.0,
+        metadata={
+            "help": "most of the live backends (percent, rounded down) that breakers and "
+            "outlier ejection may hold out at once; beyond it breakers are overruled "
+            "(NOT_SERVING from a server's health watch is never capped)"
+        },
+    )
+    outlier_factor: float = field(
+        default=3.0,
+        metadata={
+            "help": "eject a backend whose mean latency is this many times the others' "
+            "median, and count its timeouts as failures (0: off)"
+        },
+    )
+    max_pending_calls: int = field(
+        default=MAX_PENDING_CALLS,
+        metadata={
+            "help": "calls grpc may hold before the balancer takes them; past it grpc drops "
+            "them (CANCELLED). Under overload they wait there unseen: about capacity x half "
+            "the usual deadline sheds instead"
         },
     )
     default_timeout_s: float = field(
@@ -83,9 +110,19 @@ class BalancerSettings:
             raise ValueError("--balance-factor must be at least 1")
         if not 0.1 <= self.keepalive_s <= 300:
             raise ValueError("--keepalive-s must be between 0.1 and 300 seconds")
-        for name in ("workers", "breaker_failures", "breaker_successes", "streams"):
+        for name in (
+            "workers",
+            "breaker_failures",
+            "breaker_successes",
+            "streams",
+            "max_pending_calls",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 <= self.max_ejection_percent <= 100:
+            raise ValueError("--max-ejection-percent must be between 0 and 100")
+        if self.outlier_factor != 0 and not 1 < self.outlier_factor < 1e6:
+            raise ValueError("--outlier-factor must be 0 (off) or more than 1")
         if self.default_timeout_s < 0:
             raise ValueError("--default-timeout-s must not be negative")
         if not self.node_id:

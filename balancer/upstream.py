@@ -18,6 +18,52 @@ from sluice.wire.mux import MuxStream, Reply
 log = logging.getLogger("sluice.upstream")
 
 
+# How a hung server is found, at the default `--keepalive-s 1`:
+# - stopped or unreachable (SIGSTOP, a wedged host, a partition): an HTTP/2 ping, answered
+#   by grpc's own threads whatever the server's event loop is doing, goes out when nothing
+#   was read for PING_AFTER x keepalive_s; one unanswered for keepalive_s closes the
+#   connection. Its health watch and streams break at once (NOT_SERVING; waiting calls are
+#   retried elsewhere): found within 1.3 x keepalive_s of its last byte, idle or loaded.
+#   grpc lets a client ping at most once a second unless a DATA frame came in since its
+#   last ping; the health checks below, twice as often as PING_AFTER, bring those DATA
+#   frames and keep a healthy connection from needing pings at all, so the ping that finds
+#   a stopped server is not held back (without them an idle balancer took up to 1 s + the
+#   timeout).
+# - alive but its event loop wedged (pings answered, calls not): a health check unanswered
+#   for WEDGED_PERIODS x keepalive_s takes it out the same way. A busy server answers late
+#   but answers, and stays in: its slowness is the pool's latency outlier rule's business
+#   (capped), not a hang (uncapped).
+PING_AFTER = 0.3  # of keepalive_s without a byte read
+CHECK_EVERY = 0.15  # of keepalive_s: well within PING_AFTER (see above)
+WEDGED_PERIODS = 10
+
+
+def channel_options(keepalive_s: float) -> list[tuple[str, int]]:
+    """The options of a channel to one server: no message limits, and the keepalive pings
+    that find a stopped server (see above)."""
+    timeout_ms = max(1, round(keepalive_s * 1000))
+    return [
+        ("grpc.max_receive_message_length", -1),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.keepalive_time_ms", max(1, round(keepalive_s * 1000 * PING_AFTER))),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        # No BDP pings: one sent (and answered) after the last DATA frame holds the next
+        # ping back for 1 s, and a stopped server was found only after 2 s. A fixed window
+        # instead; on a LAN it is no limit (measured: the same calls/s either way).
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", 4 * 1024 * 1024),
+        # grpc core (1.6x and later) times pings out by this one; keepalive_timeout_ms
+        # alone left a stopped server's connection open (measured: no failure in 8 s).
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        # By default grpc stops pinging after two pings with no data sent between them:
+        # an idle balancer would stop watching. Servers allow it (listener).
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+    ]
+
+
 class Upstream:
     def __init__(
         self,
@@ -28,24 +74,7 @@ class Upstream:
         keepalive_s: float = 1.0,
     ) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", -1),
-                ("grpc.max_send_message_length", -1),
-                # A hung server (SIGSTOP, a wedged host) answers no ping: within about
-                # twice `keepalive_s` its connection is closed, its streams break (their
-                # calls are retried elsewhere) and its health watch reports it out.
-                ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
-                ("grpc.keepalive_timeout_ms", int(keepalive_s * 1000)),
-                # By default grpc stops pinging after two pings with no data sent between
-                # them: an idle balancer would stop watching. Servers allow it (listener).
-                ("grpc.http2.max_pings_without_data", 0),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 2_000),
-            ],
-        )
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(keepalive_s))
         self.streams = [
             MuxStream(self.channel, max_in_flight=max_in_flight) for _ in range(streams)
         ]
@@ -68,59 +97,63 @@ class Upstream:
     def watch_health(self, report: Callable[[str, bool], None]) -> None:
         """Report (state, unreachable): SERVING / NOT_SERVING as the server's health watch
         says; a server the watch cannot reach is NOT_SERVING and unreachable (a backend
-        failure). Reconnects with backoff."""
+        failure), unless it said it was going (NOT_SERVING, or a watch that ended cleanly):
+        a drained server's absence until it serves again is no fault, and must not leave its
+        breaker open when it comes back. Reconnects with backoff."""
 
         async def watch() -> None:
             stub = health_pb2_grpc.HealthStub(self.channel)
             backoff = 0.05
+            announced = False  # it said it was not serving: its absence is expected
             while True:
                 unreachable = False
                 try:
                     async for update in stub.Watch(health_pb2.HealthCheckRequest()):
                         serving = update.status == health_pb2.HealthCheckResponse.SERVING
+                        announced = not serving
                         report(Health.SERVING if serving else Health.NOT_SERVING, False)
                         backoff = 0.05
                 except grpc.aio.AioRpcError as exc:
                     log.debug("health watch of %s: %s", self.address, exc.code().name)
-                    unreachable = True
-                # A watch that ended cleanly is a server shutting down, not a failure.
+                    unreachable = not announced
+                else:
+                    announced = True  # a watch that ended cleanly: a server shutting down
                 report(Health.NOT_SERVING, unreachable)
                 await asyncio.sleep(backoff)  # reconnect backoff, not a poll
                 backoff = min(backoff * 2, 2.0)
 
         async def probe() -> None:
-            # A hung server (SIGSTOP, a wedged host) sends no NOT_SERVING and may keep its
-            # connection: a health check it cannot answer in time takes it out, and the
-            # calls waiting on its streams fail as broken, so the planner retries them.
-            # Two misses in a row, so that one slow moment of a busy server is not a hang.
+            # The backstop for a server whose connection lives (pings answered) but whose
+            # event loop answers nothing: one unanswered for WEDGED_PERIODS x keepalive_s
+            # takes it out, and the calls waiting on its streams fail as broken, so the planner
+            # retries them. A stopped server is found sooner by the pings (its checks then
+            # fail with UNAVAILABLE, which is the health watch's news, not a verdict here).
             stub = health_pb2_grpc.HealthStub(self.channel)
-            missed = 0
             loop = asyncio.get_running_loop()
-            asked = loop.time()
+            period = self._keepalive_s * CHECK_EVERY
             while True:
-                # One check per period, a missed one included (its timeout spent the period).
-                await asyncio.sleep(max(0.0, asked + self._keepalive_s - loop.time()))
                 asked = loop.time()
                 try:
                     reply = await stub.Check(
-                        health_pb2.HealthCheckRequest(), timeout=self._keepalive_s
+                        health_pb2.HealthCheckRequest(),
+                        timeout=WEDGED_PERIODS * self._keepalive_s,
                     )
                 except grpc.aio.AioRpcError as exc:
-                    late = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                    missed = missed + 1 if late else 0
-                    if missed >= 2 and not self.hung:
+                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self.hung:
                         self.hung = True
                         log.warning("backend %s does not answer: taken out", self.address)
                         report(Health.NOT_SERVING, True)
                         for stream in self.streams:
                             await stream.close()  # its waiting calls: StreamBroken
-                    continue
-                missed = 0
-                if self.hung:
-                    self.hung = False
-                    log.info("backend %s answers again", self.address)
-                    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-                    report(Health.SERVING if serving else Health.NOT_SERVING, False)
+                else:
+                    if self.hung:
+                        self.hung = False
+                        log.info("backend %s answers again", self.address)
+                        serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+                        report(Health.SERVING if serving else Health.NOT_SERVING, False)
+                # One check at a time, one per CHECK_EVERY x keepalive_s at most: their
+                # replies are the DATA frames that keep pings unthrottled (see above).
+                await asyncio.sleep(max(0.0, asked + period - loop.time()))
 
         self._tasks = [asyncio.create_task(watch()), asyncio.create_task(probe())]
 

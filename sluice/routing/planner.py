@@ -64,7 +64,8 @@ RULES: dict[Outcome, Rule] = {
     Outcome.BROKEN: Rule(retry=True, verdict="failed"),
     # The model failed on this request: another server would most likely fail the same way.
     Outcome.BACKEND_ERROR: Rule(retry=False, verdict="failed"),
-    # The caller's time is spent; the backend's latency counts, its breaker is not told.
+    # The caller's time is spent; the backend's latency counts, and Pool.finish decides
+    # whether the timeout was the backend's fault (it had time enough: outlier rules).
     Outcome.TIMEOUT: Rule(retry=False, verdict="slow"),
     Outcome.CANCELLED: Rule(retry=False, verdict="neutral"),
     # INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...: the backend answered; it is healthy.

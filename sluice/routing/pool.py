@@ -4,11 +4,27 @@ injected, and a backend's connection is whatever object the transport hangs on i
 A call with an affinity key goes to the key's owner on the ring, or, when the owner is out
 or over its bounded load, to the next backend on the ring; a call without one goes to the
 cheaper of two random backends (in-flight x peak-EWMA latency). A backend is out while its
-health watch says it is not serving or its breaker refuses calls."""
+health watch says it is not serving or its breaker refuses calls.
+
+What holds a backend out, and the one cap on it:
+- its health watch (NOT_SERVING: draining, down, or hung, as the transport found): never
+  capped, never overruled, since that is the server's own word or a dead connection;
+- its breaker, opened by consecutive backend failures, by consecutive timeouts that were
+  its own fault (`OutlierSettings`), or by latency outlier ejection (its mean latency over
+  its last calls is `factor` x the median of the others'). These are what callers can
+  provoke, so they are capped: of the live backends (not NOT_SERVING), at most
+  floor(`max_ejection_percent` % x live) may be held out by breakers at once. A breaker
+  that would open beyond the cap stays closed (its failures still count) and an outlier
+  beyond it is not ejected. Should more be held out anyway (the live set changed under open
+  breakers: one went NOT_SERVING, or came back from it with its breaker still open), every
+  breaker is overruled until the count is back within the cap (Envoy's panic threshold,
+  which is thus 100% - max_ejection_percent)."""
 
 from __future__ import annotations
 
+import math
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,7 +38,7 @@ from sluice.routing.ring import MaglevRing, pick_bounded
 class Health:
     UNKNOWN = "UNKNOWN"  # not heard from yet: given the benefit of the doubt
     SERVING = "SERVING"
-    NOT_SERVING = "NOT_SERVING"  # draining or down: no new calls
+    NOT_SERVING = "NOT_SERVING"  # draining, down or hung: no new calls
 
 
 @dataclass(eq=False)
@@ -34,11 +50,32 @@ class Backend:
     in_flight: int = 0
     calls: int = 0
     failures: int = 0
+    timeouts: int = 0  # timeouts counted against it (OutlierSettings)
     transport: Any = None  # set by the transport layer
 
     @property
     def usable(self) -> bool:
         return self.health != Health.NOT_SERVING and self.breaker.available()
+
+
+@dataclass(frozen=True)
+class OutlierSettings:
+    """Slow is a failure too (Envoy's outlier detection, by latency). `factor` <= 0 turns
+    both rules off.
+
+    - A timeout (verdict 'slow') counts as a backend failure for its breaker when the call
+      had at least max(`min_latency_s`, `factor` x the median mean latency of the other
+      backends): a caller whose deadline is shorter than what backends usually need does
+      not make them look bad, and any answered call in between breaks the streak.
+    - Every `interval_s`, a backend with at least `min_calls` answered calls since it was
+      last judged or ejected, whose mean latency is above max(`min_latency_s`, `factor` x
+      the median of the others' (those with `min_calls` too)), is ejected: its breaker
+      opens with a backoff that doubles per ejection, until a later look finds it fine."""
+
+    factor: float = 3.0
+    min_calls: int = 20
+    min_latency_s: float = 0.02
+    interval_s: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -57,10 +94,16 @@ class Pool:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         table_size: int | None = None,
-        panic_threshold: float = 0.5,
+        max_ejection_percent: float = 50.0,
+        outlier: OutlierSettings | None = None,
     ) -> None:
+        if not 0 <= max_ejection_percent <= 100:
+            raise ValueError("max_ejection_percent must be between 0 and 100")
         self.breaker_settings = breaker or BreakerSettings()
-        self.panic_threshold = panic_threshold
+        self.max_ejection_percent = max_ejection_percent
+        self.outlier = outlier or OutlierSettings()
+        self.ejections = 0  # latency outlier ejections so far
+        self._next_look = 0.0
         self.balance_factor = balance_factor
         self.ewma_decay_s = ewma_decay_s
         self.clock = clock
@@ -80,7 +123,7 @@ class Pool:
                 backend = Backend(
                     address,
                     Breaker(self.breaker_settings, self.clock, self.rng),
-                    PeakEwma(self.ewma_decay_s, clock=self.clock),
+                    PeakEwma(self.ewma_decay_s, clock=self.clock, window=self.outlier.min_calls),
                 )
                 self.backends[address] = backend
                 added.append(backend)
@@ -128,18 +171,38 @@ class Pool:
         )
         return f"none is usable ({states})"
 
+    def ejection_cap(self) -> int:
+        """How many live backends (not NOT_SERVING) breakers and ejections may hold out at
+        once: floor(max_ejection_percent % of them)."""
+        live = sum(b.health != Health.NOT_SERVING for b in self.backends.values())
+        return math.floor(self.max_ejection_percent * live / 100 + 1e-9)
+
+    def held_out(self) -> int:
+        """Live backends whose breaker is OPEN or HALF_OPEN (ejected, or on probation)."""
+        return sum(
+            b.health != Health.NOT_SERVING and b.breaker.held_out for b in self.backends.values()
+        )
+
+    def may_hold_out(self, backend: Backend) -> bool:
+        """Whether `backend`'s breaker may open now without breaking the cap. A backend
+        that is not live is not counted (its health watch holds it out anyway)."""
+        if backend.health == Health.NOT_SERVING:
+            return True
+        held = self.held_out() + (not backend.breaker.held_out)
+        return held <= self.ejection_cap()
+
     def panicking(self) -> bool:
-        """Whether breakers hold out so many of the backends that report SERVING that fewer
-        than `panic_threshold` of them are left: then the breakers are overruled (Envoy's
-        panic threshold), so no run of failures, whoever caused it, can make the pool refuse
-        every call. A backend whose health watch says NOT_SERVING stays out regardless."""
+        """Whether breakers refuse more live backends than the cap allows (possible only
+        when the live set changed under open breakers): then every breaker is overruled, so
+        no run of failures, whoever caused it, can make the pool refuse every call. A
+        backend whose health watch says NOT_SERVING stays out regardless."""
         live = 0
-        usable = 0
+        refused = 0
         for backend in self.backends.values():
             if backend.health != Health.NOT_SERVING:
                 live += 1
-                usable += backend.breaker.available()
-        return usable < self.panic_threshold * live
+                refused += not backend.breaker.available()
+        return refused > math.floor(self.max_ejection_percent * live / 100 + 1e-9)
 
     def start(self, backend: Backend) -> bool:
         """Claim a call on `backend`; False when its breaker refuses (a probe is out) and
@@ -153,26 +216,81 @@ class Pool:
 
     def finish(self, backend: Backend, seconds: float, verdict: str) -> None:
         """`verdict`: 'ok' (the backend answered), 'failed' (the backend failed), 'slow' (it
-        did not answer in time: its latency counts, its breaker is not told) or 'neutral'
-        (no verdict on the backend, e.g. the caller cancelled)."""
+        did not answer in time: its latency counts, and when the call had long enough by
+        `OutlierSettings` the timeout is a failure for its breaker) or 'neutral' (no
+        verdict on the backend, e.g. the caller cancelled)."""
         backend.in_flight -= 1
         if verdict == "ok":
             backend.breaker.success()
             backend.latency.observe(seconds)
         elif verdict == "failed":
             backend.failures += 1
-            backend.breaker.failure()
+            backend.breaker.failure(self.may_hold_out(backend))
             backend.latency.fail()
+        elif verdict == "slow":
+            backend.latency.observe(seconds)
+            if self._own_timeout(backend, seconds):
+                backend.timeouts += 1
+                backend.breaker.failure(self.may_hold_out(backend))
+            else:
+                backend.breaker.release()
         else:
-            if verdict == "slow":
-                backend.latency.observe(seconds)
             backend.breaker.release()
+        if verdict != "neutral" and self.outlier.factor > 0:
+            now = self.clock()
+            if now >= self._next_look:
+                self._next_look = now + self.outlier.interval_s
+                self.eject_outliers()
 
     def unreachable(self, backend: Backend) -> None:
         """The backend could not be reached outside a call (its health watch broke)."""
         backend.failures += 1
-        backend.breaker.failure()
+        backend.breaker.failure(self.may_hold_out(backend))
         backend.latency.fail()
 
     def serving(self) -> bool:
         return any(b.usable for b in self.backends.values()) or self.panicking()
+
+    def _reference(self, backend: Backend) -> float | None:
+        """The median mean latency of the other live backends with enough calls, if any."""
+        enough = self.outlier.min_calls
+        means = [
+            b.latency.mean
+            for b in self.backends.values()
+            if b is not backend and b.health != Health.NOT_SERVING and b.latency.samples >= enough
+        ]
+        return statistics.median(means) if means else None
+
+    def _own_timeout(self, backend: Backend, seconds: float) -> bool:
+        """Whether a call that ran out of time after `seconds` is the backend's fault."""
+        rules = self.outlier
+        if rules.factor <= 0:
+            return False
+        reference = self._reference(backend)
+        floor = rules.min_latency_s if reference is None else rules.factor * reference
+        return seconds >= max(rules.min_latency_s, floor)
+
+    def eject_outliers(self) -> list[Backend]:
+        """Eject the latency outliers among the live backends in rotation (within the cap);
+        clear the record of those judged fine. Returns the ones ejected."""
+        rules = self.outlier
+        ejected = []
+        for backend in self.backends.values():
+            latency = backend.latency
+            if (
+                backend.health == Health.NOT_SERVING
+                or backend.breaker.held_out
+                or latency.samples < rules.min_calls
+            ):
+                continue
+            reference = self._reference(backend)
+            if reference is None:
+                continue
+            if latency.mean <= max(rules.min_latency_s, rules.factor * reference):
+                backend.breaker.cleared()
+            elif self.may_hold_out(backend):
+                backend.breaker.eject()
+                latency.reset_mean()  # judged anew on the calls after it returns
+                self.ejections += 1
+                ejected.append(backend)
+        return ejected

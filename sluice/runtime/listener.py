@@ -37,8 +37,9 @@ def new_server(
             ("grpc.max_send_message_length", max_message_bytes),
             # Off unless wanted: a second process on a taken port must fail, not share it.
             ("grpc.so_reuseport", 1 if reuseport else 0),
-            # Balancers ping every server each second (`--keepalive-s`) to find hung ones:
-            # allow it, or grpc answers too_many_pings and drops the connection.
+            # Balancers ping a server after 0.3 s without a byte from it (`--keepalive-s`)
+            # to find hung ones: allow it (no strikes), or grpc answers too_many_pings and
+            # drops the connection.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 500),
             ("grpc.http2.max_ping_strikes", 0),

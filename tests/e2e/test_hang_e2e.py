@@ -1,5 +1,7 @@
 """A hung server (SIGSTOP): the balancer's keepalive pings find it within seconds, its
-calls go to the others, and it comes back when it resumes."""
+calls go to the others, and it comes back when it resumes. At the default settings:
+unanswered HTTP/2 pings close its connection within 1.3 x --keepalive-s (1 s) of its last
+byte (measured here: 1.2-1.4 s); the bound asserted is loose, for a loaded machine."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ pytestmark = pytest.mark.e2e
 
 async def test_a_stopped_server_is_taken_out_by_keepalive_and_no_call_fails() -> None:
     with ExitStack() as stack:
-        cluster = start_cluster(stack, 3, "--keepalive-s", "0.5")
+        cluster = start_cluster(stack, 3)  # the default --keepalive-s
         hung = cluster.servers[0]
         load = Load(cluster.balancer.address)
         running_load = asyncio.create_task(load.run())
@@ -32,6 +34,7 @@ async def test_a_stopped_server_is_taken_out_by_keepalive_and_no_call_fails() ->
                 "the stopped server to be taken out",
             )
             detected_s = time.monotonic() - stopped
+            failed_before = len(load.failures)
             served = load.ok
             await until(lambda: load.ok > served + 300, "traffic on the others")
             calls_while_out = cluster.backend(hung.address).calls
@@ -49,4 +52,9 @@ async def test_a_stopped_server_is_taken_out_by_keepalive_and_no_call_fails() ->
             await running_load
         # Calls in flight on the stopped server's streams broke and were retried elsewhere.
         assert load.failures == [], load.failures[:5]
-        print(f"detected after {detected_s:.2f} s")  # context for -s runs; not asserted
+        assert failed_before == 0
+        print(f"detected after {detected_s:.2f} s")  # context for -s runs
+        # The old two-missed-health-checks rule took 2-3 s here; the pings take ~1.3 s.
+        # The bound leaves room for a loaded 2-core machine: it guards the mechanism (a
+        # regression to the 20 s connect timeout or to the caller's deadline), not a timing.
+        assert detected_s < 6.0

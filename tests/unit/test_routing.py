@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from sluice.routing.breaker import Breaker, BreakerSettings, State
 from sluice.routing.budget import RetryBudget
 from sluice.routing.p2c import PeakEwma, p2c
-from sluice.routing.pool import Backend, Health, Pool
+from sluice.routing.pool import Backend, Health, OutlierSettings, Pool
 from sluice.routing.ring import MaglevRing, load_bound, pick_bounded
 
 SMALL_TABLE = 5_003  # prime; keeps property tests quick
@@ -257,34 +257,99 @@ def trip(pool: Pool, backend: Backend) -> None:
 
 
 def test_no_run_of_failures_can_make_the_pool_refuse_every_call() -> None:
-    """One caller's bad requests could trip every breaker: past the panic threshold (half of
-    the serving backends held out) the breakers are overruled, as in Envoy."""
+    """One caller's bad requests could trip every breaker: breakers may hold out at most
+    max_ejection_percent (50%) of the live backends, rounded down; a breaker that would
+    open beyond that stays closed, its failures still counted."""
+    pool = make_pool(3, FakeClock())
+    first, second, third = pool.backends.values()
+    assert pool.ejection_cap() == 1
+    trip(pool, first)
+    assert first.breaker.state is State.OPEN and not pool.panicking()
+    assert {pool.choose(None).backend for _ in range(50)} == {second, third}
+    trip(pool, second)  # beyond the cap: it stays in
+    assert second.breaker.state is State.CLOSED and second.failures == 2
+    assert pool.held_out() == 1 and not pool.panicking()
+    assert routable(pool) == {second, third}  # (P2C shuns second's failures' latency)
+    third.health = Health.NOT_SERVING  # what the health watch says is never overruled
+    assert {pool.choose(None).backend for _ in range(50)} == {second}
+
+
+def routable(pool: Pool) -> set[Backend]:
+    tried: list[Backend] = []
+    while (backend := pool.choose(None, tried).backend) is not None:
+        tried.append(backend)
+    return set(tried)
+
+
+def test_when_the_live_set_shrinks_under_open_breakers_they_are_overruled() -> None:
+    """Held out beyond the cap is possible only when backends go NOT_SERVING; then every
+    breaker is overruled (the panic threshold is 100% - max_ejection_percent)."""
     pool = make_pool(3, FakeClock())
     first, second, third = pool.backends.values()
     trip(pool, first)
-    assert not pool.panicking()  # one of three out: it stays out
-    assert {pool.choose(None).backend for _ in range(50)} == {second, third}
-    trip(pool, second)
-    assert pool.panicking()  # two of three out: everyone serves again
-    chosen = {pool.choose(None).backend for _ in range(100)}
-    assert chosen == {first, second, third}
-    assert pool.start(first) and pool.serving()
+    second.health = third.health = Health.NOT_SERVING  # one live backend: cap 0
+    assert pool.ejection_cap() == 0 and pool.panicking()
+    assert pool.choose(None).backend is first and pool.serving()
+    assert pool.start(first)
     pool.finish(first, 0.001, "ok")
-    third.health = Health.NOT_SERVING  # what the health watch says is never overruled
-    assert {pool.choose(None).backend for _ in range(50)} == {first, second}
+    second.health = Health.SERVING  # two live: cap 1, first may stay out again
+    assert not pool.panicking()
+    assert {pool.choose(None).backend for _ in range(50)} == {second}
+
+
+def test_not_serving_is_never_capped() -> None:
+    pool = make_pool(3, FakeClock())
+    for backend in pool.backends.values():
+        backend.health = Health.NOT_SERVING
+        for _ in range(pool.breaker_settings.failures_to_open):
+            pool.unreachable(backend)  # the watch broke: counted, and not capped
+    assert all(b.breaker.state is State.OPEN for b in pool.backends.values())
+    assert pool.choose(None).backend is None and not pool.serving()
+
+
+@pytest.mark.parametrize(("percent", "n", "cap"), [(0, 3, 0), (50, 1, 0), (50, 5, 2), (100, 3, 3)])
+def test_max_ejection_percent_is_a_share_of_the_live_backends_rounded_down(
+    percent: float, n: int, cap: int
+) -> None:
+    pool = Pool(
+        breaker=BreakerSettings(failures_to_open=2, jitter=0.0),
+        clock=FakeClock(),
+        rng=random.Random(0),
+        table_size=SMALL_TABLE,
+        max_ejection_percent=percent,
+    )
+    pool.set_addresses(f"h{i}:1" for i in range(n))
+    assert pool.ejection_cap() == cap
+    for backend in list(pool.backends.values()):
+        trip(pool, backend)
+    assert pool.held_out() == cap
+    tried: list[Backend] = []
+    while (backend := pool.choose(None, tried).backend) is not None:
+        tried.append(backend)
+    assert len(tried) == n - cap
+    with pytest.raises(ValueError):
+        Pool(max_ejection_percent=101)
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.integers(1, 8), st.lists(st.integers(0, 7), max_size=20))
+@given(
+    st.integers(1, 8),
+    st.lists(st.tuples(st.integers(0, 7), st.sampled_from(["failed", "slow", "ok"])), max_size=60),
+)
 def test_at_least_the_panic_threshold_of_serving_backends_stay_routable(
-    n: int, failing: list[int]
+    n: int, failing: list[tuple[int, str]]
 ) -> None:
-    pool = make_pool(n, FakeClock())
+    """Whatever mix of failures, timeouts and slow answers callers provoke, breakers and
+    outlier ejection hold out at most half of the live backends."""
+    clock = FakeClock()
+    pool = make_pool(n, clock)
     backends = list(pool.backends.values())
-    for i in failing:
+    for i, verdict in failing:
         backend = backends[i % n]
         if pool.start(backend):
-            pool.finish(backend, 0.001, "failed")
+            clock.now += 0.1
+            pool.finish(backend, 0.001 if verdict == "failed" else 0.5 * (i % 3), verdict)
+        assert pool.held_out() <= pool.ejection_cap()
     routable: list[Backend] = []  # every backend a call may still go to
     while (backend := pool.choose(None, routable).backend) is not None:
         routable.append(backend)
@@ -311,6 +376,202 @@ def test_pool_says_why_nothing_is_available() -> None:
     assert "h0:1 not_serving" in why and "h1:1 not_serving" in why
     assert not pool.serving()
     assert "every backend was tried" in pool.choose(None, list(pool.backends.values())).why
+
+
+def test_keys_of_a_hung_backend_move_to_the_next_on_the_ring_and_come_back() -> None:
+    """A hung server (its connection closed by unanswered pings: NOT_SERVING) loses its
+    keys to the next backend in each key's preference order until it answers again."""
+    pool = make_pool(4, FakeClock())
+    sample = keys(200)
+    owners = {k: pool.choose(k).backend for k in sample}
+    hung = pool.backends["h2:1"]
+    hung.health = Health.NOT_SERVING
+    pool.unreachable(hung)
+    for k in sample:
+        chosen = pool.choose(k).backend
+        assert chosen is not None and chosen is not hung
+        if owners[k] is hung:  # the next on its ring, not any backend
+            order = [a for a in pool.ring.preference(k) if a != hung.address]
+            assert chosen.address == order[0]
+        else:
+            assert chosen is owners[k]
+    hung.health = Health.SERVING  # it answers again (its breaker: one probe at a time)
+    pool.clock.now = hung.breaker.open_until  # type: ignore[attr-defined]
+    for _ in range(pool.breaker_settings.successes_to_close):
+        assert pool.start(hung)
+        pool.finish(hung, 0.001, "ok")
+    assert all(pool.choose(k).backend is owners[k] for k in sample)
+
+
+def outlier_pool(n: int, clock: FakeClock, **kw: float) -> Pool:
+    pool = Pool(
+        breaker=BreakerSettings(failures_to_open=3, base_cooldown_s=1.0, jitter=0.0),
+        clock=clock,
+        rng=random.Random(0),
+        table_size=SMALL_TABLE,
+        outlier=OutlierSettings(
+            **{"factor": 3.0, "min_calls": 10, "min_latency_s": 0.02, "interval_s": 0.25, **kw}  # type: ignore[arg-type]
+        ),
+    )
+    pool.set_addresses(f"h{i}:1" for i in range(n))
+    return pool
+
+
+def serve(pool: Pool, clock: FakeClock, latencies: dict[str, float], rounds: int) -> None:
+    """`rounds` calls on each backend in rotation, answered after its latency."""
+    for _ in range(rounds):
+        for address, seconds in latencies.items():
+            backend = pool.backends[address]
+            if pool.start(backend):
+                clock.now += 0.01
+                pool.finish(backend, seconds, "ok")
+
+
+def test_repeated_timeouts_open_the_breaker_of_a_backend_that_stopped_answering() -> None:
+    clock = FakeClock()
+    pool = outlier_pool(3, clock)
+    serve(pool, clock, {"h0:1": 0.002, "h1:1": 0.002, "h2:1": 0.002}, 20)
+    slow = pool.backends["h0:1"]
+    for _ in range(2):
+        assert pool.start(slow)
+        pool.finish(slow, 1.0, "slow")  # its caller gave it a second; others answer in 2 ms
+    pool.start(slow)
+    pool.finish(slow, 0.002, "ok")  # an answer in between breaks the streak
+    for _ in range(2):
+        assert pool.start(slow)
+        pool.finish(slow, 1.0, "slow")
+    assert slow.breaker.state is State.CLOSED
+    assert pool.start(slow)
+    pool.finish(slow, 1.0, "slow")
+    assert slow.breaker.state is State.OPEN and slow.timeouts == 5 and slow.failures == 0
+    assert all(pool.choose(None).backend is not slow for _ in range(50))
+
+
+def test_a_callers_too_short_deadline_does_not_count_against_backends() -> None:
+    """Timeouts shorter than factor x what backends usually take (or than min_latency_s)
+    are the caller's: no backend's breaker is told."""
+    clock = FakeClock()
+    pool = outlier_pool(3, clock)
+    serve(pool, clock, {"h0:1": 0.010, "h1:1": 0.010, "h2:1": 0.010}, 20)
+    for backend in pool.backends.values():
+        for _ in range(10):
+            assert pool.start(backend)
+            pool.finish(backend, 0.015, "slow")  # a 15 ms deadline on 10 ms calls
+    assert all(b.breaker.state is State.CLOSED for b in pool.backends.values())
+    assert all(b.timeouts == 0 for b in pool.backends.values())
+
+
+def test_a_latency_outlier_is_ejected_with_backoff_and_comes_back() -> None:
+    clock = FakeClock()
+    pool = outlier_pool(3, clock)
+    normal = {"h0:1": 0.002, "h1:1": 0.003}
+    serve(pool, clock, {**normal, "h2:1": 0.080}, 20)
+    outlier = pool.backends["h2:1"]
+    assert outlier.breaker.state is State.OPEN and pool.ejections == 1
+    assert outlier.failures == 0  # not a failure: slow
+    assert outlier.breaker.open_until - clock.now <= 1.0
+    assert all(pool.choose(k).backend is not outlier for k in keys(100))
+    assert routable(pool) == {pool.backends["h0:1"], pool.backends["h1:1"]}
+    # Back on probation, still slow: ejected again for twice as long.
+    clock.now = outlier.breaker.open_until
+    serve(pool, clock, {**normal, "h2:1": 0.080}, 20)
+    ejected_at = clock.now
+    assert outlier.breaker.state is State.OPEN and pool.ejections == 2
+    assert outlier.breaker.open_until - ejected_at > 1.5
+    # Recovered: judged fine after enough calls, its backoff forgotten.
+    clock.now = outlier.breaker.open_until
+    serve(pool, clock, {**normal, "h2:1": 0.003}, 20)
+    assert outlier.breaker.state is State.CLOSED and outlier.breaker.ejections == 0
+    assert pool.ejections == 2
+
+
+def test_one_slow_call_or_a_few_calls_do_not_make_an_outlier() -> None:
+    clock = FakeClock()
+    pool = outlier_pool(3, clock)
+    serve(pool, clock, {"h0:1": 0.002, "h1:1": 0.002, "h2:1": 0.002}, 20)
+    spiky = pool.backends["h2:1"]
+    assert pool.start(spiky)
+    pool.finish(spiky, 0.300, "ok")  # one pause; its mean moves by a tenth of it
+    serve(pool, clock, {"h0:1": 0.002, "h1:1": 0.002, "h2:1": 0.002}, 20)
+    assert spiky.breaker.state is State.CLOSED and pool.ejections == 0
+    fresh = outlier_pool(3, clock)
+    serve(fresh, clock, {"h0:1": 0.002, "h1:1": 0.002, "h2:1": 0.500}, 9)  # < min_calls
+    assert fresh.ejections == 0
+    fast = outlier_pool(3, clock)
+    serve(fast, clock, {"h0:1": 0.001, "h1:1": 0.001, "h2:1": 0.010}, 20)  # 10x, but < 20 ms
+    assert fast.ejections == 0
+
+
+def test_outlier_ejection_respects_the_cap_and_can_be_turned_off() -> None:
+    clock = FakeClock()
+    pool = outlier_pool(3, clock)
+    trip(pool, pool.backends["h0:1"])  # the one backend the cap allows out
+    serve(pool, clock, {"h1:1": 0.002, "h2:1": 0.200}, 20)
+    assert pool.backends["h2:1"].breaker.state is State.CLOSED and pool.ejections == 0
+    off = outlier_pool(3, clock, factor=0.0)
+    serve(off, clock, {"h0:1": 0.002, "h1:1": 0.002, "h2:1": 0.500}, 20)
+    for _ in range(5):
+        assert off.start(off.backends["h0:1"])
+        off.finish(off.backends["h0:1"], 2.0, "slow")
+    assert off.ejections == 0 and off.held_out() == 0
+
+
+def test_the_latency_mean_ignores_failures_and_resets() -> None:
+    clock = FakeClock()
+    ewma = PeakEwma(decay_s=1.0, clock=clock, window=10)
+    ewma.observe(0.010)
+    assert ewma.mean == pytest.approx(0.010) and ewma.samples == 1
+    ewma.observe(0.110)
+    assert ewma.mean == pytest.approx(0.020)
+    ewma.fail()
+    assert ewma.mean == pytest.approx(0.020) and ewma.samples == 2
+    assert ewma.estimate == pytest.approx(1.0)
+    ewma.reset_mean()
+    assert ewma.samples == 0
+    ewma.observe(0.005)
+    assert ewma.mean == pytest.approx(0.005)
+
+
+def test_breaker_may_be_forbidden_to_open_and_ejection_has_its_own_backoff() -> None:
+    clock = FakeClock()
+    b = breaker(clock)
+    for _ in range(5):
+        b.failure(may_open=False)
+    assert b.state is State.CLOSED and b.consecutive_failures == 5
+    b.failure()
+    assert b.state is State.OPEN
+    clock.now = b.open_until
+    assert b.acquire()  # the probe
+    b.failure(may_open=False)  # fails, but may not reopen: the probe slot is free again
+    assert b.state is State.HALF_OPEN and b.acquire()
+    fresh = breaker(clock)
+    cooldowns = []
+    for _ in range(3):
+        fresh.eject()
+        cooldowns.append(fresh.open_until - clock.now)
+        assert fresh.held_out and not fresh.available()
+        clock.now = fresh.open_until
+        for _ in range(2):
+            assert fresh.acquire()
+            fresh.success()  # a slow backend's probes succeed: the ejection backoff stays
+        assert fresh.state is State.CLOSED and not fresh.held_out
+    assert cooldowns == [1.0, 2.0, 4.0]
+    fresh.cleared()
+    fresh.eject()
+    assert fresh.open_until - clock.now == 1.0
+
+
+def test_balancer_settings_check_the_ejection_and_outlier_flags() -> None:
+    from sluice.balancer.settings import BalancerSettings
+
+    assert BalancerSettings(backend=["a:1"]).max_ejection_percent == 50.0
+    for bad in ({"max_ejection_percent": 101.0}, {"max_ejection_percent": math.nan}):
+        with pytest.raises(ValueError, match="max-ejection-percent"):
+            BalancerSettings(backend=["a:1"], **bad)  # type: ignore[arg-type]
+    for factor in (0.5, -1.0, math.nan):
+        with pytest.raises(ValueError, match="outlier-factor"):
+            BalancerSettings(backend=["a:1"], outlier_factor=factor)
+    assert BalancerSettings(backend=["a:1"], outlier_factor=0.0).outlier_factor == 0.0
 
 
 async def test_discovery_merges_flags_file_and_dns(tmp_path: Path) -> None:
