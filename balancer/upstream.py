@@ -36,6 +36,7 @@ log = logging.getLogger("sluice.upstream")
 PING_AFTER = 0.3  # of keepalive_s without a byte read
 CHECK_EVERY = 0.15  # of keepalive_s: well within PING_AFTER (see above)
 WEDGED_PERIODS = 10
+MAX_BACKOFF_S = 0.5  # between attempts to reach a server that is gone
 
 
 def channel_options(keepalive_s: float) -> list[tuple[str, int]]:
@@ -59,8 +60,11 @@ def channel_options(keepalive_s: float) -> list[tuple[str, int]]:
         # an idle balancer would stop watching. Servers allow it (listener).
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
+        # A restarted server is back in traffic within about this of serving (a rolling
+        # restart waited up to 2 s more at grpc's and our old 2 s caps); a refused connect
+        # to a dead port twice a second costs nothing worth saving.
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 2_000),
+        ("grpc.max_reconnect_backoff_ms", int(MAX_BACKOFF_S * 1000)),
     ]
 
 
@@ -120,7 +124,7 @@ class Upstream:
                     announced = True  # a watch that ended cleanly: a server shutting down
                 report(Health.NOT_SERVING, unreachable)
                 await asyncio.sleep(backoff)  # reconnect backoff, not a poll
-                backoff = min(backoff * 2, 2.0)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
 
         async def probe() -> None:
             # The backstop for a server whose connection lives (pings answered) but whose
