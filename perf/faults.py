@@ -51,7 +51,7 @@ from sluice.core.keys import PREDICT
 from sluice.perf import loadgen
 from sluice.perf.loadgen import Bodies
 from sluice.perf.sweep import make_bodies
-from sluice.runtime.launch import BIN, Process, server_argv
+from sluice.runtime.launch import BIN, Process, children, server_argv
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 
@@ -355,19 +355,6 @@ def rss_mb(pid: int) -> float | None:
     except OSError:
         pass
     return None
-
-
-def children(pid: int) -> list[int]:
-    """Live processes whose parent is `pid` (Linux: from /proc; zombies left out)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return sorted(found)
 
 
 def port_of(address: str) -> str:

@@ -139,3 +139,17 @@ def running(argv: Sequence[str], *, serving: bool = True) -> Iterator[Process]:
 
 def module_argv(module: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", module, *extra]
+
+
+def children(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (Linux: from /proc; zombies left out)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # pid (comm) state ppid ...: comm may hold spaces, so split after its ")".
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it exited while we looked
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return sorted(found)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from sluice.client import SluiceClient
-from sluice.runtime.launch import BIN, Process, module_argv, running
+from sluice.runtime.launch import BIN, Process, children, module_argv, running
 from sluice.runtime.launch import server_argv as _server_argv
 from sluice.v1 import inference_pb2 as pb
 
@@ -78,20 +78,6 @@ def wait_arrived(address: str, count: int, timeout: float = 30.0) -> int:
         address, lambda h: h.requests >= count, "calls to arrive at the server", timeout
     )
     return health.in_flight
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux: read from /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            # pid (comm) state ppid ...: comm may hold spaces, so split after its ")".
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # it exited while we looked
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def alive(pid: int) -> bool:
