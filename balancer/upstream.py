@@ -101,25 +101,30 @@ class Upstream:
     def watch_health(self, report: Callable[[str, bool], None]) -> None:
         """Report (state, unreachable): SERVING / NOT_SERVING as the server's health watch
         says; a server the watch cannot reach is NOT_SERVING and unreachable (a backend
-        failure), unless it said it was going (NOT_SERVING, or a watch that ended cleanly):
-        a drained server's absence until it serves again is no fault, and must not leave its
-        breaker open when it comes back. Reconnects with backoff."""
+        failure) once per outage, unless it said it was going (NOT_SERVING, or a watch that
+        ended cleanly): a drained server's absence until it serves again is no fault, and
+        neither kind of absence may pile failures on its breaker while it is gone (a long
+        outage would keep it out for many seconds after it returns). Reconnects with
+        backoff."""
 
         async def watch() -> None:
             stub = health_pb2_grpc.HealthStub(self.channel)
             backoff = 0.05
             announced = False  # it said it was not serving: its absence is expected
+            lost = False  # this outage was already counted against it
             while True:
                 unreachable = False
                 try:
                     async for update in stub.Watch(health_pb2.HealthCheckRequest()):
                         serving = update.status == health_pb2.HealthCheckResponse.SERVING
                         announced = not serving
+                        lost = False
                         report(Health.SERVING if serving else Health.NOT_SERVING, False)
                         backoff = 0.05
                 except grpc.aio.AioRpcError as exc:
                     log.debug("health watch of %s: %s", self.address, exc.code().name)
-                    unreachable = not announced
+                    unreachable = not announced and not lost
+                    lost = True
                 else:
                     announced = True  # a watch that ended cleanly: a server shutting down
                 report(Health.NOT_SERVING, unreachable)

@@ -2,38 +2,63 @@
 any work is queued for it. Transport-free; times are on the caller's clock.
 
 Little's law on the visible queue: a new request finishes after the rows ahead of it have
-drained through the instances, plus its own run. The drain rate is measured, not
-configured: the wall time of each run, per row, as the batcher saw it (thread hops and a
-busy CPU included), in a decaying average. A request that cannot make it is refused at
-once with RESOURCE_EXHAUSTED, so it costs the server almost nothing and its caller can go
-elsewhere while it still has time; one admitted is one the server expects to answer."""
+drained through the instances in batches of up to `max_rows`, then its own. A run's cost is
+measured, not configured: its wall time as the batcher saw it (thread hops and a busy CPU
+included), fitted as fixed + per-row seconds over the recent runs (decaying averages), so
+a queue that will drain in large batches is not priced as many runs of one row. A request
+that cannot make it is refused at once with RESOURCE_EXHAUSTED, so it costs the server
+almost nothing and its caller can go elsewhere while it still has time; one admitted is one
+the server expects to answer."""
 
 from __future__ import annotations
 
+import math
+
 from sluice.core.errors import Overloaded
 
-WEIGHT = 0.1  # of each new run in the average: about the last ten runs count
+WEIGHT = 0.1  # of each new run in the averages: about the last ten runs count
 WARMUP = 8  # runs measured before the estimate is trusted to refuse anything
 
 
 class Admission:
-    def __init__(self, instances: int) -> None:
+    def __init__(self, instances: int, max_rows: int = 1) -> None:
         self.instances = max(instances, 1)
-        self.row_s = 0.0  # wall seconds per row of a run, decaying average
+        self.max_rows = max(max_rows, 1)
         self.runs = 0
         self.refused = 0
+        self.fixed_s = 0.0  # seconds a run costs whatever its rows
+        self.row_s = 0.0  # and per row on top
+        # Decaying moments of (rows, seconds) per run, for the fit.
+        self._rows = self._seconds = self._rows2 = self._rows_seconds = 0.0
 
     def observe(self, seconds: float, rows: int) -> None:
         """One run of `rows` rows took `seconds` of wall time."""
         self.runs += 1
-        per_row = seconds / max(rows, 1)
         weight = WEIGHT if self.runs > 1 else 1.0
-        self.row_s += weight * (per_row - self.row_s)
+        x = float(max(rows, 1))
+        self._rows += weight * (x - self._rows)
+        self._seconds += weight * (seconds - self._seconds)
+        self._rows2 += weight * (x * x - self._rows2)
+        self._rows_seconds += weight * (x * seconds - self._rows_seconds)
+        spread = self._rows2 - self._rows * self._rows
+        if spread > 1e-6:  # runs of several sizes: the per-row part can be told apart
+            per_row = (self._rows_seconds - self._rows * self._seconds) / spread
+            self.row_s = max(0.0, per_row)
+        else:  # one size only: all of it counts as fixed (a larger batch is then underpriced
+            self.row_s = 0.0  # and admitted; the check at dequeue still catches it)
+        self.fixed_s = max(0.0, self._seconds - self.row_s * self._rows)
+
+    def run_s(self, rows: int) -> float:
+        """Seconds one run of `rows` rows is expected to take."""
+        return self.fixed_s + self.row_s * rows
 
     def expected_s(self, ahead: int, rows: int) -> float:
         """Seconds until a request of `rows` rows, with `ahead` rows queued or running
-        before it, is answered."""
-        return (ahead / self.instances + rows) * self.row_s
+        before it, is answered: the runs they make, in waves over the instances."""
+        total = ahead + rows
+        runs = math.ceil(total / self.max_rows)
+        waves = math.ceil(runs / self.instances)
+        return waves * self.run_s(min(total, self.max_rows))
 
     def admit(self, now: float, deadline: float | None, ahead: int, rows: int) -> None:
         """Raise Overloaded unless the request can be answered by `deadline`. With nothing
@@ -50,8 +75,3 @@ class Admission:
                 f"{expected * 1000:.1f} ms of work for {ahead} queued rows and this request, "
                 f"{max(left, 0.0) * 1000:.1f} ms left); retry later or elsewhere"
             )
-
-    def hopeless(self, now: float, deadline: float | None, rows: int) -> bool:
-        """Whether a request about to run would finish after its deadline: checked again when
-        it leaves the queue, so no run is spent on a caller that has given up."""
-        return deadline is not None and deadline < now + rows * self.row_s

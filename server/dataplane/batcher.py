@@ -32,6 +32,8 @@ from sluice.server.dataplane.admission import Admission
 
 Arrays = dict[str, np.ndarray]
 FULL, BUDGET, DRAINED = "full", "budget", "drained"
+PASSED = "the deadline passed while the request waited"
+WOULD_PASS = "the deadline would pass before the request's run could end; dropped unrun"
 
 
 @dataclass(eq=False)
@@ -45,6 +47,7 @@ class Pending:
     arrival: float
     deadline: float | None = None  # absolute, on the batcher's clock
     future: asyncio.Future[Arrays] | None = None
+    taken: bool = False  # out of the queue: in a batch, or abandoned
 
     @property
     def abandoned(self) -> bool:
@@ -83,9 +86,15 @@ class BatchQueue:
         self._items.append(item)
         self.rows += item.rows
 
-    def take(self, now: float, row_s: float = 0.0) -> Taken | None:
+    def forget(self, item: Pending) -> None:
+        """A waiting request was abandoned: its rows no longer count as work ahead."""
+        if not item.taken:
+            item.taken = True
+            self.rows -= item.rows
+
+    def take(self, now: float, run_s: Callable[[int], float] | None = None) -> Taken | None:
         """The next batch, with the requests that expired on the way (or would expire before
-        a run of `row_s` seconds per row could answer them); None when empty."""
+        a run of theirs, `run_s(rows)` seconds, could answer them); None when empty."""
         expired: list[Pending] = []
         batch: list[Pending] = []
         keep: deque[Pending] = deque()
@@ -95,7 +104,9 @@ class BatchQueue:
         for item in self._items:
             if item.abandoned:
                 continue
-            if item.deadline is not None and item.deadline <= now + item.rows * row_s:
+            if item.deadline is not None and item.deadline <= now + (
+                run_s(item.rows) if run_s is not None else 0.0
+            ):
                 expired.append(item)
                 continue
             if closed:
@@ -119,6 +130,8 @@ class BatchQueue:
                 rows += item.rows
         self._items = keep
         self.rows = sum(item.rows for item in keep)
+        for item in batch:
+            item.taken = True
         if not batch and not expired:
             return None
         if batch and rows >= self.max_rows:
@@ -167,13 +180,18 @@ class Batcher:
         self.queue = BatchQueue(max_rows=max_rows, budget_s=budget_s, max_queue=max_queue)
         self.clock = clock
         self.stats = BatcherStats()
-        self.admission = Admission(len(runners))
+        self.admission = Admission(len(runners), max_rows)
         self._idle = list(runners)
         self.busy = 0  # runners with a batch
         self._running_rows = 0
         self.runs = Counter[int]()  # batches per runner index
         self._index = {id(r): i for i, r in enumerate(runners)}
         self._tasks: set[asyncio.Task[None]] = set()
+        # Metrics hooks, None (nothing done per request) unless an exporter sets them:
+        # each request's seconds in the queue (0 on the fast path), and each model run's
+        # rows and wall seconds.
+        self.on_wait: Callable[[float], None] | None = None
+        self.on_run: Callable[[int, float], None] | None = None
 
     async def submit(
         self,
@@ -198,8 +216,13 @@ class Batcher:
             runner = self._idle[-1]
             result = runner.run_inline(inputs, outputs, rows)
             if result is not None:
-                self.admission.observe(self.clock() - now, rows)
+                took = self.clock() - now
+                self.admission.observe(took, rows)
                 self._count(runner, [rows], DRAINED)
+                if self.on_run is not None:
+                    self.on_run(rows, took)
+                if self.on_wait is not None:
+                    self.on_wait(0.0)
                 return result
         future: asyncio.Future[Arrays] = asyncio.get_running_loop().create_future()
         item = Pending(inputs, tuple(outputs), rows, group, now, deadline, future)
@@ -208,6 +231,8 @@ class Batcher:
         except Overloaded:
             self.stats.rejected += 1
             raise
+        # A caller that gives up (its deadline, a cancel) leaves no work ahead of others.
+        future.add_done_callback(lambda done: self.queue.forget(item) if done.cancelled() else None)
         self._pump()
         return await future
 
@@ -215,12 +240,17 @@ class Batcher:
         while self._idle and len(self.queue):
             # A lone request on an idle server runs even if it may end late, as at the door.
             contended = self.busy > 0 or len(self.queue) > 1
-            taken = self.queue.take(self.clock(), self.admission.row_s if contended else 0.0)
+            now = self.clock()
+            taken = self.queue.take(now, self.admission.run_s if contended else None)
             if taken is None:
                 return
+            if self.on_wait is not None:
+                for item in taken.batch:
+                    self.on_wait(now - item.arrival)
             for item in taken.expired:
                 self.stats.expired += 1
-                _fail(item, DeadlineExpired("the deadline passed while the request waited"))
+                passed = item.deadline is not None and item.deadline <= now
+                _fail(item, DeadlineExpired(PASSED if passed else WOULD_PASS))
             if not taken.batch:
                 continue
             runner = self._idle.pop()  # the most recently used: its memory is warm
@@ -246,7 +276,10 @@ class Batcher:
             for item in batch:
                 _fail(item, exc)
         else:
-            self.admission.observe(self.clock() - started, rows)
+            took = self.clock() - started
+            self.admission.observe(took, rows)
+            if self.on_run is not None:
+                self.on_run(rows, took)
             for item, result in zip(batch, results, strict=True):
                 if item.future is not None and not item.future.done():
                     item.future.set_result(result)

@@ -69,6 +69,12 @@ class Breaker:
         return self.state is State.HALF_OPEN and not self.probing
 
     @property
+    def is_open(self) -> bool:
+        """OPEN: out of the rotation until its cooldown ends."""
+        self._refresh()
+        return self.state is State.OPEN
+
+    @property
     def held_out(self) -> bool:
         """OPEN or HALF_OPEN: out of the rotation, or on probation (one call at a time)."""
         self._refresh()

@@ -151,7 +151,7 @@ class Plan(Generic[R]):
     (or gives the final answer), `answered` and `failed` record how it went. The drivers,
     `Planner.run` (asyncio) and `Planner.run_sync` (blocking), only do the sending."""
 
-    __slots__ = ("_planner", "deadline", "key", "last", "retry", "tried")
+    __slots__ = ("_planner", "deadline", "key", "last", "refusal", "retry", "tried")
 
     def __init__(self, planner: Planner[R], key: int | None, deadline: float | None) -> None:
         self._planner = planner
@@ -160,6 +160,7 @@ class Plan(Generic[R]):
         self.tried: list[Backend] = []
         self.last = ""  # the last failure, for the message when the call cannot go on
         self.retry = False  # the next attempt is a retry: it takes a token from the budget
+        self.refusal: R | None = None  # a server's overload refusal, the answer if none is left
         planner.budget.deposit()
 
     def next(self) -> Attempt | R:
@@ -173,13 +174,16 @@ class Plan(Generic[R]):
             full = [b for b in pool.backends.values() if limits.full(b)] if limits else []
             choice = pool.choose(self.key, self.tried + full if full else self.tried)
             backend = choice.backend
-            if backend is None and full:
+            if backend is None and full and pool.choose(self.key, self.tried).backend:
+                # Only full backends stand in the way: refuse now rather than queue.
                 limits.shed += 1
                 held = sum(b.in_flight for b in full)
                 why = f"refused: every backend is at its limit ({held} calls in flight)"
                 return planner.reply(
                     _RESOURCE_EXHAUSTED, f"{why}; retry later{self.last}", retryable=True
                 )
+            if backend is None and self.refusal is not None:
+                return self.refusal  # the servers' own word: overloaded, retryable
             if backend is None:
                 planner.unavailable += 1
                 why = f"no backend can take the call: {choice.why}"
@@ -187,6 +191,8 @@ class Plan(Generic[R]):
             self.tried.append(backend)
             if self.retry:
                 if not planner.budget.withdraw():  # counted by the budget
+                    if self.refusal is not None:
+                        return self.refusal
                     why = "no backend can take the call: the retry budget is spent"
                     return planner.reply(_UNAVAILABLE, f"{why}{self.last}")
                 self.retry = False
@@ -200,7 +206,9 @@ class Plan(Generic[R]):
         rule = rule_of(answer.code, answer.retryable)
         self._finish(attempt, rule)
         if rule is _OVERLOADED:
-            self._planner.limits.refused(attempt.backend)
+            planner = self._planner
+            planner.limits.refused(attempt.backend, attempt.sent, planner.clock())
+            self.refusal = answer
         elif answer.code == 0 and self._planner.limits:
             self._planner.limits.answered(attempt.backend)
         if not rule.retry:

@@ -13,7 +13,8 @@ What holds a backend out, and the one cap on it:
   its own fault (`OutlierSettings`), or by latency outlier ejection (its mean latency over
   its last calls is `factor` x the median of the others'). These are what callers can
   provoke, so they are capped: of the live backends (not NOT_SERVING), at most
-  floor(`max_ejection_percent` % x live) may be held out by breakers at once. A breaker
+  floor(`max_ejection_percent` % x live) may be held OPEN by breakers at once (one on
+  HALF_OPEN probation takes calls, and does not count). A breaker
   that would open beyond the cap stays closed (its failures still count) and an outlier
   beyond it is not ejected. Should more be held out anyway (the live set changed under open
   breakers: one went NOT_SERVING, or came back from it with its breaker still open), every
@@ -65,10 +66,12 @@ class OutlierSettings:
 
     - A timeout (verdict 'slow') counts as a backend failure for its breaker when the call
       had at least max(`min_latency_s`, `factor` x the median mean latency of the other
-      backends): a caller whose deadline is shorter than what backends usually need does
-      not make them look bad, and any answered call in between breaks the streak.
-    - Every `interval_s`, a backend with at least `min_calls` answered calls since it was
-      last judged or ejected, whose mean latency is above max(`min_latency_s`, `factor` x
+      backends); with no others to compare with it does not count. A caller whose deadline
+      is shorter than what backends usually need does not make them look bad, and any
+      answered call in between breaks the streak.
+    - Every `interval_s`, a backend with at least `min_calls` answered calls (its mean is
+      over about its last `min_calls`; ejection starts it afresh), whose mean latency is
+      above max(`min_latency_s`, `factor` x
       the median of the others' (those with `min_calls` too)), is ejected: its breaker
       opens with a backoff that doubles per ejection, until a later look finds it fine."""
 
@@ -178,9 +181,11 @@ class Pool:
         return math.floor(self.max_ejection_percent * live / 100 + 1e-9)
 
     def held_out(self) -> int:
-        """Live backends whose breaker is OPEN or HALF_OPEN (ejected, or on probation)."""
+        """Live backends whose breaker is OPEN. One on HALF_OPEN probation takes calls again
+        and does not count: a latency ejection on probation must not keep a backend that
+        fails every call from opening."""
         return sum(
-            b.health != Health.NOT_SERVING and b.breaker.held_out for b in self.backends.values()
+            b.health != Health.NOT_SERVING and b.breaker.is_open for b in self.backends.values()
         )
 
     def may_hold_out(self, backend: Backend) -> bool:
@@ -188,7 +193,7 @@ class Pool:
         that is not live is not counted (its health watch holds it out anyway)."""
         if backend.health == Health.NOT_SERVING:
             return True
-        held = self.held_out() + (not backend.breaker.held_out)
+        held = self.held_out() + (not backend.breaker.is_open)
         return held <= self.ejection_cap()
 
     def panicking(self) -> bool:
@@ -267,8 +272,9 @@ class Pool:
         if rules.factor <= 0:
             return False
         reference = self._reference(backend)
-        floor = rules.min_latency_s if reference is None else rules.factor * reference
-        return seconds >= max(rules.min_latency_s, floor)
+        if reference is None:  # nothing to compare with (start-up, one or two backends)
+            return False
+        return seconds >= max(rules.min_latency_s, rules.factor * reference)
 
     def eject_outliers(self) -> list[Backend]:
         """Eject the latency outliers among the live backends in rotation (within the cap);

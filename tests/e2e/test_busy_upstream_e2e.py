@@ -68,7 +68,7 @@ async def test_a_busy_server_is_not_taken_for_hung_but_a_stopped_one_is(
     toy: tuple[subprocess.Popen[str], str],
 ) -> None:
     proc, address = toy
-    upstream = Upstream(address, keepalive_s=0.5)
+    upstream = Upstream(address, keepalive_s=1.0)
     reports: list[tuple[float, str, bool]] = []
     heard, out = asyncio.Event(), asyncio.Event()
 
@@ -81,7 +81,7 @@ async def test_a_busy_server_is_not_taken_for_hung_but_a_stopped_one_is(
     try:
         upstream.watch_health(report)
         await asyncio.wait_for(heard.wait(), 10.0)
-        # Busy: the loop is blocked for 6 x keepalive_s; the call is answered late, the
+        # Busy: the loop is blocked for 3 x keepalive_s; the call is answered late, the
         # connection lives and nothing says NOT_SERVING.
         reply = await upstream.unary("/toy.Toy/Block", b"", {}, 30.0)
         assert reply.code == 0
@@ -93,7 +93,7 @@ async def test_a_busy_server_is_not_taken_for_hung_but_a_stopped_one_is(
         stopped = time.monotonic()
         await asyncio.wait_for(out.wait(), 10.0)
         found = next(t for t, state, _ in reports if state == "NOT_SERVING") - stopped
-        assert found < 5.0  # about 0.65 s; loose for a loaded machine
+        assert found < 6.0  # about 1.3 s; loose for a loaded machine
         print(f"stopped server found after {found:.2f} s")
     finally:
         proc.send_signal(signal.SIGCONT)

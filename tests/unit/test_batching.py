@@ -15,7 +15,7 @@ from hypothesis.extra import numpy as hnp
 from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import DeadlineExpired, Overloaded
 from sluice.server.dataplane import staging
-from sluice.server.dataplane.admission import WARMUP
+from sluice.server.dataplane.admission import WARMUP, Admission
 from sluice.server.dataplane.batcher import (
     BUDGET,
     DRAINED,
@@ -331,7 +331,7 @@ async def test_a_request_that_cannot_finish_in_time_is_refused_at_the_door() -> 
     batcher = Batcher([runner], max_rows=1, budget_s=1.0, clock=lambda: now[0])
     for x in range(WARMUP):  # the drain rate is measured: 10 ms a row
         await submit(batcher, x, deadline=now[0] + 1.0)
-    assert batcher.admission.row_s == pytest.approx(0.010)
+    assert batcher.admission.run_s(1) == pytest.approx(0.010)
     runner.gate.clear()
     ahead = [asyncio.create_task(submit(batcher, x, deadline=now[0] + 1.0)) for x in range(5)]
     await settle()  # one runs, four wait: five rows ahead of the next request
@@ -372,3 +372,59 @@ async def test_a_request_whose_deadline_would_pass_during_its_run_is_dropped_at_
         await late
     assert runner.batches[-1] == [1]  # never ran
     assert batcher.stats.expired == 1
+
+
+class Affine(Doubler):
+    """A batching instance on a fake clock: a run costs 1 ms plus 0.01 ms a row."""
+
+    def __init__(self, now: list[float]) -> None:
+        super().__init__()
+        self.now = now
+
+    async def run(self, batch: Sequence[Pending]) -> list[Arrays]:
+        results = await super().run(batch)
+        self.now[0] += 0.001 + 0.00001 * len(batch)
+        return results
+
+
+async def test_a_queue_that_drains_in_batches_is_not_priced_as_runs_of_one() -> None:
+    """Warmed on runs of one row (1.01 ms each), a burst of 100 with 20 ms deadlines drains
+    in four batches of up to 32 (~4 ms): every request is admitted and answered."""
+    now = [0.0]
+    runner = Affine(now)
+    batcher = Batcher([runner], max_rows=32, budget_s=1.0, clock=lambda: now[0])
+    for x in range(WARMUP):
+        await submit(batcher, x, deadline=now[0] + 1.0)
+    runner.gate.clear()
+    burst = [asyncio.create_task(submit(batcher, x, deadline=now[0] + 0.020)) for x in range(100)]
+    await settle()
+    runner.gate.set()
+    results = await asyncio.gather(*burst)
+    assert [r["y"].tolist() for r in results] == [[2 * x] for x in range(100)]
+    assert batcher.stats.rejected == 0 and batcher.stats.expired == 0
+
+
+def test_the_run_cost_fit_tells_fixed_from_per_row_seconds() -> None:
+    admission = Admission(instances=2, max_rows=8)
+    for rows in [1, 8, 4, 2, 8, 1, 6, 3] * 10:
+        admission.observe(0.002 + 0.0005 * rows, rows)
+    assert admission.fixed_s == pytest.approx(0.002, rel=0.01)
+    assert admission.row_s == pytest.approx(0.0005, rel=0.01)
+    # 30 rows ahead + 2: four runs of 8, two waves over two instances, 6 ms each.
+    assert admission.expected_s(30, 2) == pytest.approx(2 * 0.006, rel=0.02)
+
+
+async def test_a_cancelled_waiter_leaves_no_work_ahead_of_others() -> None:
+    runner = Doubler()
+    runner.gate.clear()
+    batcher = Batcher([runner], max_rows=1, budget_s=1.0)
+    running = asyncio.create_task(submit(batcher, 0))
+    waiting = [asyncio.create_task(submit(batcher, x)) for x in range(1, 4)]
+    await settle()
+    assert batcher.queue.rows == 3
+    for task in waiting:
+        task.cancel()
+    await settle()
+    assert batcher.queue.rows == 0
+    runner.gate.set()
+    await running

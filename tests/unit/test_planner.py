@@ -385,30 +385,72 @@ def test_when_every_backend_is_full_the_call_is_shed_at_once_and_retryable() -> 
     clock = FakeClock()
     p = planner(clock, ("a:1", "b:1"))
     for backend in p.pool.backends.values():
-        backend.in_flight = 2
-        p.limits.refused(backend)
+        backend.in_flight = 3
+        p.limits.refused(backend, sent=clock.now, now=clock.now)  # held 3 more: limit 3
     transport = Transport(clock, {})
     reply = run(p, transport, deadline=None)
     assert transport.sent == []
     assert reply.code == Code.RESOURCE_EXHAUSTED and reply.retryable
-    assert "every backend is at its limit (4 calls in flight)" in reply.message
+    assert "every backend is at its limit (6 calls in flight)" in reply.message
     assert p.limits.shed == 1 and p.unavailable == 0
+
+
+def test_a_backend_out_for_another_reason_is_not_called_full() -> None:
+    """Shed only when fullness alone stands in the way; a full backend that is also down
+    leaves the answer UNAVAILABLE."""
+    clock = FakeClock()
+    p = planner(clock, ("a:1", "b:1"))
+    full, down = p.pool.backends["a:1"], p.pool.backends["b:1"]
+    full.in_flight = 3
+    p.limits.refused(full, sent=clock.now, now=clock.now)
+    down.health = Health.NOT_SERVING
+    transport = Transport(clock, {})
+    assert run(p, transport, deadline=None).code == Code.RESOURCE_EXHAUSTED
+    full.health = Health.NOT_SERVING
+    reply = run(p, transport, deadline=None)
+    assert reply.code == Code.UNAVAILABLE and p.limits.shed == 1 and transport.sent == []
+
+
+def test_a_burst_of_refusals_cuts_the_limit_once_per_round_trip() -> None:
+    clock = FakeClock()
+    p = planner(clock, ("a:1",))
+    backend = p.pool.backends["a:1"]
+    sent = clock.now
+    backend.in_flight = 9  # ten calls out, all refused as they come back
+    clock.now += 0.01
+    for _ in range(10):
+        p.limits.refused(backend, sent=sent, now=clock.now)
+        backend.in_flight = max(0, backend.in_flight - 1)
+    assert p.limits.limit(backend) == pytest.approx(9.0)  # once: the 9 it held besides
+    backend.in_flight = 8
+    p.limits.refused(backend, sent=clock.now + 0.001, now=clock.now + 0.002)
+    assert p.limits.limit(backend) == pytest.approx(9 * 0.75)  # a later one cuts again
 
 
 def test_a_limit_rises_with_answers_and_is_forgotten_far_above_any_refusal() -> None:
     clock = FakeClock()
     p = planner(clock, ("a:1",))
     backend = p.pool.backends["a:1"]
-    backend.in_flight = 4
-    p.limits.refused(backend)
+    backend.in_flight = 3
+    p.limits.refused(backend, sent=clock.now, now=clock.now)  # held 3 besides: limit 3
     backend.in_flight = 0
     transport = Transport(clock, {"a:1": [ok()]})
-    for _ in range(4):  # one window of answers: +1
+    for _ in range(3):  # one window of answers: +1
         run(p, transport, deadline=None)
-    assert p.limits.limit(backend) == pytest.approx(5.0, abs=0.1)
-    for _ in range(600_000 // 1000):
-        for _ in range(1000):
-            p.limits.answered(backend)
+    assert p.limits.limit(backend) == pytest.approx(4.0, abs=0.1)
+    for _ in range(1000):
+        p.limits.answered(backend)
         if p.limits.limit(backend) is None:
             break
-    assert p.limits.limit(backend) is None and not p.limits
+    assert p.limits.limit(backend) is None and not p.limits  # forgotten at 4 x 3
+
+
+def test_with_the_budget_spent_a_servers_overload_refusal_is_the_answer() -> None:
+    clock = FakeClock()
+    budget = RetryBudget(ratio=0.0, min_per_s=0.0, clock=clock)
+    p = planner(clock, budget=budget)
+    first, _, _ = order(p, 42)
+    refusal = busy("refused: the server cannot answer within the deadline")
+    transport = Transport(clock, {first: [refusal]})
+    reply = run(p, transport, deadline=None)
+    assert reply is refusal  # RESOURCE_EXHAUSTED, retryable: not "the retry budget is spent"

@@ -587,3 +587,39 @@ async def test_discovery_merges_flags_file_and_dns(tmp_path: Path) -> None:
     assert "10.0.0.3:8001" in await discovery.current()
     listing.unlink()  # unreadable: the last answer stands
     assert "10.0.0.3:8001" in await discovery.current()
+
+
+def test_a_backend_on_probation_after_an_ejection_does_not_keep_a_broken_one_in() -> None:
+    """Three backends, cap one: A ejected for latency, then on HALF_OPEN probation; B fails
+    every call. B's breaker may open once A is no longer OPEN."""
+    clock = FakeClock()
+    pool = Pool(
+        breaker=BreakerSettings(failures_to_open=2, base_cooldown_s=1.0, jitter=0.0),
+        clock=clock,
+        rng=random.Random(1),
+    )
+    pool.set_addresses(["a:1", "b:1", "c:1"])
+    a, b = pool.backends["a:1"], pool.backends["b:1"]
+    a.breaker.eject()
+    assert pool.held_out() == 1
+    for _ in range(2):
+        b.in_flight += 1
+        pool.finish(b, 0.01, "failed")
+    assert not b.breaker.is_open  # the cap is spent on A
+    clock.now += 1.5  # A's cooldown ends: on probation, it takes calls again
+    assert not a.breaker.is_open and a.breaker.held_out
+    for _ in range(2):
+        b.in_flight += 1
+        pool.finish(b, 0.01, "failed")
+    assert b.breaker.is_open
+
+
+def test_with_no_other_backend_to_compare_a_timeout_is_not_held_against_it() -> None:
+    clock = FakeClock()
+    pool = Pool(breaker=BreakerSettings(failures_to_open=1, jitter=0.0), clock=clock)
+    pool.set_addresses(["a:1", "b:1"])
+    a = pool.backends["a:1"]
+    for _ in range(3):
+        a.in_flight += 1
+        pool.finish(a, 0.5, "slow")  # long timeouts, but nothing to say they are its fault
+    assert a.timeouts == 0 and not a.breaker.held_out
