@@ -28,6 +28,6 @@ WORKDIR /app
 # In a container the server must listen beyond loopback; the node id defaults to the
 # hostname, which Kubernetes sets to the pod name.
 ENV SLUICE_HOST=0.0.0.0 SLUICE_PORT=8001
-EXPOSE 8001
+EXPOSE 8001 9100
 STOPSIGNAL SIGTERM
 CMD ["sluice-server"]

@@ -1,0 +1,480 @@
+"""deploy/ is checked, not sketched: every manifest validates against the Kubernetes
+schemas (offline, with kubernetes-validate's bundled ones), the objects agree with each
+other and with the programs' flags, and the Grafana dashboard queries only metrics Sluice
+exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from sluice.balancer.settings import BalancerSettings
+from sluice.runtime import config
+from sluice.server.settings import ServerSettings
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "sluice.json"
+
+# Fixed, so a new kubernetes-validate release cannot change the verdict: the oldest
+# Kubernetes minor the manifests promise to work on, and a recent one. Both ship with
+# kubernetes-validate >= 1.33 (it bundles 1.25 onwards).
+KUBERNETES_VERSIONS = ("1.30", "1.33")
+# Custom resources: no schema in Kubernetes' own; checked by hand below.
+CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PodMonitor")}
+KUSTOMIZATION = ("kustomize.config.k8s.io/v1beta1", "Kustomization")
+
+# What Sluice exports (issue 10); the dashboard may name nothing else.
+METRICS = frozenset(
+    {
+        "sluice_calls_total",
+        "sluice_call_seconds_bucket",
+        "sluice_in_flight",
+        "sluice_queue_depth",
+        "sluice_queue_wait_seconds_bucket",
+        "sluice_model_seconds_bucket",
+        "sluice_batch_rows_bucket",
+        "sluice_cache_hits_total",
+        "sluice_cache_misses_total",
+        "sluice_cache_evictions_total",
+        "sluice_cache_bytes",
+        "sluice_admission_refused_total",
+        "sluice_backend_in_flight",
+        "sluice_backend_healthy",
+        "sluice_backend_breaker_open",
+        "sluice_backend_ewma_seconds",
+        "sluice_retries_total",
+        "sluice_retry_budget_refused_total",
+        "sluice_shed_total",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Doc:
+    path: Path
+    index: int
+    body: dict[str, Any]
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.body["apiVersion"], self.body["kind"])
+
+    def __str__(self) -> str:
+        name = self.body.get("metadata", {}).get("name", "")
+        return f"{self.path.relative_to(DEPLOY)}#{self.index}:{self.body['kind']}/{name}"
+
+
+def load_docs() -> list[Doc]:
+    docs = []
+    for path in sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")]):
+        for index, body in enumerate(yaml.safe_load_all(path.read_text())):
+            if body is not None:
+                docs.append(Doc(path, index, body))
+    return docs
+
+
+DOCS = load_docs()
+OBJECTS = [doc for doc in DOCS if doc.key != KUSTOMIZATION]
+CORE = [doc for doc in OBJECTS if doc.key not in CUSTOM_RESOURCES]
+
+
+def only(kind: str, name: str) -> dict[str, Any]:
+    found = [
+        d.body for d in OBJECTS if d.body["kind"] == kind and d.body["metadata"]["name"] == name
+    ]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    result: dict[str, Any] = containers[0]
+    return result
+
+
+def pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
+    labels: dict[str, str] = deployment["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector (or a Service's plain selector) against a pod's labels."""
+    match_labels = selector.get("matchLabels", {})
+    if "matchLabels" not in selector and "matchExpressions" not in selector:
+        match_labels = selector
+    if any(labels.get(key) != value for key, value in match_labels.items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator = expression["key"], expression["operator"]
+        present, value = key in labels, labels.get(key)
+        if operator == "In":
+            ok = value in expression["values"]
+        elif operator == "NotIn":
+            ok = value not in expression["values"]
+        else:
+            ok = present == (operator == "Exists")
+        if not ok:
+            return False
+    return True
+
+
+def flags(args: list[str]) -> dict[str, str]:
+    """--name value pairs (every flag of both programs takes a value)."""
+    assert len(args) % 2 == 0 and all(a.startswith("--") for a in args[::2]), args
+    return dict(zip(args[::2], args[1::2], strict=True))
+
+
+def container_port(box: dict[str, Any], port: int | str) -> int:
+    """A probe's or a Service's port, a number or a name, as a declared container port."""
+    for declared in box.get("ports", []):
+        if port in (declared["containerPort"], declared.get("name")):
+            number: int = declared["containerPort"]
+            return number
+    raise AssertionError(f"port {port!r} is not declared by container {box['name']}")
+
+
+SERVER = only("Deployment", "sluice-server")
+BALANCER = only("Deployment", "sluice-balancer")
+HEADLESS = only("Service", "sluice-servers")
+FRONT = only("Service", "sluice")
+
+
+# -- schemas -------------------------------------------------------------------------------
+
+
+def test_deploy_holds_the_expected_objects() -> None:
+    kinds = sorted((d.body["kind"], d.body["metadata"]["name"]) for d in OBJECTS)
+    assert kinds == [
+        ("Deployment", "sluice-balancer"),
+        ("Deployment", "sluice-server"),
+        ("PodDisruptionBudget", "sluice-balancer"),
+        ("PodDisruptionBudget", "sluice-server"),
+        ("PodMonitor", "sluice"),
+        ("Service", "sluice"),
+        ("Service", "sluice-servers"),
+    ]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("doc", CORE, ids=str)
+def test_manifest_validates_against_kubernetes_schema(doc: Doc, version: str) -> None:
+    # strict: a misspelt or misplaced field is an error, not silently ignored.
+    problem = ""
+    try:
+        checked = kubernetes_validate.validate(doc.body, version, strict=True)
+    except kubernetes_validate.ValidationError as exc:  # its str() dumps the whole schema
+        where = "/".join(str(p) for p in exc.path)
+        problem = f"{doc} is invalid for Kubernetes {version} at {where}: {exc.message}"
+    if problem:
+        pytest.fail(problem)
+    assert checked == version  # validated against that very version's schema
+
+
+def test_custom_resources_are_the_known_ones() -> None:
+    """kubernetes-validate has no schema for CRDs: name them, so no other kind slips by."""
+    custom = [d for d in OBJECTS if d.key in CUSTOM_RESOURCES]
+    assert [d.path.relative_to(DEPLOY).as_posix() for d in custom] == ["monitoring/podmonitor.yaml"]
+    for doc in custom:
+        with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+            kubernetes_validate.validate(doc.body, KUBERNETES_VERSIONS[0], strict=True)
+
+
+def test_kustomizations_list_every_manifest_beside_them() -> None:
+    kustomizations = [d for d in DOCS if d.key == KUSTOMIZATION]
+    assert {d.path.parent for d in kustomizations} == {DEPLOY, DEPLOY / "monitoring"}
+    for doc in kustomizations:
+        here = doc.path.parent
+        listed = {(here / r).resolve() for r in doc.body["resources"]}
+        beside = {d.path.resolve() for d in OBJECTS if d.path.parent == here}
+        assert listed == beside, f"{doc.path}: resources must be exactly {sorted(beside)}"
+    # CRDs stay out of the default `kubectl apply -k deploy/`: it must work without them.
+    default = {d.path.parent for d in OBJECTS if d.key in CUSTOM_RESOURCES}
+    assert DEPLOY not in default
+
+
+def test_kustomization_image_is_the_one_the_deployments_run() -> None:
+    (kustomization,) = [d.body for d in DOCS if d.path == DEPLOY / "kustomization.yaml"]
+    names = {image["name"] for image in kustomization["images"]}
+    for deployment in (SERVER, BALANCER):
+        image = container(deployment)["image"]
+        assert image.rsplit(":", 1)[0] in names, f"{image} is not rewritten by `images:`"
+
+
+# -- the objects agree with each other ------------------------------------------------------
+
+
+def test_deployments_select_their_own_pods_only() -> None:
+    for deployment, other in ((SERVER, BALANCER), (BALANCER, SERVER)):
+        assert selects(deployment["spec"]["selector"], pod_labels(deployment))
+        assert not selects(deployment["spec"]["selector"], pod_labels(other))
+        for spread in deployment["spec"]["template"]["spec"].get("topologySpreadConstraints", []):
+            assert selects(spread["labelSelector"], pod_labels(deployment))
+            assert not selects(spread["labelSelector"], pod_labels(other))
+
+
+def test_services_select_their_pods_and_ports() -> None:
+    assert HEADLESS["spec"]["clusterIP"] == "None"
+    assert not HEADLESS["spec"].get("publishNotReadyAddresses", False)
+    assert FRONT["spec"].get("type", "ClusterIP") == "ClusterIP"
+    for service, deployment, other in ((HEADLESS, SERVER, BALANCER), (FRONT, BALANCER, SERVER)):
+        assert selects(service["spec"]["selector"], pod_labels(deployment))
+        assert not selects(service["spec"]["selector"], pod_labels(other))
+        box = container(deployment)
+        listen = int(flags(box["args"])["--port"])
+        (port,) = service["spec"]["ports"]
+        assert container_port(box, port.get("targetPort", port["port"])) == listen
+    assert FRONT["spec"]["ports"][0]["port"] == 8000
+
+
+def test_balancer_resolves_the_headless_service() -> None:
+    name, _, port = flags(container(BALANCER)["args"])["--backends-dns"].rpartition(":")
+    # A short name, or NAME.NAMESPACE..., resolved through the pod's DNS search path.
+    assert name.split(".")[0] == HEADLESS["metadata"]["name"]
+    assert int(port) in [p["port"] for p in HEADLESS["spec"]["ports"]]
+    assert int(port) == int(flags(container(SERVER)["args"])["--port"])
+
+
+@pytest.mark.parametrize("deployment", [SERVER, BALANCER], ids=["server", "balancer"])
+def test_probes_point_at_declared_ports(deployment: dict[str, Any]) -> None:
+    box = container(deployment)
+    listen = int(flags(box["args"])["--port"])
+    # Readiness is grpc.health.v1 on the gRPC port; liveness exists.
+    assert box["readinessProbe"]["grpc"]["port"] == listen
+    assert "livenessProbe" in box
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = box.get(kind)
+        if probe is None:
+            continue
+        (handler,) = [k for k in ("grpc", "tcpSocket", "httpGet", "exec") if k in probe]
+        if handler != "exec":
+            assert container_port(box, probe[handler]["port"]) == listen, f"{kind} port"
+
+
+def test_server_probes_are_grpc_health() -> None:
+    box = container(SERVER)
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert box[kind]["grpc"].get("service", "") == "", f"{kind} checks the whole server"
+
+
+def prestop_sleep_s(box: dict[str, Any]) -> float:
+    hook = box.get("lifecycle", {}).get("preStop")
+    if hook is None:
+        return 0.0
+    if "sleep" in hook:
+        return float(hook["sleep"]["seconds"])
+    command = hook["exec"]["command"]
+    assert command[0] == "sleep" and len(command) == 2, f"unexpected preStop {command}"
+    return float(command[1])
+
+
+def test_server_drain_fits_the_termination_grace_period() -> None:
+    box = container(SERVER)
+    given = flags(box["args"])
+    drain, grace = float(given["--drain-delay-s"]), float(given["--grace-s"])
+    assert drain > 0, "without a drain delay, calls already routed here are refused"
+    budget = SERVER["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert budget > prestop_sleep_s(box) + drain + grace
+
+
+def test_balancer_drain_fits_the_termination_grace_period() -> None:
+    box = container(BALANCER)
+    given = flags(box["args"])
+    grace = float(given["--grace-s"])
+    needed = prestop_sleep_s(box) + grace
+    if int(given.get("--workers", "1")) > 1:
+        needed += grace + 5.0  # the first process then waits for its workers (main.py)
+    assert BALANCER["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > needed
+
+
+@pytest.mark.parametrize(
+    ("deployment", "program", "settings_class"),
+    [(SERVER, "sluice-server", ServerSettings), (BALANCER, "sluice-balancer", BalancerSettings)],
+    ids=["server", "balancer"],
+)
+def test_arguments_are_flags_the_program_takes(
+    deployment: dict[str, Any], program: str, settings_class: type[Any]
+) -> None:
+    """Parsed by the program's own parser, so a misspelt flag or a bad value fails here."""
+    box = container(deployment)
+    assert box["command"] == [program]
+    env = {item["name"]: item for item in box.get("env", [])}
+    args = []
+    for arg in box["args"]:
+        for var in re.findall(r"\$\((\w+)\)", arg):
+            assert var in env, f"$({var}) in the args is not set in env"
+            arg = arg.replace(f"$({var})", "pod-0")
+        args.append(arg)
+    if "metrics_port" not in settings_class.__dataclass_fields__:
+        # --metrics-port is landing with the metrics work; until then only it is skipped.
+        at = args.index("--metrics-port")
+        del args[at : at + 2]
+    namespace, unknown = config.build_parser(settings_class, program, "").parse_known_args(args)
+    assert unknown == [], f"{program}: unknown flags {unknown}"
+    settings = config.from_namespace(settings_class, namespace, environ={})
+    assert settings.host == "0.0.0.0"
+
+
+def test_server_node_id_is_the_pod_name() -> None:
+    box = container(SERVER)
+    env = {item["name"]: item for item in box["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert flags(box["args"])["--node-id"] == "$(POD_NAME)"
+
+
+@pytest.mark.parametrize("deployment", [SERVER, BALANCER], ids=["server", "balancer"])
+def test_metrics_port_is_declared_and_annotated(deployment: dict[str, Any]) -> None:
+    box = container(deployment)
+    port = int(flags(box["args"])["--metrics-port"])
+    assert port == 9100
+    assert container_port(box, "metrics") == port
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(port)
+    assert annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_every_declared_metrics_port_is_annotated() -> None:
+    for doc in OBJECTS:
+        if doc.body["kind"] != "Deployment":
+            continue
+        template = doc.body["spec"]["template"]
+        annotations = template["metadata"].get("annotations", {})
+        for box in template["spec"]["containers"]:
+            for declared in box.get("ports", []):
+                if declared.get("name") == "metrics":
+                    assert annotations.get("prometheus.io/port") == str(declared["containerPort"])
+
+
+def test_disruption_budgets_cover_each_deployment_alone() -> None:
+    budgets = [d.body for d in OBJECTS if d.body["kind"] == "PodDisruptionBudget"]
+    for deployment in (SERVER, BALANCER):
+        covering = [b for b in budgets if selects(b["spec"]["selector"], pod_labels(deployment))]
+        assert len(covering) == 1, f"{deployment['metadata']['name']}: one PDB, not {covering}"
+        (budget,) = covering
+        # One pod at a time, and never a budget that blocks every eviction.
+        replicas = deployment["spec"]["replicas"]
+        if "maxUnavailable" in budget["spec"]:
+            assert 1 <= budget["spec"]["maxUnavailable"] < replicas
+        else:
+            assert budget["spec"]["minAvailable"] < replicas
+
+
+def test_pod_monitor_scrapes_both_kinds_of_pod() -> None:
+    monitor = only("PodMonitor", "sluice")
+    for deployment in (SERVER, BALANCER):
+        assert selects(monitor["spec"]["selector"], pod_labels(deployment))
+        box = container(deployment)
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            assert container_port(box, endpoint["port"]) == 9100
+            assert endpoint["path"] == "/metrics"
+
+
+# -- the dashboard -------------------------------------------------------------------------
+
+PROMQL_FUNCTIONS = frozenset(
+    {
+        "abs",
+        "avg",
+        "clamp_max",
+        "clamp_min",
+        "count",
+        "histogram_quantile",
+        "increase",
+        "irate",
+        "max",
+        "min",
+        "quantile",
+        "rate",
+        "sum",
+        "topk",
+    }
+)
+PROMQL_KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset"})
+GROUPING = r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)"
+
+
+def promql_metrics(expr: str) -> set[str]:
+    """The metric names an expression reads: what is left once strings, label matchers,
+    ranges and grouping clauses are removed, less function names and keywords."""
+    assert expr.count("(") == expr.count(")"), f"unbalanced parentheses: {expr}"
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)
+    text = re.sub(GROUPING, " ", text)
+    names = set()
+    for match in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", text):
+        word = match.group()
+        if word in PROMQL_KEYWORDS:
+            continue
+        if text[match.end() :].lstrip().startswith("("):
+            assert word in PROMQL_FUNCTIONS, f"unexpected function {word} in {expr}"
+            continue
+        names.add(word)
+    return names
+
+
+def test_promql_metrics_reads_names_not_labels_or_functions() -> None:
+    expr = (
+        'histogram_quantile(0.99, sum by (le, method) (rate(sluice_call_seconds_bucket{code="OK",'
+        ' instance=~"$instance"}[$__rate_interval]))) / on (instance) sluice_in_flight'
+    )
+    assert promql_metrics(expr) == {"sluice_call_seconds_bucket", "sluice_in_flight"}
+    with pytest.raises(AssertionError):
+        promql_metrics("made_up(sluice_in_flight)")
+
+
+def dashboard() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return loaded
+
+
+def panels(board: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in board["panels"]:
+        yield panel
+        yield from panel.get("panels", [])  # inside collapsed rows
+
+
+def test_dashboard_is_an_importable_grafana_dashboard() -> None:
+    board = dashboard()
+    assert board["schemaVersion"] == 39
+    assert board["uid"] and board["title"]
+    (source,) = board["__inputs"]
+    assert source["name"] == "DS_PROMETHEUS" and source["pluginId"] == "prometheus"
+    ids = [panel["id"] for panel in panels(board)]
+    assert len(ids) == len(set(ids))
+    for panel in panels(board):
+        place = panel["gridPos"]
+        assert place["x"] >= 0 and place["w"] > 0 and place["x"] + place["w"] <= 24
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}", panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${DS_PROMETHEUS}", panel["title"]
+    for variable in board["templating"]["list"]:
+        assert variable["datasource"]["uid"] == "${DS_PROMETHEUS}"
+
+
+def test_dashboard_queries_only_sluice_metrics_and_shows_them_all() -> None:
+    board = dashboard()
+    used: set[str] = set()
+    for panel in panels(board):
+        for target in panel.get("targets", []):
+            names = promql_metrics(target["expr"])
+            assert names, f"{panel['title']}: {target['expr']} reads no metric"
+            assert names <= METRICS, f"{panel['title']}: unknown {sorted(names - METRICS)}"
+            used |= names
+    for variable in board["templating"]["list"]:
+        query = variable["query"]["query"]
+        match = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", query)
+        assert match and match[1] in METRICS, query
+    assert used == METRICS, f"no panel shows {sorted(METRICS - used)}"
