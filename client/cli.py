@@ -1,4 +1,5 @@
-"""`sluice`: predict, health and metadata against a server or a balancer."""
+"""`sluice`: predict, health and metadata against a server or a balancer; `up` (a local
+cluster), `perf` (a load sweep) and `top` (a live view) parse their own options."""
 
 from __future__ import annotations
 
@@ -167,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "perf", help="Load sweep (ghz-style); `sluice perf --help` for its options.", add_help=False
     )
+    commands.add_parser(
+        "top", help="Live view of a server or balancer; `sluice top --help`.", add_help=False
+    )
     return parser
 
 
@@ -180,6 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sluice.client.cluster import main as up_main
 
         return up_main(argv[1:])
+    if argv[:1] == ["top"]:  # the live view parses its own options
+        from sluice.client.top import main as top_main
+
+        return top_main(argv[1:])
     args = build_parser().parse_args(argv)
     fn: Any = args.fn
     try:
