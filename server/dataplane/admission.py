@@ -1,8 +1,9 @@
 """Admission at the door: whether a request can finish within its deadline, decided before
 any work is queued for it. Transport-free; times are on the caller's clock.
 
-Little's law on the visible queue: a new request finishes after the rows ahead of it have
-drained through the instances in batches of up to `max_rows`, then its own. A run's cost is
+Little's law on the visible queue: a new request finishes after the runs now going, then
+the runs the queued requests make (batches of up to `max_rows`; a larger request is a run of
+its own) in waves over the instances, then its own run. A run's cost is
 measured, not configured: its wall time as the batcher saw it (thread hops and a busy CPU
 included), fitted as fixed + per-row seconds over the recent runs (decaying averages), so
 a queue that will drain in large batches is not priced as many runs of one row. A request
@@ -13,6 +14,7 @@ the server expects to answer."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from sluice.core.errors import Overloaded
 
@@ -48,30 +50,42 @@ class Admission:
             self.row_s = 0.0  # and admitted; the check at dequeue still catches it)
         self.fixed_s = max(0.0, self._seconds - self.row_s * self._rows)
 
-    def run_s(self, rows: int) -> float:
+    def run_s(self, rows: float) -> float:
         """Seconds one run of `rows` rows is expected to take."""
         return self.fixed_s + self.row_s * rows
 
-    def expected_s(self, ahead: int, rows: int) -> float:
-        """Seconds until a request of `rows` rows, with `ahead` rows queued or running
-        before it, is answered: the runs they make, in waves over the instances."""
-        total = ahead + rows
-        runs = math.ceil(total / self.max_rows)
-        waves = math.ceil(runs / self.instances)
-        return waves * self.run_s(min(total, self.max_rows))
+    def expected_s(self, ahead: Ahead, rows: int) -> float:
+        """Seconds until a request of `rows` rows, with `ahead` before it, is answered."""
+        seconds = self.run_s(ahead.running_rows / ahead.busy) if ahead.busy else 0.0
+        if ahead.queued and ahead.queued_rows:
+            runs = min(ahead.queued, math.ceil(ahead.queued_rows / self.max_rows))
+            waves = math.ceil(runs / self.instances)
+            seconds += waves * self.run_s(ahead.queued_rows / runs)
+        return seconds + self.run_s(rows)
 
-    def admit(self, now: float, deadline: float | None, ahead: int, rows: int) -> None:
+    def admit(self, now: float, deadline: float | None, ahead: Ahead, rows: int) -> None:
         """Raise Overloaded unless the request can be answered by `deadline`. With nothing
         ahead it is always let in: it delays nobody, and its run keeps the estimate fresh (a
         server that refused everything would never learn it had become fast again)."""
-        if deadline is None or ahead == 0 or self.runs < WARMUP:
+        if deadline is None or not (ahead.busy or ahead.queued) or self.runs < WARMUP:
             return
         expected = self.expected_s(ahead, rows)
         left = deadline - now
         if expected > left:
             self.refused += 1
+            held = ahead.queued_rows + ahead.running_rows
             raise Overloaded(
                 f"refused: the server cannot answer within the deadline (about "
-                f"{expected * 1000:.1f} ms of work for {ahead} queued rows and this request, "
+                f"{expected * 1000:.1f} ms of work for {held} rows ahead and this request, "
                 f"{max(left, 0.0) * 1000:.1f} ms left); retry later or elsewhere"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """The work before a new request: runs going now, and the queue."""
+
+    busy: int = 0  # instances running a batch
+    running_rows: int = 0
+    queued: int = 0  # requests waiting
+    queued_rows: int = 0

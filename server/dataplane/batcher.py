@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from sluice.core.errors import DeadlineExpired, Overloaded
-from sluice.server.dataplane.admission import Admission
+from sluice.server.dataplane.admission import Admission, Ahead
 
 Arrays = dict[str, np.ndarray]
 FULL, BUDGET, DRAINED = "full", "budget", "drained"
@@ -205,11 +205,13 @@ class Batcher:
         """Run one request; raises Overloaded when the queue is full or the request cannot
         be answered before its deadline, DeadlineExpired when its deadline passes first."""
         now = self.clock()
-        try:
-            self.admission.admit(now, deadline, self.queue.rows + self._running_rows, rows)
-        except Overloaded:
-            self.stats.rejected += 1
-            raise
+        if deadline is not None and not (self._idle and not len(self.queue)):
+            ahead = Ahead(self.busy, self._running_rows, len(self.queue), self.queue.rows)
+            try:
+                self.admission.admit(now, deadline, ahead, rows)
+            except Overloaded:
+                self.stats.rejected += 1
+                raise
         if self._idle and not len(self.queue):
             # The fast path: an idle instance whose runs are tiny answers right here, with
             # no future, task or extra trip round the event loop.

@@ -49,8 +49,9 @@ async def test_the_balancer_learns_a_full_server_and_sheds_at_once(mlp: Path) ->
                 AsyncSluiceClient(balancer.address, timeout=300) as client,
                 grpc.aio.insecure_channel(balancer.address) as channel,
             ):
-                for x in rows(WARMUP, seed=1):  # the server measures its runs
-                    await client.predict({"input": x})
+                # Runs of two sizes: the server learns a run's fixed and per-row cost.
+                for i, x in enumerate(rows(WARMUP, seed=1)):
+                    await client.predict({"input": x.repeat(256 if i % 2 else 1, axis=0)})
                 blocker = rows(1, seed=2)[0].repeat(BIG_ROWS, axis=0)
                 holding = asyncio.create_task(client.predict({"input": blocker}))
                 await asyncio.to_thread(

@@ -216,8 +216,9 @@ async def test_a_call_that_cannot_finish_in_time_is_refused_at_the_door(mlp: Pat
             AsyncSluiceClient(server.address, timeout=300) as client,
             grpc.aio.insecure_channel(server.address) as channel,
         ):
-            for x in warm:  # the drain rate is measured from these runs
-                await client.predict({"input": x})
+            # Runs of two sizes: the server learns a run's fixed and per-row cost.
+            for i, x in enumerate(warm):
+                await client.predict({"input": x.repeat(256 if i % 2 else 1, axis=0)})
             running_call = asyncio.create_task(client.predict({"input": blocker}))
             await asyncio.to_thread(
                 wait_health,

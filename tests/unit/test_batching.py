@@ -15,7 +15,7 @@ from hypothesis.extra import numpy as hnp
 from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import DeadlineExpired, Overloaded
 from sluice.server.dataplane import staging
-from sluice.server.dataplane.admission import WARMUP, Admission
+from sluice.server.dataplane.admission import WARMUP, Admission, Ahead
 from sluice.server.dataplane.batcher import (
     BUDGET,
     DRAINED,
@@ -410,8 +410,13 @@ def test_the_run_cost_fit_tells_fixed_from_per_row_seconds() -> None:
         admission.observe(0.002 + 0.0005 * rows, rows)
     assert admission.fixed_s == pytest.approx(0.002, rel=0.01)
     assert admission.row_s == pytest.approx(0.0005, rel=0.01)
-    # 30 rows ahead + 2: four runs of 8, two waves over two instances, 6 ms each.
-    assert admission.expected_s(30, 2) == pytest.approx(2 * 0.006, rel=0.02)
+    # 30 one-row requests queued: four runs of 7.5 rows in two waves over two instances
+    # (5.75 ms each), then its own run of 2 rows (3 ms).
+    ahead = Ahead(queued=30, queued_rows=30)
+    assert admission.expected_s(ahead, 2) == pytest.approx(2 * 0.00575 + 0.003, rel=0.02)
+    # One request of 64 rows running: a run of its own, whatever --max-batch says.
+    running = Ahead(busy=1, running_rows=64)
+    assert admission.expected_s(running, 1) == pytest.approx(0.034 + 0.0025, rel=0.02)
 
 
 async def test_a_cancelled_waiter_leaves_no_work_ahead_of_others() -> None:
