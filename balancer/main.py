@@ -14,6 +14,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from grpc_health.v1 import health_pb2
 
 from sluice.balancer.discovery import Discovery
+from sluice.balancer.metrics import RoutingCollector
 from sluice.balancer.service import SERVICE, BalancerService
 from sluice.balancer.settings import BalancerSettings
 from sluice.balancer.upstream import Upstream
@@ -21,16 +22,19 @@ from sluice.core.errors import SluiceError
 from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Backend, OutlierSettings, Pool
-from sluice.runtime import config
+from sluice.runtime import config, metrics, tracing
 from sluice.runtime.listener import bind, check_port_free, new_server
 from sluice.runtime.process import event_loop, return_large_blocks, setup_logging
-from sluice.runtime.supervise import Supervisor, attach_to_parent
+from sluice.runtime.supervise import SLOT_ENV, Supervisor, attach_to_parent
 
 log = logging.getLogger("sluice.balancer")
 WORKER_ENV = "SLUICE_BALANCER_WORKER"  # set in the extra worker processes
+WORKERS_ENV = "SLUICE_BALANCER_WORKERS"  # in a worker: how many processes there are in all
+WORKER_SLOT_ENV = SLOT_ENV  # in a worker: its slot among the extra processes (supervisor)
 
 
 async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
+    tracing.setup("sluice-balancer")  # on only if OTEL_TRACES_EXPORTER asks for it
     pool = Pool(
         breaker=BreakerSettings(
             failures_to_open=settings.breaker_failures,
@@ -109,6 +113,21 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         log.error("%s", exc)
         return 1
     await server.start()
+    exporter = None
+    if settings.metrics_port:
+        try:
+            exporter = await metrics.start(
+                metrics.new_registry(
+                    metrics.ServingCollector(service.stats),
+                    RoutingCollector(pool, budget, service.planner),
+                ),
+                settings.host,
+                metrics_ports(settings.metrics_port, is_worker),
+            )
+        except OSError as exc:
+            log.error("--metrics-port %d: %s", settings.metrics_port, exc)
+            await server.stop(None)
+            return 1
     discovery = Discovery(settings.backend, settings.backends_file, settings.backends_dns)
     watching = asyncio.create_task(discovery.watch(settings.refresh_s, apply))
 
@@ -147,8 +166,23 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
     if workers is not None:
         # They drain for grace_s as this one did; a little more, then SIGKILL.
         await workers.stop(settings.grace_s + 5.0)
+    if exporter is not None:
+        exporter.close()
     log.info("stopped after %d calls", service.stats.requests)
     return 0
+
+
+def metrics_ports(first: int, is_worker: bool) -> list[int]:
+    """The metrics port(s) this process may take: `first` for the first process, first + i
+    for worker i (1 to N-1). A worker whose slot the supervisor does not say takes the first
+    free port of the workers' range."""
+    if not is_worker:
+        return [first]
+    slot = os.environ.get(WORKER_SLOT_ENV, "")
+    if slot.isdigit():
+        return [first + 1 + int(slot)]
+    total = int(os.environ.get(WORKERS_ENV, "") or 2)
+    return [first + i for i in range(1, max(total, 2))]
 
 
 def start_workers(settings: BalancerSettings, argv: Sequence[str], port: int) -> Supervisor | None:
@@ -167,7 +201,10 @@ def start_workers(settings: BalancerSettings, argv: Sequence[str], port: int) ->
         str(port),
     ]
     workers = Supervisor(
-        args, settings.workers - 1, env={**os.environ, WORKER_ENV: "1"}, name="balancer worker"
+        args,
+        settings.workers - 1,
+        env={**os.environ, WORKER_ENV: "1", WORKERS_ENV: str(settings.workers)},
+        name="balancer worker",
     )
     workers.start()
     return workers
@@ -182,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"sluice-balancer: {exc}", file=sys.stderr)
         return 2
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     return_large_blocks()
     with asyncio.Runner(loop_factory=event_loop) as runner:
         return runner.run(serve(settings, argv))

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
 from google.protobuf.message import DecodeError
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from sluice.core.calls import check_request_id, stream_timeout
 from sluice.core.errors import Code, InvalidInput, status_name
@@ -19,6 +21,7 @@ from sluice.core.stats import ServingStats, health_fields
 from sluice.routing.budget import RetryBudget
 from sluice.routing.planner import Planner, rule_of
 from sluice.routing.pool import Backend, Pool
+from sluice.runtime import tracing
 from sluice.runtime.status import grpc_code
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import stream
@@ -28,7 +31,10 @@ log = logging.getLogger("sluice.balancer")
 
 SERVICE = "sluice.v1.Inference"
 METADATA = f"/{SERVICE}/Metadata"
-FORWARDED = ("x-request-id", NO_CACHE_HEADER)
+# Trace context passes through as it came; with tracing on, each attempt's replaces it.
+FORWARDED = ("x-request-id", NO_CACHE_HEADER, *tracing.HEADERS)
+SPAN = "sluice.balancer/Predict"  # with tracing: one SERVER span per call ...
+ATTEMPT = "sluice.balancer/attempt"  # ... and a CLIENT span per attempt
 NO_METADATA: Mapping[str, str] = {}
 Context = grpc.aio.ServicerContext[bytes, bytes]
 
@@ -110,7 +116,7 @@ class BalancerService:
                     id=message.id, code=Code.INVALID_ARGUMENT, message=refused
                 ).SerializeToString()
             deadline = self._deadline(stream_timeout(timeout))
-            reply = await self.forward(message.request, metadata, deadline)
+            reply = await self.forward(message.request, metadata, deadline, stream=True)
             return pb.StreamResponse(
                 id=message.id,
                 code=reply.code,
@@ -127,23 +133,104 @@ class BalancerService:
         self.stats.end(self.stats.begin(), "INVALID_ARGUMENT")
 
     async def forward(
-        self, body: bytes, metadata: Mapping[str, str], deadline: float | None
+        self,
+        body: bytes,
+        metadata: Mapping[str, str],
+        deadline: float | None,
+        *,
+        stream: bool = False,
     ) -> Reply:
         """One Predict through the planner: each attempt goes over the chosen backend's
-        multiplexed streams with the time left."""
+        multiplexed streams with the time left. `stream`: it came on a PredictStream."""
         started = self.stats.begin()
         forwarded = {k: metadata[k] for k in FORWARDED if k in metadata}
         try:
-            reply = await self.planner.run(
-                affinity_key(body, metadata),
-                deadline,
-                lambda backend, left: backend.transport.predict(body, forwarded, left),
-            )
+            if tracing.ON:
+                reply = await self._traced(body, metadata, forwarded, deadline, stream)
+            else:
+                reply = await self.planner.run(
+                    affinity_key(body, metadata),
+                    deadline,
+                    lambda backend, left: backend.transport.predict(body, forwarded, left),
+                )
         except BaseException:  # cancelled by its caller: it is not in flight any more
             self.stats.end(started, "CANCELLED")
             raise
         self.stats.end(started, None if reply.code == 0 else status_name(reply.code))
         return reply
+
+    async def _traced(
+        self,
+        body: bytes,
+        metadata: Mapping[str, str],
+        forwarded: dict[str, str],
+        deadline: float | None,
+        stream: bool,
+    ) -> Reply:
+        """`forward`'s planner run in a SERVER span, the child of the caller's span that
+        `metadata` names (tracing on). Each attempt is a CLIENT span of its own, with the
+        routing decision (backend, affinity or least-loaded, why; a retry says after what),
+        and its context goes to the server in place of the caller's."""
+        key = affinity_key(body, metadata)
+        with tracing.server_span(SPAN, metadata, "PredictStream" if stream else "Predict") as span:
+            span.set_attribute("sluice.node_id", self.node_id)
+            if stream:
+                span.set_attribute(tracing.STREAM, True)
+            if "x-request-id" in metadata:
+                span.set_attribute(tracing.REQUEST_ID, metadata["x-request-id"])
+            tried: list[str] = []  # each attempt so far: "address: outcome"
+
+            async def attempt(backend: Backend, left: float | None) -> Reply:
+                routing, why = self._routing(key, backend, tried)
+                attributes: tracing.Attributes = {
+                    "server.address": backend.address,
+                    "sluice.attempt": len(tried) + 1,
+                    "sluice.routing": routing,
+                    "sluice.routing.why": why,
+                }
+                kind = SpanKind.CLIENT
+                with tracing.span(ATTEMPT, attributes, kind=kind, parent=span) as sending:
+                    try:
+                        reply: Reply = await backend.transport.predict(
+                            body, tracing.inject(dict(forwarded)), left
+                        )
+                    except BaseException as exc:  # the planner decides what it means
+                        tried.append(f"{backend.address}: {type(exc).__name__}")
+                        raise
+                    tried.append(f"{backend.address}: {status_name(reply.code)}")
+                    tracing.set_code(sending, reply.code, reply.message, server=False)
+                    if reply.retryable:
+                        sending.set_attribute("sluice.retryable", True)
+                return reply
+
+            if span.is_recording():
+                reply = await self.planner.run(key, deadline, attempt)
+            else:  # not sampled: its context goes on (the flag says so), and no spans
+                headers = tracing.inject(dict(forwarded), trace.set_span_in_context(span))
+                reply = await self.planner.run(
+                    key,
+                    deadline,
+                    lambda backend, left: backend.transport.predict(body, headers, left),
+                )
+            span.set_attribute("sluice.attempts", len(tried))
+            tracing.set_code(span, reply.code, reply.message)
+        return reply
+
+    def _routing(self, key: int | None, backend: Backend, tried: list[str]) -> tuple[str, str]:
+        """How the pool chose `backend` for a call with affinity `key`, and why."""
+        if key is None:
+            routing = "least-loaded"
+            why = "the call skips the cache: two random choices by in-flight x EWMA latency"
+        else:
+            routing, owner = "affinity", self.pool.ring.owner(key)
+            why = (
+                "the key's owner on the ring"
+                if owner == backend.address
+                else f"the key's owner {owner} was tried, is out or is over its load bound"
+            )
+        if tried:
+            why = f"retry after {tried[-1]}; {why}"
+        return routing, why
 
     async def metadata(self, body: bytes, context: Context) -> bytes:
         """Metadata from the first usable backend that answers. A control call: it stays out

@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass, field
 
 from sluice.runtime.listener import MAX_PENDING_CALLS
+from sluice.runtime.process import LOG_FORMATS
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,29 @@ class BalancerSettings:
     )
     grace_s: float = field(default=10.0, metadata={"help": "on SIGTERM, time for calls to finish"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+    log_format: str = field(
+        default="text",
+        metadata={
+            "help": "text, or json: one JSON object a line (time, level, logger, message, "
+            "request_id and trace_id when known)"
+        },
+    )
+    metrics_port: int = field(
+        default=0,
+        metadata={
+            "help": "serve Prometheus metrics at http://HOST:THIS/metrics on --host (0: off); "
+            "with --workers N each process is its own scrape target: worker i (0 the first "
+            "process) on this + i, so N ports from this one"
+        },
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be 0-65535, not {self.port}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be 0-65535, not {self.metrics_port}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"--log-format must be text or json, not {self.log_format!r}")
         if not (self.backend or self.backends_file or self.backends_dns):
             raise ValueError(
                 "give backends: --backend HOST:PORT, --backends-file or --backends-dns"
@@ -119,6 +139,8 @@ class BalancerSettings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.metrics_port and self.metrics_port + self.workers - 1 > 65535:
+            raise ValueError("--metrics-port + --workers - 1 must be at most 65535")
         if not 0 <= self.max_ejection_percent <= 100:
             raise ValueError("--max-ejection-percent must be between 0 and 100")
         if self.outlier_factor != 0 and not 1 < self.outlier_factor < 1e6:

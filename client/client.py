@@ -30,6 +30,7 @@ from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
 from sluice.routing.planner import Planner
 from sluice.routing.pool import Backend, Pool
+from sluice.runtime import tracing
 from sluice.runtime.status import grpc_code
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
@@ -42,6 +43,7 @@ Metadata = tuple[tuple[str, str], ...]
 PREDICT_ARGS = {"request_serializer": None, "response_deserializer": None}
 # Sends one raw Predict body on one channel (the targets' channels are used in turn).
 Sender = Callable[..., Any]
+SPAN = "sluice.client/Predict"  # with tracing (sluice.runtime.tracing): one per call
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,12 @@ def rpc_error(reply: Reply) -> grpc.aio.AioRpcError:
         reply.message,
         None,
     )
+
+
+def status_of(exc: BaseException) -> int | None:
+    """The status number of a failed grpc call, for its span."""
+    code = exc.code() if isinstance(exc, grpc.RpcError) else None
+    return code.value[0] if isinstance(code, grpc.StatusCode) else None
 
 
 def target_list(target: str | Sequence[str]) -> list[str]:
@@ -243,6 +251,16 @@ class AsyncSluiceClient(_Core):
             return unary.failure(exc)
 
     async def _call(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
+        tracer = tracing.client_tracer()  # None unless the application traces
+        if tracer is None:
+            return await self._calls(body, metadata, timeout)
+        with tracing.client_span(tracer, SPAN, metadata, self.targets, status_of) as (span, sent):
+            reply = await self._calls(body, sent, timeout)
+            tracing.set_code(span, reply.code, reply.message, server=False)
+        return reply
+
+    async def _calls(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
+        """The call's attempts: one to the one target, or as the planner routes them."""
         route = self._route(body, metadata, timeout)
         if self._router is None:
             return await self._send(self.target, body, metadata, route.timeout)
@@ -342,6 +360,16 @@ class SluiceClient(_Core):
         return prediction(self._call(body, metadata, timeout))
 
     def _call(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
+        tracer = tracing.client_tracer()  # None unless the application traces
+        if tracer is None:
+            return self._calls(body, metadata, timeout)
+        with tracing.client_span(tracer, SPAN, metadata, self.targets, status_of) as (span, sent):
+            reply = self._calls(body, sent, timeout)
+            tracing.set_code(span, reply.code, reply.message, server=False)
+        return reply
+
+    def _calls(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
+        """The call's attempts: one to the one target, or as the planner routes them."""
         route = self._route(body, metadata, timeout)
         if self._router is None:
             return self._send(self.target, body, metadata, route.timeout)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from grpc_health.v1 import health_pb2
 
 from sluice.core.errors import SluiceError
-from sluice.runtime import config
+from sluice.runtime import config, metrics, tracing
 from sluice.runtime.listener import bind, new_server
 from sluice.runtime.process import event_loop, return_large_blocks, setup_logging
 from sluice.server.dataplane.batcher import Batcher
@@ -20,6 +20,7 @@ from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Dataplane
+from sluice.server.metrics import DataplaneCollector
 from sluice.server.service import SERVICE, InferenceService
 from sluice.server.settings import ServerSettings
 
@@ -27,6 +28,7 @@ log = logging.getLogger("sluice.server")
 
 
 async def serve(settings: ServerSettings) -> int:
+    tracing.setup("sluice-server")  # on only if OTEL_TRACES_EXPORTER asks for it
     engine = Engine(
         settings.model,
         device=settings.device,
@@ -47,6 +49,20 @@ async def serve(settings: ServerSettings) -> int:
     service = InferenceService(
         plane, node_id=settings.node_id, default_timeout_s=settings.default_timeout_s or None
     )
+    exporter = None
+    if settings.metrics_port:
+        try:
+            exporter = await metrics.start(
+                metrics.new_registry(
+                    metrics.ServingCollector(service.stats),
+                    DataplaneCollector([m.batcher for m in plane.models], plane.cache),
+                ),
+                settings.host,
+                [settings.metrics_port],
+            )
+        except OSError as exc:
+            log.error("--metrics-port %d: %s", settings.metrics_port, exc)
+            return 1
     server, health_servicer = new_server(
         service.handler(),
         max_message_bytes=settings.max_message_bytes,
@@ -84,6 +100,8 @@ async def serve(settings: ServerSettings) -> int:
     service.start_draining()
     await server.stop(settings.grace_s)
     await plane.close()  # each model: its running batches, then its engine
+    if exporter is not None:
+        exporter.close()
     log.info("stopped after %d calls", service.stats.requests)
     return 0
 
@@ -96,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"sluice-server: {exc}", file=sys.stderr)
         return 2
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     return_large_blocks()
     try:
         with asyncio.Runner(loop_factory=event_loop) as runner:

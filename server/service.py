@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ from sluice.core.calls import BAD_REQUEST_ID, printable, stream_timeout
 from sluice.core.errors import Code, InvalidInput, Overloaded, SluiceError
 from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, OVERLOADED, REFUSED_HEADER
 from sluice.core.stats import ServingStats, health_fields
+from sluice.runtime import tracing
 from sluice.runtime.status import status_of
 from sluice.server.convert import V1, model_info, parse
 from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL
@@ -28,6 +29,9 @@ log = logging.getLogger("sluice.service")
 
 SERVICE = "sluice.v1.Inference"
 Context = grpc.aio.ServicerContext[bytes, bytes]
+SPAN = "sluice.server/Predict"  # with tracing: one per Predict call or stream message
+STREAM = "PredictStream"
+NODE_ID = "sluice.node_id"
 
 
 @dataclass
@@ -135,13 +139,50 @@ class InferenceService:
         stats.end(started)
         return reply
 
+    async def _traced(
+        self,
+        fn: Method,
+        body: bytes,
+        info: Call,
+        stats: ServingStats,
+        metadata: Mapping[str, str] | Iterable[tuple[str, Any]],
+        method: str,
+    ) -> bytes | tuple[grpc.StatusCode, str]:
+        """`_invoke` in a SERVER span, the child of the caller's span that `metadata` names
+        (tracing on): request id, status, an event for an admission refusal; the dataplane
+        adds the cache's part (`sluice.cache`) and the model run's span."""
+        with tracing.server_span(SPAN, metadata, method) as span:
+            outcome = await self._invoke(fn, body, info, stats)
+            if not span.is_recording():  # not sampled
+                return outcome
+            span.set_attribute(NODE_ID, self.node_id)
+            if method == STREAM:
+                span.set_attribute(tracing.STREAM, True)
+            trailers = dict(info.trailers)
+            if "x-request-id" in trailers:
+                span.set_attribute(tracing.REQUEST_ID, trailers["x-request-id"])
+            if isinstance(outcome, bytes):
+                tracing.set_code(span, 0)
+            else:
+                tracing.set_code(span, outcome[0].value[0], outcome[1])
+                if REFUSED_HEADER in trailers:  # refused at the door, before any work
+                    span.add_event(
+                        "sluice.admission.refused",
+                        {"reason": trailers[REFUSED_HEADER], "message": outcome[1]},
+                    )
+        return outcome
+
     def _wrap(self, fn: Method, *, counted: bool) -> Handler:
         """Request id, node id, error mapping; `counted` calls go into the serving stats."""
         stats = self.stats if counted else ServingStats(window=1)
 
         async def call(body: bytes, context: Context) -> bytes:
-            info = self._call(context.invocation_metadata() or (), context.time_remaining())
-            outcome = await self._invoke(fn, body, info, stats)
+            metadata = context.invocation_metadata() or ()
+            info = self._call(metadata, context.time_remaining())
+            if counted and tracing.ON:
+                outcome = await self._traced(fn, body, info, stats, metadata, "Predict")
+            else:
+                outcome = await self._invoke(fn, body, info, stats)
             # grpc keeps an aborted call's exception, whose traceback holds this frame: drop
             # the body now, or a refused 25 MB request stays until the next call arrives.
             del body
@@ -162,7 +203,12 @@ class InferenceService:
             except InvalidInput as exc:
                 timeout, refused = None, exc
             info = self._call(message.metadata.items(), timeout, refused)
-            outcome = await self._invoke(self.predict, message.request, info, self.stats)
+            if tracing.ON:
+                outcome = await self._traced(
+                    self.predict, message.request, info, self.stats, message.metadata, STREAM
+                )
+            else:
+                outcome = await self._invoke(self.predict, message.request, info, self.stats)
             reply = pb.StreamResponse(id=message.id, trailers=dict(info.trailers))
             if isinstance(outcome, bytes):
                 reply.response = outcome

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from sluice.models import DIGITS
 from sluice.runtime.listener import MAX_PENDING_CALLS
+from sluice.runtime.process import LOG_FORMATS
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -70,12 +71,29 @@ class ServerSettings:
         metadata={"help": "on SIGTERM, how long to report NOT_SERVING before refusing calls"},
     )
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+    log_format: str = field(
+        default="text",
+        metadata={
+            "help": "text, or json: one JSON object a line (time, level, logger, message, "
+            "request_id and trace_id when known)"
+        },
+    )
+    metrics_port: int = field(
+        default=0,
+        metadata={
+            "help": "serve Prometheus metrics at http://HOST:THIS/metrics on --host (0: off)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, not {self.device!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be 0-65535, not {self.port}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be 0-65535, not {self.metrics_port}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"--log-format must be text or json, not {self.log_format!r}")
         for name in ("instances", "max_batch", "max_queue", "max_pending_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")

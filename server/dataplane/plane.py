@@ -17,6 +17,7 @@ import numpy as np
 import xxhash
 
 from sluice.core.errors import DeadlineExpired
+from sluice.runtime import tracing
 from sluice.server.dataplane.batcher import Arrays
 from sluice.server.dataplane.cache import Entry, LRUCache, SingleFlight
 from sluice.server.dataplane.models import Model, Models
@@ -26,6 +27,7 @@ Cached = Literal["hit", "miss"] | None  # None: the call kept out of the cache
 HIT: Cached = "hit"
 MISS: Cached = "miss"
 EXPIRED = "the deadline passed before the model could run"
+MODEL_RUN = "sluice.model.run"  # with tracing: the span of a model run (queue wait included)
 
 
 @dataclass(slots=True)
@@ -72,12 +74,16 @@ class Dataplane:
             raise DeadlineExpired(EXPIRED)
         found = self.models.get(model)
         if not cache or not self.cache.enabled:
+            if tracing.ON:
+                tracing.annotate(tracing.CACHE, "off")
             return await self._compute(found, body, codec, deadline), None
         digest = xxhash.xxh3_128(found.scope(codec.name))
         digest.update(body)
         key = digest.digest()
         hit = self.cache.get(key)
         if hit is not None:
+            if tracing.ON:
+                tracing.annotate(tracing.CACHE, "hit")
             return hit, HIT
         return await self._once(key, found, body, codec, deadline)
 
@@ -111,6 +117,8 @@ class Dataplane:
                 if not joined or (deadline is not None and deadline <= self.clock()):
                     raise
             else:
+                if tracing.ON:  # shared: another caller's computation answered
+                    tracing.annotate(tracing.CACHE, "shared" if joined else "miss")
                 return entry, HIT if joined else MISS
 
     async def _store(
@@ -124,7 +132,12 @@ class Dataplane:
         self, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None
     ) -> Entry:
         request = codec.decode(body)
-        outputs, nonfinite = await model.run(request.inputs, request.outputs, deadline)
+        if tracing.ON and tracing.recording():
+            attributes = {"sluice.model.name": model.name, "sluice.model.version": model.version}
+            with tracing.span(MODEL_RUN, attributes):
+                outputs, nonfinite = await model.run(request.inputs, request.outputs, deadline)
+        else:
+            outputs, nonfinite = await model.run(request.inputs, request.outputs, deadline)
         return Entry(codec.encode(model, request, outputs), tuple(nonfinite))
 
     async def close(self) -> None:

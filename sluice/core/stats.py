@@ -4,9 +4,10 @@ use; the clock is injected."""
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,6 +33,9 @@ class ServingStats:
         self.requests = 0
         self.in_flight = 0
         self.errors: Counter[str] = Counter()
+        # Called with each finished call's seconds; None (nothing done) unless an exporter
+        # sets it (the metrics' latency histogram).
+        self.observer: Callable[[float], None] | None = None
 
     def begin(self) -> float:
         """Count a call as started; returns its start time for `end`."""
@@ -44,7 +48,10 @@ class ServingStats:
         self.in_flight -= 1
         if error is not None:
             self.errors[error] += 1
-        self._window[self._next] = self._clock() - started
+        seconds = self._clock() - started
+        self._window[self._next] = seconds
+        if self.observer is not None:
+            self.observer(seconds)
         self._next = (self._next + 1) % len(self._window)
         self._filled = min(self._filled + 1, len(self._window))
 
@@ -60,6 +67,37 @@ class ServingStats:
         return LatencySummary(
             self._filled, float(p50), float(p90), float(p99), float(seconds.max() * 1000.0)
         )
+
+
+class Histogram:
+    """Counts of observations at or below each upper bound (not cumulative: `counts[i]`
+    holds those in (bounds[i-1], bounds[i]], the last one those above every bound) and their
+    sum. Plain numbers, no lock: observe from one thread (the event loop); an exporter reads
+    it when scraped. About a quarter of a microsecond per observation."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        if not bounds or list(bounds) != sorted(set(bounds)):
+            raise ValueError("bounds must be increasing and not empty")
+        self.bounds = tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations at or below it) for each bound, then (inf, count)."""
+        total = 0
+        out = []
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += count
+            out.append((bound, total))
+        return out
 
 
 def health_fields(stats: ServingStats) -> dict[str, Any]:

@@ -4,20 +4,72 @@ purpose: the balancer and the perf floors import it without loading ONNX Runtime
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ctypes
+import datetime
+import json
 import logging
 import sys
+from typing import Any
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 MMAP_THRESHOLD = 1 << 20
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+LOG_FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+# The request and trace a log line is about: a record's own attributes (`extra=`) first, else
+# these, set by whoever handles the call.
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("sluice_request_id", default="")
+TRACE_ID: contextvars.ContextVar[str] = contextvars.ContextVar("sluice_trace_id", default="")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: time (UTC, ISO 8601), level, logger, message, then request_id
+    and trace_id when the record or the context has them (trace_id also from OpenTelemetry's
+    current span), and the traceback if any."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for name, var in (("request_id", REQUEST_ID), ("trace_id", TRACE_ID)):
+            value = getattr(record, name, None) or var.get()
+            if not value and name == "trace_id":
+                value = _current_trace_id()
+            if value:
+                line[name] = str(value)
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            line["exception"] = record.exc_text
+        if record.stack_info:
+            line["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(line, ensure_ascii=False, default=str)
+
+
+def _current_trace_id() -> str:
+    """The trace id of OpenTelemetry's current span, when tracing was loaded (never imported
+    here) and a span is recording; else ""."""
+    trace = sys.modules.get("opentelemetry.trace")
+    if trace is None:
+        return ""
+    context = trace.get_current_span().get_span_context()
+    return f"{context.trace_id:032x}" if context.is_valid else ""
+
+
+def setup_logging(level: str, fmt: str = "text") -> None:
+    """Log to stderr at `level`, as text lines or (`fmt="json"`) JSON lines."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {fmt!r}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
 def event_loop() -> asyncio.AbstractEventLoop:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 log = logging.getLogger("sluice.supervise")
 
 PARENT_PID_ENV = "SLUICE_PARENT_PID"  # the supervisor's pid, as the child should see it
+SLOT_ENV = "SLUICE_WORKER_SLOT"  # in a worker: its slot, 0 to N-1
 PARENT_FD_ENV = "SLUICE_PARENT_FD"  # the read end of the pipe: EOF means the parent is gone
 PR_SET_PDEATHSIG = 1
 
@@ -82,11 +83,12 @@ class Supervisor:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._keep(slot)) for slot in range(self.count)]
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
+    def _spawn(self, slot: int) -> subprocess.Popen[bytes]:
         env = {
             **self.env,
             PARENT_PID_ENV: str(os.getpid()),
             PARENT_FD_ENV: str(self._read_fd),
+            SLOT_ENV: str(slot),  # a respawned worker keeps its slot (its metrics port, ...)
         }
         return subprocess.Popen(
             self.argv, env=env, stdin=subprocess.DEVNULL, pass_fds=(self._read_fd,)
@@ -98,7 +100,7 @@ class Supervisor:
         while not self._stopping.is_set():
             pid = "-"
             try:
-                proc = self._spawn()
+                proc = self._spawn(slot)
             except OSError as exc:
                 log.error("%s %d could not start: %s", self.name, slot, exc)
                 code: int | None = None

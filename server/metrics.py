@@ -1,0 +1,74 @@
+"""The server's Prometheus metrics: its serving stats (sluice.runtime.metrics), and the
+dataplane's batchers and cache, read when scraped; queue wait, model time and batch rows are
+histograms fed by the batchers' hooks, set only here (metrics on)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sluice.core.stats import Histogram
+from sluice.runtime.metrics import ROWS, RUN_SECONDS, SECONDS, histogram_family
+from sluice.server.dataplane.batcher import Batcher
+from sluice.server.dataplane.cache import LRUCache
+
+
+class DataplaneCollector(Collector):
+    """Queue, batches, admission and the result cache of one server (its batchers summed:
+    one per model)."""
+
+    def __init__(self, batchers: Iterable[Batcher], cache: LRUCache) -> None:
+        self.batchers = list(batchers)
+        self.cache = cache
+        self.wait = Histogram(SECONDS)
+        self.run = Histogram(RUN_SECONDS)
+        self.rows = Histogram(ROWS)
+        wait, run, rows = self.wait.observe, self.run.observe, self.rows.observe
+
+        def ran(count: int, seconds: float) -> None:
+            run(seconds)
+            rows(count)
+
+        for batcher in self.batchers:
+            batcher.on_wait = wait
+            batcher.on_run = ran
+
+    def collect(self) -> Iterator[Metric]:
+        batchers, cache = self.batchers, self.cache
+        yield GaugeMetricFamily(
+            "sluice_queue_depth",
+            "requests waiting in the batcher queue",
+            value=sum(len(b.queue) for b in batchers),
+        )
+        yield histogram_family(
+            "sluice_queue_wait_seconds",
+            "time a request waited in the batcher queue (0 when an idle instance took it)",
+            [((), self.wait)],
+        )
+        yield histogram_family(
+            "sluice_model_seconds", "model run wall time per batch", [((), self.run)]
+        )
+        yield histogram_family("sluice_batch_rows", "rows per model run", [((), self.rows)])
+        yield CounterMetricFamily(
+            "sluice_admission_refused",
+            "requests refused at the door: queue full, or no time to answer before the deadline",
+            value=sum(b.stats.rejected for b in batchers),
+        )
+        yield CounterMetricFamily(
+            "sluice_expired",
+            "requests dropped in the queue: their deadline passed while waiting",
+            value=sum(b.stats.expired for b in batchers),
+        )
+        yield CounterMetricFamily("sluice_cache_hits", "result cache hits", value=cache.hits)
+        yield CounterMetricFamily("sluice_cache_misses", "result cache misses", value=cache.misses)
+        yield CounterMetricFamily(
+            "sluice_cache_evictions", "result cache evictions", value=cache.evictions
+        )
+        yield GaugeMetricFamily(
+            "sluice_cache_bytes", "bytes held by the result cache", value=cache.bytes
+        )
+        yield GaugeMetricFamily(
+            "sluice_cache_entries", "entries in the result cache", value=len(cache)
+        )

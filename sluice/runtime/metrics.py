@@ -1,0 +1,185 @@
+"""Prometheus metrics over HTTP (`--metrics-port`): one registry per process, served at
+`/metrics` in Prometheus' text format by a small asyncio handler on the process's own event
+loop, so collectors read the stats objects on the thread that writes them.
+
+Counts that the stats objects keep anyway (ServingStats, the batcher's, the cache's, the
+pool's) are read by collectors when scraped: nothing per call. Latencies need a histogram
+observed per call (`sluice.core.stats.Histogram`, a plain-number one), set up only when
+metrics are on."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    generate_latest,
+)
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from sluice.core.stats import Histogram, ServingStats
+
+log = logging.getLogger("sluice.metrics")
+
+PATH = "/metrics"
+# End to end, queue wait: 50 us to 10 s. Model runs: from 10 us. Rows: powers of two.
+SECONDS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+RUN_SECONDS = (0.00001, 0.000025, *SECONDS)
+ROWS = tuple(float(1 << i) for i in range(13))  # 1 .. 4096
+MAX_REQUEST = 16 * 1024  # bytes of request line and headers
+READ_TIMEOUT_S = 10.0
+
+
+def histogram_family(
+    name: str,
+    documentation: str,
+    histograms: Iterable[tuple[Sequence[str], Histogram]] = (),
+    labels: Sequence[str] = (),
+) -> HistogramMetricFamily:
+    """A Prometheus histogram from `Histogram`s, one per label values."""
+    family = HistogramMetricFamily(name, documentation, labels=list(labels))
+    for values, hist in histograms:
+        buckets = [(_bound(b), float(n)) for b, n in hist.cumulative()]
+        family.add_metric(list(values), buckets, hist.sum)
+    return family
+
+
+def _bound(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
+
+
+class ServingCollector(Collector):
+    """What every Sluice process reports of its serving stats: calls by status, in flight, and
+    the end-to-end latency histogram (`observe`, hooked into `stats.observer`)."""
+
+    def __init__(self, stats: ServingStats, method: str = "Predict") -> None:
+        self.stats = stats
+        self.method = method
+        self.seconds = Histogram(SECONDS)
+        stats.observer = self.seconds.observe
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        calls = CounterMetricFamily(
+            "sluice_calls", "calls finished, by method and status", labels=["method", "code"]
+        )
+        failed = sum(stats.errors.values())
+        calls.add_metric([self.method, "OK"], stats.requests - stats.in_flight - failed)
+        for code, count in sorted(stats.errors.items()):
+            calls.add_metric([self.method, code], count)
+        yield calls
+        yield histogram_family(
+            "sluice_call_seconds",
+            "calls' time in this process, end to end",
+            [((self.method,), self.seconds)],
+            labels=["method"],
+        )
+        yield GaugeMetricFamily("sluice_in_flight", "calls in flight", value=stats.in_flight)
+
+
+def new_registry(*collectors: Collector) -> CollectorRegistry:
+    """A registry of `collectors` and the process's own (CPU, memory, file descriptors, GC,
+    Python version)."""
+    registry = CollectorRegistry(auto_describe=False)
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR, *collectors):
+        registry.register(collector)
+    return registry
+
+
+async def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> asyncio.Server:
+    """Serve `registry` at http://HOST:PORT/metrics on the running loop (port 0: a free one;
+    the bound port is `bound_port(server)`). OSError when the port is taken."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+            status, body, kind = _answer(head, registry)
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + (b"" if head.startswith(b"HEAD ") else body)
+            )
+            await writer.drain()
+        except (
+            TimeoutError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ConnectionError,
+        ):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    return await asyncio.start_server(handle, host, port, limit=MAX_REQUEST)
+
+
+def _answer(head: bytes, registry: CollectorRegistry) -> tuple[str, bytes, str]:
+    parts = head.split(b"\r\n", 1)[0].split()
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+        return "400 Bad Request", b"bad request\n", "text/plain; charset=utf-8"
+    method, target = parts[0], parts[1].split(b"?", 1)[0]
+    if method not in (b"GET", b"HEAD"):
+        return "405 Method Not Allowed", b"GET or HEAD only\n", "text/plain; charset=utf-8"
+    if target != PATH.encode():
+        return "404 Not Found", b"metrics are at /metrics\n", "text/plain; charset=utf-8"
+    return "200 OK", generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def bound_port(server: asyncio.Server) -> int:
+    port: int = server.sockets[0].getsockname()[1]
+    return port
+
+
+async def serve_first_free(
+    registry: CollectorRegistry, host: str, ports: Sequence[int]
+) -> asyncio.Server:
+    """Serve on the first of `ports` that binds (workers sharing a range of ports); the last
+    OSError when none does."""
+    error: OSError | None = None
+    for port in ports:
+        try:
+            return await serve_metrics(registry, host, port)
+        except OSError as exc:
+            error = exc
+    raise error or OSError("no port to bind")
+
+
+async def start(registry: CollectorRegistry, host: str, ports: Sequence[int]) -> asyncio.Server:
+    """Serve `registry` on the first free one of `ports` and log where ("metrics at
+    http://HOST:PORT/metrics"; not the "listening on" line that launchers read)."""
+    server = await serve_first_free(registry, host, ports)
+    log.info("metrics at http://%s:%d%s", host, bound_port(server), PATH)
+    return server

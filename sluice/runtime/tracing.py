@@ -1,0 +1,348 @@
+"""OpenTelemetry traces across client, balancer and server, off unless asked for.
+
+The rule: a program (`sluice-server`, `sluice-balancer`) traces when, and only when,
+OTEL_TRACES_EXPORTER names an exporter other than `none` (`otlp`, `console`, or both,
+comma-separated) and OTEL_SDK_DISABLED is not `true`. Everything else is read from the
+standard variables by the SDK: OTEL_EXPORTER_OTLP_ENDPOINT (and _TRACES_ENDPOINT, _INSECURE,
+_HEADERS, _TIMEOUT), OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG, OTEL_SERVICE_NAME and
+OTEL_RESOURCE_ATTRIBUTES, OTEL_BSP_* (the batch span processor), OTEL_PROPAGATORS. The
+sampler decides only for calls that arrive without a trace: a sampler that is not
+parent-based is made so, so that a trace the caller sampled is whole across the hops.
+
+W3C trace context (`traceparent`, `tracestate`) travels in gRPC metadata on unary calls and
+in each StreamRequest's `metadata` map on PredictStream, so every multiplexed call is a
+span of its own (an interceptor would see one long stream).
+
+Off, the cost on a call's path is one check of the module flag `ON`: no span is made and
+no header is read. The client library does not need `setup`: it makes spans and injects
+the context whenever the application has installed a TracerProvider of its own (the check
+is one read of the API's global), and does nothing otherwise.
+
+Spans: `sluice.client/Predict` (CLIENT); `sluice.balancer/Predict` (SERVER) with one
+`sluice.balancer/attempt` (CLIENT) per attempt, whose context goes to the server;
+`sluice.server/Predict` (SERVER, one per unary call or stream message) and its child
+`sluice.model.run`. Log records made inside a span carry `trace_id` and `span_id`."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from contextvars import Token
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import context as context_api
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.propagators.textmap import TextMapPropagator
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+log = logging.getLogger("sluice.tracing")
+
+# Whether `setup` turned tracing on in this process. The hot paths check this flag alone.
+ON = False
+
+INSTRUMENTATION = "sluice"
+HEADERS = ("traceparent", "tracestate")  # W3C trace context: what a hop forwards
+# Attribute names (OpenTelemetry's RPC conventions, and Sluice's own under sluice.*)
+RPC_SYSTEM = "rpc.system"
+RPC_SERVICE = "rpc.service"
+RPC_METHOD = "rpc.method"
+RPC_STATUS = "rpc.grpc.status_code"
+REQUEST_ID = "sluice.request_id"
+STREAM = "sluice.stream"  # the call was one message on a PredictStream
+CACHE = "sluice.cache"  # hit, miss, shared (another caller's computation) or off
+SERVICE = "sluice.v1.Inference"
+Attributes = Mapping[str, str | int | float | bool]
+
+# Status codes a server span reports as an error (the rest are the caller's: OpenTelemetry's
+# gRPC conventions); a client span reports every non-OK status as an error.
+SERVER_FAULTS = frozenset({2, 4, 12, 13, 14, 15})
+EXPORTERS = ("otlp", "console")
+
+_tracer: Tracer | None = None  # the process's, once setup() turned tracing on
+_propagator: TextMapPropagator | None = None
+_fields: frozenset[str] = frozenset()  # the metadata keys the propagator reads
+_client: tuple[object, Tracer | None] = (None, None)  # (the global provider, its tracer)
+
+
+def enabled() -> bool:
+    """Whether `setup` turned tracing on in this process."""
+    return ON
+
+
+def exporters(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The exporters asked for: empty means tracing is off (the rule in the module's doc)."""
+    env = os.environ if environ is None else environ
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",")]
+    return [n for n in dict.fromkeys(names) if n and n != "none"]
+
+
+def provider(service_name: str, environ: Mapping[str, str] | None = None) -> TracerProvider | None:
+    """A TracerProvider as the environment asks (None: tracing is off), not installed."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    env = os.environ if environ is None else environ
+    chosen = []
+    for name in exporters(env):
+        exporter = _exporter(name, env)
+        if exporter is not None:
+            chosen.append(exporter)
+    if not chosen:
+        return None
+    resource = Resource.create({SERVICE_NAME: env.get("OTEL_SERVICE_NAME") or service_name})
+    made = TracerProvider(resource=resource, sampler=_sampler())
+    for exporter in chosen:
+        made.add_span_processor(BatchSpanProcessor(exporter))
+    return made
+
+
+def _exporter(name: str, env: Mapping[str, str]) -> SpanExporter | None:
+    if name == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter()
+    if name != "otlp":
+        log.warning("OTEL_TRACES_EXPORTER: %r is not one of %s; ignored", name, EXPORTERS)
+        return None
+    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get(
+        "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
+    )
+    if protocol != "grpc":
+        log.warning(
+            "OTEL_EXPORTER_OTLP_PROTOCOL: only grpc is installed, not %r; ignored", protocol
+        )
+        return None
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()  # endpoint, security, headers, timeout: from OTEL_EXPORTER_OTLP_*
+
+
+def _sampler() -> Any:
+    """The environment's sampler (OTEL_TRACES_SAMPLER, _ARG; parent-based always-on unless
+    set), made parent-based if it is not: it decides only for calls that start a trace."""
+    from opentelemetry.sdk.trace import sampling
+
+    chosen = sampling._get_from_env_or_default()
+    if isinstance(chosen, sampling.ParentBased):
+        return chosen
+    return sampling.ParentBased(chosen)
+
+
+def setup(service_name: str) -> bool:
+    """Turn tracing on if the environment asks for it (see the module's doc): install a
+    TracerProvider (batch span processor; OTLP over gRPC and/or the console) as the global
+    one, and put trace ids in log records. Returns whether tracing is on."""
+    made = provider(service_name)
+    if made is None:
+        return False
+    trace.set_tracer_provider(made)
+    log.info(
+        "tracing on: %s exporting %s",
+        made.resource.attributes.get("service.name"),
+        ",".join(exporters()),
+    )
+    install(made.get_tracer(INSTRUMENTATION))
+    _log_trace_ids()
+    return True
+
+
+def install(tracer: Tracer) -> None:
+    """Trace with `tracer` from now on (setup's last step; tests call it with their own)."""
+    global ON, _tracer
+    _textmap()
+    _tracer = tracer
+    ON = True
+
+
+def uninstall() -> None:
+    """Tracing off again (for tests)."""
+    global ON, _tracer
+    ON = False
+    _tracer = None
+
+
+def _log_trace_ids() -> None:
+    """Log records made inside a span carry `trace_id` and `span_id` (hex; empty outside)."""
+    previous = logging.getLogRecordFactory()
+
+    def record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        made = previous(*args, **kwargs)
+        context = trace.get_current_span().get_span_context()
+        made.trace_id = format(context.trace_id, "032x") if context.is_valid else ""
+        made.span_id = format(context.span_id, "016x") if context.is_valid else ""
+        return made
+
+    logging.setLogRecordFactory(record)
+
+
+def _textmap() -> TextMapPropagator:
+    global _propagator, _fields
+    if _propagator is None:
+        from opentelemetry import propagate
+
+        _propagator = propagate.get_global_textmap()
+        _fields = frozenset(_propagator.fields)  # computed on each read: once here
+    return _propagator
+
+
+def extract(metadata: Mapping[str, str] | Iterable[tuple[str, str | bytes]]) -> Context | None:
+    """The trace context a call's metadata carries (None: it carries none): a dict or
+    protobuf map (a StreamRequest's `metadata`), or grpc's (key, value) pairs."""
+    textmap = _textmap()
+    fields = _fields
+    pairs = metadata.items() if isinstance(metadata, Mapping) else metadata
+    carrier = {
+        key: value if isinstance(value, str) else value.decode("latin-1")
+        for key, value in pairs
+        if key in fields
+    }
+    return textmap.extract(carrier) if carrier else None
+
+
+def inject(carrier: dict[str, str], context: Context | None = None) -> dict[str, str]:
+    """Put the trace context (the current one, or `context`) into `carrier`; returns it."""
+    _textmap().inject(carrier, context)
+    return carrier
+
+
+def tracer() -> Tracer:
+    """The process's tracer (tracing must be on)."""
+    assert _tracer is not None, "tracing is off"
+    return _tracer
+
+
+def server_span(
+    name: str, metadata: Mapping[str, str] | Iterable[tuple[str, str | bytes]], method: str
+) -> AbstractContextManager[Span]:
+    """A SERVER span for one call, child of the caller's span that `metadata` names (with
+    none, the root of a trace). Current inside the block only when it records (sampled):
+    an unsampled call pays for the sampling decision alone (see `Current`)."""
+    attributes = {RPC_SYSTEM: "grpc", RPC_SERVICE: SERVICE, RPC_METHOD: method}
+    return Current(tracer().start_span(name, extract(metadata), SpanKind.SERVER, attributes))
+
+
+class Current:
+    """Makes a recording span current for the block and ends it, recording an exception
+    that leaves the block (without setting an error status: the status code says that).
+    A span that does not record is left alone: nothing below it records either (sampling
+    is parent-based), so a hop that forwards the call injects the span itself."""
+
+    __slots__ = ("span", "token")
+
+    def __init__(self, span: Span) -> None:
+        self.span = span
+        self.token: Token[Context] | None = None
+
+    def __enter__(self) -> Span:
+        if self.span.is_recording():
+            self.token = context_api.attach(trace.set_span_in_context(self.span))
+        return self.span
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> None:
+        if self.token is None:
+            return
+        context_api.detach(self.token)
+        if exc is not None:
+            self.span.record_exception(exc)
+        self.span.end()
+
+
+def span(
+    name: str,
+    attributes: Attributes | None = None,
+    *,
+    kind: SpanKind = SpanKind.INTERNAL,
+    parent: Span | None = None,
+) -> AbstractContextManager[Span]:
+    """A span (current inside the block), child of `parent` or of the current span."""
+    context = None if parent is None else trace.set_span_in_context(parent)
+    return tracer().start_as_current_span(name, context, kind, attributes)
+
+
+def recording() -> bool:
+    """Whether the current span records (its trace is sampled)."""
+    return trace.get_current_span().is_recording()
+
+
+def annotate(key: str, value: str | int | float | bool) -> None:
+    """Set an attribute on the current span."""
+    trace.get_current_span().set_attribute(key, value)
+
+
+def set_code(span: Span, code: int, message: str = "", *, server: bool = True) -> None:
+    """Record a call's gRPC status on its span; an error status as OpenTelemetry's gRPC
+    conventions say (for a server, only the codes that are its own fault)."""
+    span.set_attribute(RPC_STATUS, code)
+    if code and (not server or code in SERVER_FAULTS):
+        span.set_status(Status(StatusCode.ERROR, message))
+
+
+# The client library: spans when the application installed a TracerProvider.
+try:
+    trace._TRACER_PROVIDER  # noqa: B018  # read on every call, so checked once here
+    _HAS_GLOBAL = True
+except AttributeError:  # an API without the global: ask it each time (slower)
+    _HAS_GLOBAL = False
+
+
+def client_tracer() -> Tracer | None:
+    """The tracer for client spans: this process's if `setup` turned tracing on, else the
+    application's global provider's, or None when there is none (then the client does
+    nothing: the check is one read of the API's global)."""
+    global _client
+    if ON:
+        return _tracer
+    if _HAS_GLOBAL:
+        provider: object = trace._TRACER_PROVIDER
+        if provider is None:
+            return None
+    else:
+        provider = trace.get_tracer_provider()
+    if provider is not _client[0]:
+        found = provider if isinstance(provider, trace.TracerProvider) else None
+        if found is None or isinstance(found, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
+            _client = (provider, None)
+        else:
+            _client = (provider, found.get_tracer(INSTRUMENTATION))
+    return _client[1]
+
+
+@contextmanager
+def client_span(
+    tracer: Tracer,
+    name: str,
+    metadata: tuple[tuple[str, str], ...],
+    targets: Sequence[str],
+    code: Callable[[BaseException], int | None] = lambda exc: None,
+) -> Iterator[tuple[Span, tuple[tuple[str, str], ...]]]:
+    """A CLIENT span for one call, current inside the block; yields it with `metadata`
+    plus the trace context to send. An exception is recorded, with its status when
+    `code(exc)` knows it."""
+    attributes = {RPC_SYSTEM: "grpc", RPC_SERVICE: SERVICE, RPC_METHOD: "Predict"}
+    if len(targets) == 1:
+        attributes["server.address"] = targets[0]
+    else:  # the client balances them itself
+        attributes["sluice.targets"] = ",".join(targets)
+    with tracer.start_as_current_span(name, kind=SpanKind.CLIENT, attributes=attributes) as made:
+        for key, value in metadata:
+            if key == "x-request-id":
+                made.set_attribute(REQUEST_ID, value)
+        try:
+            yield made, metadata + tuple(inject({}).items())
+        except BaseException as exc:
+            status = code(exc)
+            if status is not None:
+                set_code(made, status, str(exc), server=False)
+            raise

@@ -1,0 +1,565 @@
+"""Traces without a socket: the on/off rule, W3C context through metadata (dicts, grpc's
+pairs, a StreamRequest's map), and the spans the server's face, the dataplane, the balancer
+and the clients make, with an in-memory exporter. Off, nothing reads a header."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import numpy as np
+import opentelemetry.trace as trace_api
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased
+from opentelemetry.trace import NoOpTracerProvider, SpanKind, StatusCode
+
+from sluice import models
+from sluice.balancer.service import ATTEMPT, BalancerService
+from sluice.client import AsyncSluiceClient, SluiceClient
+from sluice.client.client import SPAN as CLIENT_SPAN
+from sluice.routing.budget import RetryBudget
+from sluice.routing.pool import Pool
+from sluice.runtime import tracing
+from sluice.server.dataplane.batcher import Batcher
+from sluice.server.dataplane.cache import LRUCache
+from sluice.server.dataplane.engine import Engine
+from sluice.server.dataplane.models import Model, Models
+from sluice.server.dataplane.plane import MODEL_RUN, Dataplane
+from sluice.server.service import SPAN as SERVER_SPAN
+from sluice.server.service import InferenceService
+from sluice.v1 import inference_pb2 as pb
+from sluice.wire import codec
+from sluice.wire.mux import Reply
+from tests.conftest import SAMPLES
+
+BODY = pb.PredictRequest(inputs=[codec.encode("input", SAMPLES[0].input)]).SerializeToString()
+PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+TRACE_ID = int("0af7651916cd43dd8448eb211c80319c", 16)
+PARENT_SPAN = int("b7ad6b7169203331", 16)
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """Tracing on in this process, into memory, without touching the global provider."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.install(provider.get_tracer("test"))
+    yield exporter
+    tracing.uninstall()
+    provider.shutdown()
+
+
+@pytest.fixture
+def application(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
+    """An application that installed a TracerProvider of its own (no setup)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(trace_api, "_TRACER_PROVIDER", provider)
+    yield exporter
+    provider.shutdown()
+
+
+def named(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
+    return [s for s in exporter.get_finished_spans() if s.name == name]
+
+
+def only(exporter: InMemorySpanExporter, name: str) -> ReadableSpan:
+    found = named(exporter, name)
+    assert len(found) == 1, [s.name for s in exporter.get_finished_spans()]
+    return found[0]
+
+
+def parent_id(span: ReadableSpan) -> int | None:
+    return None if span.parent is None else span.parent.span_id
+
+
+# The rule: off unless OTEL_TRACES_EXPORTER asks.
+
+
+@pytest.mark.parametrize(
+    ("environ", "wanted"),
+    [
+        ({}, []),
+        ({"OTEL_TRACES_EXPORTER": ""}, []),
+        ({"OTEL_TRACES_EXPORTER": "none"}, []),
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, ["otlp"]),
+        ({"OTEL_TRACES_EXPORTER": " OTLP , console,otlp"}, ["otlp", "console"]),
+        ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"}, []),
+        ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "false"}, ["otlp"]),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, []),
+    ],
+)
+def test_tracing_is_off_unless_an_exporter_is_named(
+    environ: dict[str, str], wanted: list[str]
+) -> None:
+    assert tracing.exporters(environ) == wanted
+
+
+def test_setup_with_nothing_asked_installs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    monkeypatch.setattr(trace_api, "_TRACER_PROVIDER", None)
+    assert tracing.setup("sluice-test") is False
+    assert not tracing.enabled() and not tracing.ON
+    assert trace_api._TRACER_PROVIDER is None
+    assert tracing.client_tracer() is None
+
+
+def test_an_unknown_exporter_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, "sluice.tracing"):
+        assert tracing.provider("s", {"OTEL_TRACES_EXPORTER": "zipkin"}) is None
+    assert "zipkin" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "sampler", ["", "always_on", "traceidratio", "parentbased_traceidratio", "always_off"]
+)
+def test_the_provider_samples_by_the_parent_and_names_the_service(
+    monkeypatch: pytest.MonkeyPatch, sampler: str
+) -> None:
+    if sampler:
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.01")
+    environ = {"OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "edge-7"}
+    made = tracing.provider("sluice-server", environ)
+    assert made is not None
+    try:
+        assert isinstance(made.sampler, ParentBased)
+        assert made.resource.attributes["service.name"] == "edge-7"
+        # A sampled caller's trace goes on here whatever the root sampler says.
+        tracer = made.get_tracer("t")
+        with tracer.start_as_current_span("s", tracing_context(PARENT)) as span:
+            assert span.is_recording()
+    finally:
+        made.shutdown()
+    named_default = tracing.provider("sluice-server", {"OTEL_TRACES_EXPORTER": "console"})
+    assert named_default is not None
+    assert named_default.resource.attributes["service.name"] == "sluice-server"
+    named_default.shutdown()
+
+
+def test_otlp_exports_over_grpc_only() -> None:
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    made = tracing.provider("s", {"OTEL_TRACES_EXPORTER": "otlp"})
+    assert made is not None
+    processors = made._active_span_processor._span_processors
+    assert [type(p._batch_processor._exporter) for p in processors] == [OTLPSpanExporter]  # type: ignore[attr-defined]
+    made.shutdown()
+    http = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+    assert tracing.provider("s", http) is None
+
+
+def tracing_context(traceparent: str) -> Any:
+    return tracing.extract({"traceparent": traceparent})
+
+
+# W3C trace context through metadata.
+
+
+def test_inject_and_extract_round_trip_through_every_metadata_shape(
+    spans: InMemorySpanExporter,
+) -> None:
+    with tracing.span("caller") as caller:
+        carrier = tracing.inject({"x-request-id": "r1"})
+    assert carrier["x-request-id"] == "r1"
+    assert set(carrier) >= {"traceparent"}
+    sent = caller.get_span_context()
+    message = pb.StreamRequest(id=1, metadata=carrier)
+    shapes: list[Any] = [
+        carrier,
+        tuple(carrier.items()),
+        tuple((k, v.encode()) for k, v in carrier.items()),  # grpc may hand bytes
+        message.metadata,  # a StreamRequest's map
+        pb.StreamRequest.FromString(message.SerializeToString()).metadata,
+    ]
+    for shape in shapes:
+        got = trace_api.get_current_span(tracing.extract(shape)).get_span_context()
+        assert (got.trace_id, got.span_id, got.trace_flags) == (
+            sent.trace_id,
+            sent.span_id,
+            sent.trace_flags,
+        )
+        assert got.is_remote
+
+
+def test_tracestate_travels_and_garbage_starts_a_new_trace(spans: InMemorySpanExporter) -> None:
+    incoming = {"traceparent": PARENT, "tracestate": "vendor=abc,other=1"}
+    with tracing.server_span("hop", incoming, "Predict"):
+        onwards = tracing.inject({})
+    assert onwards["traceparent"].split("-")[1] == f"{TRACE_ID:032x}"
+    assert onwards["tracestate"] == "vendor=abc,other=1"
+    for bad in ({"traceparent": "garbage"}, {}, (("traceparent", b"00-zz"),)):
+        context = trace_api.get_current_span(tracing.extract(bad)).get_span_context()
+        assert not context.is_valid
+
+
+def test_a_server_span_is_the_child_of_the_callers(spans: InMemorySpanExporter) -> None:
+    with tracing.server_span("s", (("traceparent", PARENT),), "Predict") as span:
+        tracing.set_code(span, 14, "down")
+        with tracing.span("inner"):
+            tracing.annotate("k", "v")
+    server, inner = only(spans, "s"), only(spans, "inner")
+    assert server.kind is SpanKind.SERVER
+    assert server.context.trace_id == TRACE_ID and parent_id(server) == PARENT_SPAN
+    assert parent_id(inner) == server.context.span_id
+    assert inner.attributes == {"k": "v"}
+    assert server.attributes is not None
+    assert server.attributes[tracing.RPC_STATUS] == 14
+    assert server.status.status_code is StatusCode.ERROR
+
+
+def test_a_callers_error_is_no_server_fault(spans: InMemorySpanExporter) -> None:
+    with tracing.server_span("s", {}, "Predict") as span:
+        tracing.set_code(span, 3, "bad input")  # INVALID_ARGUMENT
+    assert only(spans, "s").status.status_code is StatusCode.UNSET
+
+
+def test_log_records_carry_the_trace_id(spans: InMemorySpanExporter) -> None:
+    previous = logging.getLogRecordFactory()
+    tracing._log_trace_ids()
+    try:
+        with tracing.server_span("s", {"traceparent": PARENT}, "Predict"):
+            inside = logging.getLogRecordFactory()("x", logging.INFO, "", 0, "m", (), None)
+        outside = logging.getLogRecordFactory()("x", logging.INFO, "", 0, "m", (), None)
+    finally:
+        logging.setLogRecordFactory(previous)
+    assert inside.trace_id == f"{TRACE_ID:032x}"
+    assert len(inside.span_id) == 16
+    assert outside.trace_id == ""
+
+
+# The server's face and the dataplane, without a socket.
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    engine = Engine(models.DIGITS, device="cpu")
+    yield engine
+    engine.close()
+
+
+class FakeContext:
+    def __init__(self, metadata: tuple[tuple[str, Any], ...] = ()) -> None:
+        self.metadata = metadata
+        self.trailers: tuple[tuple[str, str], ...] = ()
+        self.written: list[bytes] = []
+
+    def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
+        return self.metadata
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def set_trailing_metadata(self, trailers: tuple[tuple[str, str], ...]) -> None:
+        self.trailers = tuple(trailers)
+
+    async def abort(self, code: Any, details: str) -> None:
+        raise AssertionError(f"aborted: {code} {details}")
+
+    async def write(self, message: bytes) -> None:
+        self.written.append(message)
+
+
+class Details:
+    def __init__(self, method: str) -> None:
+        self.method = f"/sluice.v1.Inference/{method}"
+
+
+async def serve_calls(engine: Engine, calls: list[tuple[str, dict[str, str]]]) -> list[bytes]:
+    """Each (method, metadata) through the real servicer: Predict, or one StreamRequest."""
+    batcher = Batcher(engine.instances)
+    plane = Dataplane(Models([Model(engine, batcher)]), LRUCache(16, 1 << 20))
+    handler = InferenceService(plane, node_id="n1").handler()
+    replies = []
+    try:
+        for method, metadata in calls:
+            found = handler.service(Details(method))  # type: ignore[arg-type]
+            assert found is not None
+            if method == "Predict":
+                context = FakeContext(tuple(metadata.items()))
+                reply = await found.unary_unary(BODY, context)  # type: ignore[arg-type, misc]
+                replies.append(reply)
+            else:
+                message = pb.StreamRequest(id=7, request=BODY, metadata=metadata)
+
+                async def frames(raw: bytes = message.SerializeToString()) -> AsyncIterator[bytes]:
+                    yield raw
+
+                context = FakeContext()
+                await found.stream_stream(frames(), context)  # type: ignore[arg-type, misc]
+                answer = pb.StreamResponse.FromString(context.written[0])
+                assert answer.code == 0, answer
+                replies.append(answer.response)
+    finally:
+        await batcher.close()
+    return replies
+
+
+def test_the_server_spans_each_call_and_stream_message_with_its_model_run(
+    engine: Engine, spans: InMemorySpanExporter
+) -> None:
+    calls = [
+        ("Predict", {"traceparent": PARENT, "x-request-id": "u1"}),
+        ("PredictStream", {"traceparent": PARENT, "x-request-id": "s1"}),  # a hit now
+        ("PredictStream", {"x-cache-control": "no-cache", "x-request-id": "s2"}),
+    ]
+    asyncio.run(serve_calls(engine, calls))
+    served = named(spans, SERVER_SPAN)
+    assert [s.attributes and s.attributes[tracing.REQUEST_ID] for s in served] == [
+        "u1",
+        "s1",
+        "s2",
+    ]
+    unary, hit, uncached = served
+    for span in served:
+        assert span.kind is SpanKind.SERVER
+        assert span.attributes is not None
+        assert span.attributes[tracing.RPC_STATUS] == 0
+        assert span.attributes["sluice.node_id"] == "n1"
+    assert unary.attributes is not None and hit.attributes is not None
+    assert uncached.attributes is not None
+    assert unary.attributes[tracing.RPC_METHOD] == "Predict"
+    assert hit.attributes[tracing.RPC_METHOD] == "PredictStream"
+    assert hit.attributes[tracing.STREAM] is True
+    assert (unary.attributes[tracing.CACHE], hit.attributes[tracing.CACHE]) == ("miss", "hit")
+    assert uncached.attributes[tracing.CACHE] == "off"
+    assert parent_id(unary) == parent_id(hit) == PARENT_SPAN
+    assert unary.context.trace_id == hit.context.trace_id == TRACE_ID
+    assert uncached.parent is None  # no context came: a trace of its own
+    runs = named(spans, MODEL_RUN)  # the hit ran nothing
+    assert [parent_id(r) for r in runs] == [unary.context.span_id, uncached.context.span_id]
+    assert runs[0].attributes is not None and runs[0].attributes["sluice.model.version"] == "1"
+
+
+def test_an_admission_refusal_is_an_event(
+    engine: Engine, spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sluice.core.errors import Overloaded
+
+    async def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise Overloaded("queued rows would end after the deadline")
+
+    monkeypatch.setattr(Dataplane, "infer", refuse)
+
+    async def run() -> None:
+        plane = Dataplane(Models([Model(engine, Batcher(engine.instances))]), LRUCache(1, 1))
+        handler = InferenceService(plane, node_id="n1").handler()
+        found = handler.service(Details("PredictStream"))  # type: ignore[arg-type]
+        assert found is not None
+        raw = pb.StreamRequest(id=1, request=BODY, metadata={"traceparent": PARENT})
+
+        async def frames() -> AsyncIterator[bytes]:
+            yield raw.SerializeToString()
+
+        context = FakeContext()
+        await found.stream_stream(frames(), context)  # type: ignore[arg-type, misc]
+        assert pb.StreamResponse.FromString(context.written[0]).retryable
+
+    asyncio.run(run())
+    span = only(spans, SERVER_SPAN)
+    assert span.attributes is not None and span.attributes[tracing.RPC_STATUS] == 8
+    assert [e.name for e in span.events] == ["sluice.admission.refused"]
+
+
+def test_off_no_span_is_made_and_no_header_is_read(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert not tracing.ON
+
+    def forbidden(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("tracing work while tracing is off")
+
+    for name in ("extract", "inject", "server_span", "span", "annotate", "tracer"):
+        monkeypatch.setattr(tracing, name, forbidden)
+    calls = [
+        ("Predict", {"traceparent": PARENT}),
+        ("PredictStream", {"traceparent": PARENT}),
+        ("PredictStream", {"x-cache-control": "no-cache"}),
+    ]
+    replies = asyncio.run(serve_calls(engine, calls))
+    assert len(replies) == 3 and len(set(replies)) == 1
+
+
+# The balancer: a SERVER span per call, a CLIENT span per attempt whose context goes on.
+
+
+class FakeUpstream:
+    def __init__(self, address: str, replies: list[Reply]) -> None:
+        self.address = address
+        self.replies = replies
+        self.sent: list[dict[str, str]] = []
+
+    async def predict(self, body: bytes, metadata: dict[str, str], timeout: float | None) -> Reply:
+        self.sent.append(dict(metadata))
+        return self.replies.pop(0)
+
+
+def balancer(replies: dict[str, list[Reply]]) -> tuple[BalancerService, dict[str, FakeUpstream]]:
+    pool = Pool()
+    added, _ = pool.set_addresses(list(replies))
+    upstreams = {}
+    for backend in added:
+        backend.transport = upstreams[backend.address] = FakeUpstream(
+            backend.address, replies[backend.address]
+        )
+    return BalancerService(pool, RetryBudget(), node_id="b1"), upstreams
+
+
+def test_the_balancer_spans_the_call_and_each_attempt(spans: InMemorySpanExporter) -> None:
+    refused = Reply(14, "draining", retryable=True)
+    service, upstreams = balancer({"a:1": [refused], "b:2": [refused]})
+    metadata = {"traceparent": PARENT, "tracestate": "v=1", "x-request-id": "r9", "other": "x"}
+
+    async def run() -> Reply:
+        return await service.forward(BODY, metadata, None, stream=True)
+
+    reply = asyncio.run(run())
+    assert reply.code == 14
+    call = only(spans, "sluice.balancer/Predict")
+    attempts = sorted(named(spans, ATTEMPT), key=lambda s: s.start_time or 0)
+    assert call.kind is SpanKind.SERVER and parent_id(call) == PARENT_SPAN
+    assert call.attributes is not None
+    assert call.attributes[tracing.REQUEST_ID] == "r9"
+    assert call.attributes[tracing.STREAM] is True
+    assert call.attributes["sluice.attempts"] == 2
+    assert call.status.status_code is StatusCode.ERROR
+    assert len(attempts) == 2
+    first, second = (a.attributes for a in attempts)
+    assert first is not None and second is not None
+    assert first["sluice.routing"] == "affinity" and first["sluice.attempt"] == 1
+    assert first["sluice.routing.why"] == "the key's owner on the ring"
+    assert second["sluice.attempt"] == 2
+    assert str(second["sluice.routing.why"]).startswith(f"retry after {first['server.address']}")
+    for attempt in attempts:
+        assert attempt.kind is SpanKind.CLIENT and parent_id(attempt) == call.context.span_id
+    # Each server got its attempt's context (not the caller's), and no other header.
+    for span in attempts:
+        assert span.attributes is not None
+        sent = upstreams[str(span.attributes["server.address"])].sent[0]
+        assert set(sent) == {"traceparent", "tracestate", "x-request-id"}
+        assert sent["traceparent"] == f"00-{TRACE_ID:032x}-{span.context.span_id:016x}-01"
+        assert sent["tracestate"] == "v=1"
+
+
+def test_the_balancer_routes_no_cache_calls_by_load(spans: InMemorySpanExporter) -> None:
+    service, _ = balancer({"a:1": [Reply(0, body=b"ok")]})
+
+    async def run() -> Reply:
+        return await service.forward(BODY, {"x-cache-control": "no-cache"}, None)
+
+    assert asyncio.run(run()).body == b"ok"
+    attempt = only(spans, ATTEMPT)
+    assert attempt.attributes is not None
+    assert attempt.attributes["sluice.routing"] == "least-loaded"
+    assert only(spans, "sluice.balancer/Predict").parent is None
+
+
+def test_off_the_balancer_passes_the_callers_context_on() -> None:
+    assert not tracing.ON
+    service, upstreams = balancer({"a:1": [Reply(0)]})
+    metadata = {"traceparent": PARENT, "tracestate": "v=1", "x-request-id": "r9", "other": "x"}
+    asyncio.run(service.forward(BODY, metadata, None))
+    assert upstreams["a:1"].sent == [
+        {k: metadata[k] for k in ("traceparent", "tracestate")} | {"x-request-id": "r9"}
+    ]
+
+
+# The clients: spans only when the application installed a provider.
+
+
+def fake_send(sent: list[dict[str, str]]) -> Any:
+    def send(client: Any, target: str, body: bytes, metadata: Any, timeout: Any) -> Reply:
+        sent.append(dict(metadata))
+        response = pb.PredictResponse(outputs=codec.encode_all({"y": np.zeros(1, np.float32)}))
+        return Reply(0, "", response.SerializeToString(), {})
+
+    return send
+
+
+def test_without_a_provider_the_client_sends_no_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trace_api, "_TRACER_PROVIDER", None)
+    sent: list[dict[str, str]] = []
+    monkeypatch.setattr(SluiceClient, "_send", fake_send(sent))
+    with SluiceClient("127.0.0.1:1") as client:
+        client.predict({"input": SAMPLES[0].input})
+    assert "traceparent" not in sent[0]
+    monkeypatch.setattr(trace_api, "_TRACER_PROVIDER", NoOpTracerProvider())
+    assert tracing.client_tracer() is None
+
+
+def test_the_clients_span_each_call_and_send_its_context(
+    application: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent: list[dict[str, str]] = []
+    send = fake_send(sent)
+
+    async def send_async(*args: Any) -> Reply:
+        reply: Reply = send(*args)
+        return reply
+
+    monkeypatch.setattr(SluiceClient, "_send", send)
+    monkeypatch.setattr(AsyncSluiceClient, "_send", send_async)
+    with SluiceClient("127.0.0.1:1") as client:
+        client.predict({"input": SAMPLES[0].input}, request_id="c1")
+
+    async def run() -> None:
+        async with AsyncSluiceClient(["127.0.0.1:1", "127.0.0.1:2"]) as client:
+            await client.predict({"input": SAMPLES[0].input}, request_id="c2")
+
+    asyncio.run(run())
+    made = named(application, CLIENT_SPAN)
+    assert len(made) == 2 and len(sent) == 2
+    for span, metadata in zip(made, sent, strict=True):
+        assert span.kind is SpanKind.CLIENT
+        assert metadata["traceparent"].split("-")[2] == f"{span.context.span_id:016x}"
+        assert span.attributes is not None and span.attributes[tracing.RPC_STATUS] == 0
+    assert made[0].attributes is not None and made[1].attributes is not None
+    assert made[0].attributes["server.address"] == "127.0.0.1:1"
+    assert made[0].attributes[tracing.REQUEST_ID] == "c1"
+    assert made[1].attributes["sluice.targets"] == "127.0.0.1:1,127.0.0.1:2"
+
+
+def test_a_client_span_records_a_failed_call(
+    application: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sluice.client.client import rpc_error
+
+    def fail(*args: Any) -> Reply:
+        raise rpc_error(Reply(14, "down"))
+
+    monkeypatch.setattr(SluiceClient, "_send", fail)
+    with SluiceClient("127.0.0.1:1") as client, pytest.raises(Exception, match="down"):
+        client.predict({"input": SAMPLES[0].input})
+    span = only(application, CLIENT_SPAN)
+    assert span.attributes is not None and span.attributes[tracing.RPC_STATUS] == 14
+    assert span.status.status_code is StatusCode.ERROR
+
+
+def test_an_unsampled_call_makes_no_spans_and_passes_its_decision_on() -> None:
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.install(provider.get_tracer("test"))
+    try:
+        service, upstreams = balancer({"a:1": [Reply(0)], "b:2": [Reply(0)]})
+        unsampled = PARENT[:-2] + "00"
+        asyncio.run(service.forward(BODY, {"traceparent": unsampled}, None))
+        asyncio.run(service.forward(BODY, {"x-cache-control": "no-cache"}, None))  # a root
+    finally:
+        tracing.uninstall()
+        provider.shutdown()
+    sent = [m for u in upstreams.values() for m in u.sent]
+    assert len(sent) == 2
+    passed = [m["traceparent"].split("-") for m in sent]
+    assert [int(p[3], 16) & 1 for p in passed] == [0, 0]  # not sampled, downstream too
+    assert f"{TRACE_ID:032x}" in {p[1] for p in passed}
+    assert exporter.get_finished_spans() == ()
