@@ -36,6 +36,30 @@ PASSED = "the deadline passed while the request waited"
 WOULD_PASS = "the deadline would pass before the request's run could end; dropped unrun"
 
 
+class Trip:
+    """What the batcher tells a caller that passes one to `submit` (tracing does): when the
+    request arrived and left the queue, and the batch it ran in. Plain facts, times on the
+    batcher's clock; a caller that passes none costs the batcher nothing but a None check."""
+
+    __slots__ = ("arrival", "ended", "inline", "reason", "requests", "rows", "started", "taken")
+
+    def __init__(self) -> None:
+        self.arrival = 0.0
+        self.taken: float | None = None  # out of the queue (None: never, e.g. cancelled)
+        self.started = 0.0  # its batch's run began
+        self.ended = 0.0  # ... and ended (or failed)
+        self.rows = 0  # the batch's rows, all its requests together
+        self.requests = 0  # the batch's requests (0: it ran in none, e.g. it expired)
+        self.reason = ""  # why the batch closed: full, budget or drained
+        self.inline = False  # the fast path: run alone on the caller's thread, unqueued
+
+    def ran(
+        self, taken: float, started: float, ended: float, rows: int, requests: int, reason: str
+    ) -> None:
+        self.taken, self.started, self.ended = taken, started, ended
+        self.rows, self.requests, self.reason = rows, requests, reason
+
+
 @dataclass(eq=False)
 class Pending:
     """One request waiting for, or in, a batch."""
@@ -48,6 +72,7 @@ class Pending:
     deadline: float | None = None  # absolute, on the batcher's clock
     future: asyncio.Future[Arrays] | None = None
     taken: bool = False  # out of the queue: in a batch, or abandoned
+    trip: Trip | None = None  # the caller asked what happens to the request (tracing)
 
     @property
     def abandoned(self) -> bool:
@@ -201,10 +226,14 @@ class Batcher:
         rows: int,
         group: Hashable,
         deadline: float | None = None,
+        trip: Trip | None = None,
     ) -> Arrays:
         """Run one request; raises Overloaded when the queue is full or the request cannot
-        be answered before its deadline, DeadlineExpired when its deadline passes first."""
+        be answered before its deadline, DeadlineExpired when its deadline passes first.
+        A `trip` is filled in with the request's queue wait and batch as they happen."""
         now = self.clock()
+        if trip is not None:
+            trip.arrival = now
         if deadline is not None and not (self._idle and not len(self.queue)):
             ahead = Ahead(self.busy, self._running_rows, len(self.queue), self.queue.rows)
             try:
@@ -218,7 +247,11 @@ class Batcher:
             runner = self._idle[-1]
             result = runner.run_inline(inputs, outputs, rows)
             if result is not None:
-                took = self.clock() - now
+                ended = self.clock()
+                took = ended - now
+                if trip is not None:
+                    trip.ran(now, now, ended, rows, 1, DRAINED)
+                    trip.inline = True
                 self.admission.observe(took, rows)
                 self._count(runner, [rows], DRAINED)
                 if self.on_run is not None:
@@ -227,7 +260,7 @@ class Batcher:
                     self.on_wait(0.0)
                 return result
         future: asyncio.Future[Arrays] = asyncio.get_running_loop().create_future()
-        item = Pending(inputs, tuple(outputs), rows, group, now, deadline, future)
+        item = Pending(inputs, tuple(outputs), rows, group, now, deadline, future, trip=trip)
         try:
             self.queue.add(item)
         except Overloaded:
@@ -252,6 +285,8 @@ class Batcher:
             for item in taken.expired:
                 self.stats.expired += 1
                 passed = item.deadline is not None and item.deadline <= now
+                if item.trip is not None:
+                    item.trip.taken = now
                 _fail(item, DeadlineExpired(PASSED if passed else WOULD_PASS))
             if not taken.batch:
                 continue
@@ -259,7 +294,7 @@ class Batcher:
             self.busy += 1
             self._running_rows += taken.rows
             self._count(runner, [p.rows for p in taken.batch], taken.reason)
-            task = asyncio.create_task(self._run(runner, taken.batch, taken.rows))
+            task = asyncio.create_task(self._run(runner, taken, now))
             self._tasks.add(task)  # held until done: a task nobody holds can be collected
             task.add_done_callback(self._tasks.discard)
 
@@ -270,19 +305,27 @@ class Batcher:
         self.stats.flushes[reason] += 1
         self.runs[self._index[id(runner)]] += 1
 
-    async def _run(self, runner: Runner, batch: list[Pending], rows: int) -> None:
+    async def _run(self, runner: Runner, taken: Taken, at: float) -> None:
+        """Run a batch taken from the queue at `at`; answer each of its waiters."""
+        batch, rows, reason = taken.batch, taken.rows, taken.reason
         started = self.clock()
         try:
             results = await runner.run(batch)
         except Exception as exc:  # every waiter must hear of the failure
+            ended = self.clock()
             for item in batch:
+                if item.trip is not None:
+                    item.trip.ran(at, started, ended, rows, len(batch), reason)
                 _fail(item, exc)
         else:
-            took = self.clock() - started
+            ended = self.clock()
+            took = ended - started
             self.admission.observe(took, rows)
             if self.on_run is not None:
                 self.on_run(rows, took)
             for item, result in zip(batch, results, strict=True):
+                if item.trip is not None:  # told before its waiter wakes
+                    item.trip.ran(at, started, ended, rows, len(batch), reason)
                 if item.future is not None and not item.future.done():
                     item.future.set_result(result)
         finally:

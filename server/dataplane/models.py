@@ -13,7 +13,7 @@ import numpy as np
 from sluice.core.datatypes import name_of
 from sluice.core.errors import InvalidInput
 from sluice.server.dataplane import staging
-from sluice.server.dataplane.batcher import Arrays, Batcher
+from sluice.server.dataplane.batcher import Arrays, Batcher, Trip
 from sluice.server.dataplane.engine import Engine
 
 
@@ -46,10 +46,15 @@ class Model:
         return scope
 
     async def run(
-        self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], deadline: float | None
+        self,
+        inputs: Mapping[str, np.ndarray],
+        outputs: Sequence[str],
+        deadline: float | None,
+        trip: Trip | None = None,
     ) -> tuple[Arrays, list[str]]:
         """Check the request, run it through the batcher; the outputs asked for (all when
-        none are named) and the inputs that held NaN or infinity."""
+        none are named) and the inputs that held NaN or infinity. The batcher fills in
+        `trip`, if given, with the request's queue wait and batch (for tracing)."""
         nonfinite = self.check(inputs)
         names = self.select(outputs)
         rows = staging.rows_of(inputs) if self._batchable else None
@@ -57,7 +62,7 @@ class Model:
         batching = self._batching and rows is not None
         group = staging.group_key(inputs, names) if batching else object()
         results = await self.batcher.submit(
-            inputs, names, rows=rows or 1, group=group, deadline=deadline
+            inputs, names, rows=rows or 1, group=group, deadline=deadline, trip=trip
         )
         return results, nonfinite
 

@@ -18,7 +18,7 @@ import xxhash
 
 from sluice.core.errors import DeadlineExpired
 from sluice.runtime import tracing
-from sluice.server.dataplane.batcher import Arrays
+from sluice.server.dataplane.batcher import Arrays, Trip
 from sluice.server.dataplane.cache import Entry, LRUCache, SingleFlight
 from sluice.server.dataplane.models import Model, Models
 
@@ -27,7 +27,9 @@ Cached = Literal["hit", "miss"] | None  # None: the call kept out of the cache
 HIT: Cached = "hit"
 MISS: Cached = "miss"
 EXPIRED = "the deadline passed before the model could run"
-MODEL_RUN = "sluice.model.run"  # with tracing: the span of a model run (queue wait included)
+# With tracing: the span of a request's way from its decoded arrays to its encoded answer;
+# its children are the steps (tracing.QUEUE_WAIT, tracing.BATCH_RUN, tracing.ENCODE).
+MODEL_RUN = "sluice.model.run"
 
 
 @dataclass(slots=True)
@@ -133,13 +135,48 @@ class Dataplane:
     ) -> Entry:
         request = codec.decode(body)
         if tracing.ON and tracing.recording():
-            attributes = {"sluice.model.name": model.name, "sluice.model.version": model.version}
-            with tracing.span(MODEL_RUN, attributes):
-                outputs, nonfinite = await model.run(request.inputs, request.outputs, deadline)
-        else:
-            outputs, nonfinite = await model.run(request.inputs, request.outputs, deadline)
+            return await self._traced(model, request, codec, deadline)
+        outputs, nonfinite = await model.run(request.inputs, request.outputs, deadline)
         return Entry(codec.encode(model, request, outputs), tuple(nonfinite))
+
+    async def _traced(
+        self, model: Model, request: Request[Opts], codec: Codec[Opts], deadline: float | None
+    ) -> Entry:
+        """`_compute` with tracing on: the model run's span, with its steps as children."""
+        attributes = {"sluice.model.name": model.name, "sluice.model.version": model.version}
+        with tracing.span(MODEL_RUN, attributes):
+            trip = Trip()
+            try:
+                outputs, nonfinite = await model.run(
+                    request.inputs, request.outputs, deadline, trip
+                )
+            finally:
+                _steps(trip, model.batcher.clock)
+            with tracing.span(tracing.ENCODE):
+                encoded = codec.encode(model, request, outputs)
+        return Entry(encoded, tuple(nonfinite))
 
     async def close(self) -> None:
         for model in self.models:
             await model.close()
+
+
+def _steps(trip: Trip, clock: Callable[[], float]) -> None:
+    """The queue wait and the batch run that the batcher told `trip` of, as spans under the
+    current one; the batcher's clock (monotonic) is read against the wall clock now."""
+    if trip.taken is None:
+        return  # it never left the queue: refused at the door, or the caller gave up
+    wall, now = time.time_ns(), clock()
+
+    def ns(at: float) -> int:
+        return wall - round((now - at) * 1e9)
+
+    tracing.timed(tracing.QUEUE_WAIT, ns(trip.arrival), ns(trip.taken))
+    if trip.requests:  # it ran (an expired request waited, then was dropped unrun)
+        attributes: tracing.Attributes = {
+            tracing.BATCH_ROWS: trip.rows,
+            tracing.BATCH_REQUESTS: trip.requests,
+            tracing.BATCH_REASON: trip.reason,
+            tracing.BATCH_INLINE: trip.inline,
+        }
+        tracing.timed(tracing.BATCH_RUN, ns(trip.started), ns(trip.ended), attributes)

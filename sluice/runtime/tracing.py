@@ -21,7 +21,12 @@ is one read of the API's global), and does nothing otherwise.
 Spans: `sluice.client/Predict` (CLIENT); `sluice.balancer/Predict` (SERVER) with one
 `sluice.balancer/attempt` (CLIENT) per attempt, whose context goes to the server;
 `sluice.server/Predict` (SERVER, one per unary call or stream message) and its child
-`sluice.model.run`. Log records made inside a span carry `trace_id` and `span_id`."""
+`sluice.model.run` (the request's way from its decoded arrays to its encoded answer), whose
+children say where that time went: `sluice.queue.wait` (arrival in the batcher's queue until
+its batch took it; zero long on the inline fast path), `sluice.batch.run` (the run of the
+batch the request was in: `sluice.batch.rows`, `sluice.batch.requests`, `sluice.batch.reason`
+full/budget/drained, `sluice.batch.inline`) and `sluice.encode` (the response's encode).
+Log records made inside a span carry `trace_id` and `span_id`."""
 
 from __future__ import annotations
 
@@ -57,6 +62,14 @@ RPC_STATUS = "rpc.grpc.status_code"
 REQUEST_ID = "sluice.request_id"
 STREAM = "sluice.stream"  # the call was one message on a PredictStream
 CACHE = "sluice.cache"  # hit, miss, shared (another caller's computation) or off
+# The server's model run, in steps (children of its `sluice.model.run` span)
+QUEUE_WAIT = "sluice.queue.wait"
+BATCH_RUN = "sluice.batch.run"
+ENCODE = "sluice.encode"
+BATCH_ROWS = "sluice.batch.rows"  # the batch's rows, all its requests together
+BATCH_REQUESTS = "sluice.batch.requests"
+BATCH_REASON = "sluice.batch.reason"  # why the batch closed: full, budget or drained
+BATCH_INLINE = "sluice.batch.inline"  # the fast path: run alone at once, unqueued
 SERVICE = "sluice.v1.Inference"
 Attributes = Mapping[str, str | int | float | bool]
 
@@ -269,6 +282,13 @@ def span(
     """A span (current inside the block), child of `parent` or of the current span."""
     context = None if parent is None else trace.set_span_in_context(parent)
     return tracer().start_as_current_span(name, context, kind, attributes)
+
+
+def timed(name: str, start_ns: int, end_ns: int, attributes: Attributes | None = None) -> None:
+    """A span, child of the current one, that began and ended at the times given (ns since
+    the epoch, as `time.time_ns`): for steps timed elsewhere, such as in the batcher."""
+    made = tracer().start_span(name, attributes=attributes, start_time=start_ns)
+    made.end(end_time=max(end_ns, start_ns))
 
 
 def recording() -> bool:

@@ -1,7 +1,8 @@
 """One trace across the hops: a client in this process, a balancer and two servers as real
 processes with tracing on (OTEL_* variables only), exporting over OTLP/gRPC to a collector
 this test runs. For a unary Predict and for a call multiplexed on PredictStream, one trace
-id links client -> balancer -> attempt -> server -> model run, by parent span ids."""
+id links client -> balancer -> attempt -> server -> model run, by parent span ids; under the
+model run, the server's steps: queue wait, batch run and encode."""
 
 from __future__ import annotations
 
@@ -153,6 +154,21 @@ def chain(collected: Collector, root: int, trace_id: int, stream: bool) -> list[
     return wait_for(linked, f"the {'stream' if stream else 'unary'} call's spans", 30.0)
 
 
+def steps(collected: Collector, run: Exported) -> dict[str, Exported]:
+    """The model run's steps by name, once all three have arrived (bounded)."""
+    wanted = {"sluice.queue.wait", "sluice.batch.run", "sluice.encode"}
+
+    def arrived() -> dict[str, Exported] | None:
+        found = {
+            s.name: s
+            for s in collected.of(run.trace_id)
+            if s.parent_id == run.span_id and s.service == "sluice-server"
+        }
+        return found if set(found) >= wanted else None
+
+    return wait_for(arrived, "the model run's steps", 30.0)
+
+
 def test_one_trace_links_client_balancer_server_and_model_run(
     client_spans: InMemorySpanExporter,
 ) -> None:
@@ -205,4 +221,11 @@ def test_one_trace_links_client_balancer_server_and_model_run(
             assert served.attributes["sluice.cache"] == "miss"
             assert served.attributes["rpc.grpc.status_code"] == 0
             assert run.attributes["sluice.model.version"] == "1"
+            found = steps(collected, run)
+            batch = found["sluice.batch.run"].attributes
+            assert batch["sluice.batch.requests"] >= 1  # type: ignore[operator]
+            assert batch["sluice.batch.rows"] >= 1  # type: ignore[operator]
+            assert batch["sluice.batch.reason"] in {"full", "budget", "drained"}
+            assert isinstance(batch["sluice.batch.inline"], bool)
+            assert all(s.kind == 1 for s in found.values())  # INTERNAL
         assert time.monotonic() - started_at < 30

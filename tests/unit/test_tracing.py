@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,14 +22,16 @@ from sluice import models
 from sluice.balancer.service import ATTEMPT, BalancerService
 from sluice.client import AsyncSluiceClient, SluiceClient
 from sluice.client.client import SPAN as CLIENT_SPAN
+from sluice.core.errors import DeadlineExpired
 from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Pool
 from sluice.runtime import tracing
-from sluice.server.dataplane.batcher import Batcher
+from sluice.server.dataplane import plane as plane_module
+from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL, Batcher, Pending, Trip
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine
 from sluice.server.dataplane.models import Model, Models
-from sluice.server.dataplane.plane import MODEL_RUN, Dataplane
+from sluice.server.dataplane.plane import MODEL_RUN, Dataplane, Request
 from sluice.server.service import SPAN as SERVER_SPAN
 from sluice.server.service import InferenceService
 from sluice.v1 import inference_pb2 as pb
@@ -336,6 +338,228 @@ def test_the_server_spans_each_call_and_stream_message_with_its_model_run(
     runs = named(spans, MODEL_RUN)  # the hit ran nothing
     assert [parent_id(r) for r in runs] == [unary.context.span_id, uncached.context.span_id]
     assert runs[0].attributes is not None and runs[0].attributes["sluice.model.version"] == "1"
+    # Each model run's steps: the queue wait, its batch (alone, on an idle server), the encode.
+    for run in runs:
+        wait, batch, _ = steps(spans, run)
+        assert batch.attributes is not None
+        assert batch.attributes[tracing.BATCH_ROWS] == 1
+        assert batch.attributes[tracing.BATCH_REQUESTS] == 1
+        # Queued, a one-row batch is full (max_rows 1); the fast path counts as drained.
+        inline = batch.attributes[tracing.BATCH_INLINE]
+        assert isinstance(inline, bool)
+        assert batch.attributes[tracing.BATCH_REASON] == (DRAINED if inline else FULL)
+        if inline:
+            assert wait.start_time == wait.end_time  # the fast path waits for nothing
+
+
+def steps(
+    exporter: InMemorySpanExporter, run: ReadableSpan
+) -> tuple[ReadableSpan, ReadableSpan, ReadableSpan]:
+    """A model run's child spans: its queue wait, batch run and encode, checked in order."""
+    children = [s for s in exporter.get_finished_spans() if parent_id(s) == run.context.span_id]
+    by_name = {s.name: s for s in children}
+    assert sorted(by_name) == sorted([tracing.QUEUE_WAIT, tracing.BATCH_RUN, tracing.ENCODE])
+    assert len(children) == 3
+    wait, batch, encode = (
+        by_name[n] for n in (tracing.QUEUE_WAIT, tracing.BATCH_RUN, tracing.ENCODE)
+    )
+    for span in (wait, batch, encode):
+        assert span.context.trace_id == run.context.trace_id
+        assert span.kind is SpanKind.INTERNAL
+        assert span.start_time is not None and span.end_time is not None
+        assert span.start_time <= span.end_time
+    assert wait.end_time is not None and batch.start_time is not None
+    assert batch.end_time is not None and encode.start_time is not None
+    assert wait.end_time <= batch.start_time <= batch.end_time <= encode.start_time
+    assert not wait.attributes and not encode.attributes
+    return wait, batch, encode
+
+
+# The batcher tells a caller's Trip where its request's time went (it imports no tracing).
+
+
+class Gate:
+    """A model instance whose runs wait for the test to open the gate; never inline."""
+
+    def __init__(self) -> None:
+        self.opened = asyncio.Event()
+        self.batches: list[int] = []
+
+    async def run(self, batch: Sequence[Pending]) -> list[dict[str, np.ndarray]]:
+        self.batches.append(len(batch))
+        await self.opened.wait()
+        return [{"y": np.zeros((p.rows, 1), np.float32)} for p in batch]
+
+    def run_inline(
+        self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int
+    ) -> dict[str, np.ndarray] | None:
+        return None
+
+
+class Inline(Gate):
+    def run_inline(
+        self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int
+    ) -> dict[str, np.ndarray] | None:
+        return {"y": np.zeros((rows, 1), np.float32)}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_trip_tells_the_queue_wait_and_the_batch() -> None:
+    clock, gate = Clock(), Gate()
+    batcher = Batcher([gate], max_rows=2, budget_s=10.0, clock=clock)  # type: ignore[list-item]
+
+    async def run() -> list[Trip]:
+        trips = [Trip() for _ in range(4)]
+        submitted = []
+        for i, trip in enumerate(trips):
+            clock.now = 100.0 + i
+            submitted.append(
+                asyncio.ensure_future(batcher.submit({}, ["y"], rows=1, group="g", trip=trip))
+            )
+            await asyncio.sleep(0)
+        clock.now = 110.0
+        gate.opened.set()
+        await asyncio.gather(*submitted)
+        await batcher.close()
+        return trips
+
+    first, second, third, fourth = asyncio.run(run())
+    assert gate.batches == [1, 2, 1]
+    # The first ran alone at once; the next two waited for it and filled a batch; the last
+    # waited for that one too.
+    assert (first.arrival, first.taken) == (100.0, 100.0)
+    assert first.started >= first.taken  # its run's task began on the loop's next turn
+    assert (first.requests, first.rows, first.reason, first.inline) == (1, 1, DRAINED, False)
+    for trip, arrival in ((second, 101.0), (third, 102.0)):
+        assert (trip.arrival, trip.taken, trip.started, trip.ended) == (
+            arrival,
+            110.0,
+            110.0,
+            110.0,
+        )
+        assert (trip.requests, trip.rows, trip.reason, trip.inline) == (2, 2, FULL, False)
+    assert (fourth.arrival, fourth.taken, fourth.requests, fourth.reason) == (
+        103.0,
+        110.0,
+        1,
+        DRAINED,
+    )
+
+
+def test_a_trip_tells_a_budget_close_and_the_inline_fast_path() -> None:
+    clock, gate = Clock(), Gate()
+    batcher = Batcher([gate], max_rows=8, budget_s=0.5, clock=clock)  # type: ignore[list-item]
+
+    async def run() -> list[Trip]:
+        trips = [Trip() for _ in range(3)]
+        submitted = []
+        for trip, at in zip(trips, (100.0, 101.0, 102.0), strict=True):
+            clock.now = at
+            submitted.append(
+                asyncio.ensure_future(batcher.submit({}, ["y"], rows=1, group="g", trip=trip))
+            )
+            await asyncio.sleep(0)
+        gate.opened.set()
+        await asyncio.gather(*submitted)
+        await batcher.close()
+        return trips
+
+    _, second, third = asyncio.run(run())
+    assert (second.requests, second.reason) == (1, BUDGET)  # the third came too late for it
+    assert (third.requests, third.reason) == (1, DRAINED)
+
+    inline = Batcher([Inline()], clock=Clock())  # type: ignore[list-item]
+    trip = Trip()
+    asyncio.run(inline.submit({}, ["y"], rows=3, group="g", trip=trip))
+    assert (trip.arrival, trip.taken, trip.started, trip.ended) == (100.0, 100.0, 100.0, 100.0)
+    assert (trip.requests, trip.rows, trip.reason, trip.inline) == (1, 3, DRAINED, True)
+
+
+def test_an_expired_request_waited_but_ran_in_no_batch() -> None:
+    clock, gate = Clock(), Gate()
+    batcher = Batcher([gate], clock=clock)  # type: ignore[list-item]
+
+    async def run() -> Trip:
+        trip = Trip()
+        busy = asyncio.ensure_future(batcher.submit({}, ["y"], rows=1, group="a"))
+        await asyncio.sleep(0)
+        waiting = asyncio.ensure_future(
+            batcher.submit({}, ["y"], rows=1, group="b", deadline=100.5, trip=trip)
+        )
+        await asyncio.sleep(0)
+        clock.now = 101.0
+        gate.opened.set()
+        await busy
+        with pytest.raises(DeadlineExpired):
+            await waiting
+        await batcher.close()
+        return trip
+
+    trip = asyncio.run(run())
+    assert (trip.arrival, trip.taken, trip.requests) == (100.0, 101.0, 0)
+
+
+class Raw:
+    """A codec for the dataplane without a wire format: the body is the input's bytes."""
+
+    name = "raw"
+
+    def decode(self, body: bytes) -> Request[None]:
+        return Request({"input": np.frombuffer(body, np.float32).reshape(1, 64)}, (), None)
+
+    def encode(self, model: Model, request: Request[None], outputs: dict[str, np.ndarray]) -> bytes:
+        return b"ok"
+
+
+def test_the_model_runs_spans_show_the_queue_wait_and_the_shared_batch(
+    engine: Engine, spans: InMemorySpanExporter
+) -> None:
+    gate = Gate()
+    batcher = Batcher([gate], max_rows=8, budget_s=10.0)  # type: ignore[list-item]
+    plane = Dataplane(Models([Model(engine, batcher)]), LRUCache(16, 1 << 20))
+    body = SAMPLES[0].input.astype(np.float32).tobytes()
+
+    async def call(request_id: str) -> None:
+        with tracing.span("call", {tracing.REQUEST_ID: request_id}):
+            await plane.infer("", body, Raw(), cache=False)
+
+    async def run() -> None:
+        first = asyncio.ensure_future(call("a"))
+        await asyncio.sleep(0.01)  # "a" runs: "b" and "c" queue behind it
+        rest = [asyncio.ensure_future(call(r)) for r in ("b", "c")]
+        await asyncio.sleep(0.02)
+        gate.opened.set()
+        await asyncio.gather(first, *rest)
+        await batcher.close()
+
+    asyncio.run(run())
+    calls = {s.attributes[tracing.REQUEST_ID]: s for s in named(spans, "call") if s.attributes}
+    runs = {parent_id(r): r for r in named(spans, MODEL_RUN)}
+    assert len(runs) == 3
+    found = {}
+    for request_id, call_span in calls.items():
+        found[request_id] = steps(spans, runs[call_span.context.span_id])
+    a_wait, a_batch, _ = found["a"]
+    assert a_batch.attributes is not None
+    assert a_batch.attributes[tracing.BATCH_REQUESTS] == 1
+    assert a_batch.attributes[tracing.BATCH_INLINE] is False
+    for request_id in ("b", "c"):
+        wait, batch, _ = found[request_id]
+        assert batch.attributes is not None
+        assert batch.attributes[tracing.BATCH_REQUESTS] == 2
+        assert batch.attributes[tracing.BATCH_ROWS] == 2
+        assert batch.attributes[tracing.BATCH_REASON] == DRAINED
+        assert wait.start_time is not None and wait.end_time is not None
+        assert wait.end_time - wait.start_time >= 15_000_000  # it waited for "a"'s run
+    assert a_wait.start_time is not None and a_wait.end_time is not None
+    assert a_wait.end_time - a_wait.start_time < 10_000_000
 
 
 def test_an_admission_refusal_is_an_event(
@@ -376,8 +600,9 @@ def test_off_no_span_is_made_and_no_header_is_read(
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("tracing work while tracing is off")
 
-    for name in ("extract", "inject", "server_span", "span", "annotate", "tracer"):
+    for name in ("extract", "inject", "server_span", "span", "annotate", "tracer", "timed"):
         monkeypatch.setattr(tracing, name, forbidden)
+    monkeypatch.setattr(plane_module, "Trip", forbidden)  # the batcher is told nothing
     calls = [
         ("Predict", {"traceparent": PARENT}),
         ("PredictStream", {"traceparent": PARENT}),
