@@ -22,7 +22,7 @@ from sluice.core.errors import SluiceError
 from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Backend, OutlierSettings, Pool
-from sluice.runtime import config, metrics, tracing
+from sluice.runtime import config, metrics, refusals, tracing
 from sluice.runtime.listener import bind, check_port_free, new_server
 from sluice.runtime.process import event_loop, return_large_blocks, setup_logging
 from sluice.runtime.supervise import SLOT_ENV, Supervisor, attach_to_parent
@@ -138,6 +138,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
             await publish_health()
 
     refreshing = asyncio.create_task(breaker_clock())
+    refusal_log = refusals.start(service.stats, log)  # one WARNING line per 10 s, if any
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -159,7 +160,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         workers.forward(signal.SIGTERM)
     await health_servicer.shut_down()
     await server.stop(settings.grace_s)
-    for task in (watching, refreshing):
+    for task in (watching, refreshing, refusal_log):
         task.cancel()
     for backend in pool.backends.values():
         await backend.transport.close()

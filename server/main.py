@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from grpc_health.v1 import health_pb2
 
 from sluice.core.errors import SluiceError
-from sluice.runtime import config, metrics, tracing
+from sluice.runtime import config, metrics, refusals, tracing
 from sluice.runtime.listener import bind, new_server
 from sluice.runtime.process import event_loop, return_large_blocks, setup_logging
 from sluice.server.dataplane.batcher import Batcher
@@ -73,6 +73,7 @@ async def serve(settings: ServerSettings) -> int:
     await server.start()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    refusal_log = refusals.start(service.stats, log)  # one WARNING line per 10 s, if any
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -99,6 +100,7 @@ async def serve(settings: ServerSettings) -> int:
         await asyncio.sleep(settings.drain_delay_s)
     service.start_draining()
     await server.stop(settings.grace_s)
+    refusal_log.cancel()
     await plane.close()  # each model: its running batches, then its engine
     if exporter is not None:
         exporter.close()

@@ -1,24 +1,32 @@
 """`--metrics-port` on real processes: two servers behind a balancer, each scraped over HTTP
 at /metrics and parsed with Prometheus' text parser while calls, cache hits, refusals and a
-backend's death happen; `--workers` gives each balancer process its own port; JSON logs."""
+backend's death (its breaker opens) happen; calls refused at the door; `--workers` gives each
+balancer process its own port; JSON logs; the refusal log's line."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sluice.client import SluiceClient
+from sluice.client import AsyncSluiceClient, SluiceClient
+from sluice.perf.make_mlp import build
+from sluice.server.dataplane.admission import WARMUP
+from sluice.v1 import inference_pb2 as pb
+from sluice.wire import codec
 from tests.conftest import SAMPLES
-from tests.e2e.harness import Process, running, server_argv, wait_for
+from tests.e2e.harness import Process, running, server_argv, wait_for, wait_health
 from tests.e2e.test_balancer_e2e import balancer_argv
+from tests.e2e.test_server_speed_e2e import BIG_ROWS, NOT_INLINE, rows
 
 pytestmark = pytest.mark.e2e
 
@@ -69,7 +77,8 @@ def total(samples: Samples, name: str, **labels: str) -> float:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[list[tuple[Process, int]], Process, int]]:
     """Two servers and a balancer, each with its metrics port; JSON logs on one server and
-    on the balancer."""
+    on the balancer. One backend failure opens a breaker (two backends: the ejection cap
+    lets one open), so a backend's death shows on its breaker deterministically."""
     with ExitStack() as stack:
         servers = []
         for i, extra in enumerate((("--log-format", "json"), ())):
@@ -81,7 +90,10 @@ def cluster() -> Iterator[tuple[list[tuple[Process, int]], Process, int]]:
             running(
                 balancer_argv(
                     *(s.address for s, _ in servers),
-                    extra=("--metrics-port", str(port), "--log-format", "json"),
+                    extra=(
+                        *("--metrics-port", str(port), "--log-format", "json"),
+                        *("--breaker-failures", "1"),
+                    ),
                 )
             )
         )
@@ -164,16 +176,37 @@ def test_json_logs_keep_the_lines_people_and_launchers_read(
     assert not servers[1][0].lines[0].startswith("{")  # text by default
 
 
-def test_a_dead_backend_shows_as_unhealthy(
+def test_a_dead_backend_shows_as_unhealthy_with_its_breaker_open(
     cluster: tuple[list[tuple[Process, int]], Process, int],
 ) -> None:
-    servers, _, balancer_port = cluster
-    victim = servers[1][0]
-    victim.kill()
-    wait_for(
-        lambda: get(scrape(balancer_port), "sluice_backend_healthy", backend=victim.address) == 0,
-        "the dead backend's sluice_backend_healthy to drop to 0",
-    )
+    servers, balancer, balancer_port = cluster
+    survivor, victim = servers[0][0], servers[1][0]
+    assert get(scrape(balancer_port), "sluice_backend_breaker_open", backend=victim.address) == 0
+    with SluiceClient(balancer.address) as client:
+        for sample in SAMPLES[:3]:  # calls before, then after the kill
+            client.predict({"input": sample.input})
+        victim.kill()
+        wait_for(
+            lambda: (
+                get(scrape(balancer_port), "sluice_backend_healthy", backend=victim.address) == 0
+            ),
+            "the dead backend's sluice_backend_healthy to drop to 0",
+        )
+        # Its health watch broke: a backend failure, which opens its breaker (--breaker-
+        # failures 1). Dead, it takes no probe, so the breaker stays OPEN or HALF_OPEN.
+        wait_for(
+            lambda: (
+                get(scrape(balancer_port), "sluice_backend_breaker_open", backend=victim.address)
+                == 1
+            ),
+            "the dead backend's sluice_backend_breaker_open to go to 1",
+        )
+        for sample in SAMPLES[:3]:  # the survivor answers every one
+            client.predict({"input": sample.input})
+    routed = scrape(balancer_port)
+    assert get(routed, "sluice_backend_failures_total", backend=victim.address) >= 1
+    assert get(routed, "sluice_backend_breaker_open", backend=survivor.address) == 0
+    assert get(routed, "sluice_backend_healthy", backend=survivor.address) == 1
 
 
 def test_each_balancer_worker_is_its_own_target() -> None:
@@ -202,3 +235,62 @@ def _answers(port: int) -> bool:
         return ("sluice_in_flight", frozenset()) in scrape(port)
     except OSError:
         return False
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Heavy enough that one long call holds the only instance for seconds."""
+    path = tmp_path_factory.mktemp("models") / "mlp1024.onnx"
+    path.write_bytes(build(width=1024, depth=2))
+    return path
+
+
+async def test_a_call_refused_at_the_door_is_counted_and_logged(mlp: Path) -> None:
+    """The recipe of test_server_speed_e2e's refusal at the door: once the server has
+    measured runs of two sizes, a call with a 0.5 s deadline behind seconds of work is
+    refused at once. sluice_admission_refused_total and the RESOURCE_EXHAUSTED calls move
+    by one, and within the refusal log's interval (10 s) one WARNING line sums it up."""
+    warm = rows(WARMUP, seed=18)
+    blocker = rows(1, seed=19)[0].repeat(BIG_ROWS * 4, axis=0)  # seconds of work
+    small = pb.PredictRequest(inputs=[codec.encode("input", rows(1, seed=20)[0])])
+    port = free_port()
+    argv = server_argv(
+        *("--metrics-port", str(port), "--instances", "1", "--max-batch", "1"),
+        *("--cache-entries", "0", *NOT_INLINE),
+        model=mlp,
+    )
+    with running(argv) as server:
+        async with (
+            AsyncSluiceClient(server.address, timeout=300) as client,
+            grpc.aio.insecure_channel(server.address) as channel,
+        ):
+            for i, x in enumerate(warm):  # the server learns a run's fixed and per-row cost
+                await client.predict({"input": x.repeat(256 if i % 2 else 1, axis=0)})
+            before = await asyncio.to_thread(scrape, port)
+            running_call = asyncio.create_task(client.predict({"input": blocker}))
+            await asyncio.to_thread(
+                wait_health,
+                server.address,
+                lambda h: h.batcher.busy_instances == 1,
+                "the long call to hold the instance",
+            )
+            predict = channel.unary_unary(
+                "/sluice.v1.Inference/Predict",
+                request_serializer=None,
+                response_deserializer=None,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await predict(small.SerializeToString(), timeout=0.5)
+            after = await asyncio.to_thread(scrape, port)
+            await running_call
+            line = await asyncio.to_thread(
+                wait_for,
+                lambda: next((m for m in server.lines if " calls in the last " in m), None),
+                "the refusal log's line",
+            )
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert get(before, "sluice_admission_refused_total") == 0
+    assert get(after, "sluice_admission_refused_total") == 1
+    assert get(after, "sluice_calls_total", method="Predict", code="RESOURCE_EXHAUSTED") == 1
+    assert "WARNING" in line and "RESOURCE_EXHAUSTED 1" in line, line
+    assert "refused 1 of " in line, line
