@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from sluice.perf.make_mlp import build
 from tests.e2e.harness import Process, running_server
 
 
@@ -13,3 +15,12 @@ from tests.e2e.harness import Process, running_server
 def server() -> Iterator[Process]:
     with running_server("--max-message-bytes", str(1024 * 1024)) as proc:
         yield proc
+
+
+@pytest.fixture(scope="session")
+def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1024-wide MLP: heavy enough (~0.15 ms a row here) that requests queue behind a
+    running batch, and one long call holds an instance for seconds."""
+    path = tmp_path_factory.mktemp("models") / "mlp1024.onnx"
+    path.write_bytes(build(width=1024, depth=2))
+    return path

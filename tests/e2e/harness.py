@@ -4,6 +4,7 @@ with a bound that only guards against a hang."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -12,18 +13,24 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TypeVar
 
-from sluice.client import SluiceClient
+import numpy as np
+
+from sluice.client import AsyncSluiceClient, SluiceClient
 from sluice.runtime.launch import BIN, Process, children, module_argv, running
 from sluice.runtime.launch import server_argv as _server_argv
+from sluice.server.dataplane.admission import WARMUP
 from sluice.v1 import inference_pb2 as pb
 
 __all__ = [
     "BIN",
+    "NOT_INLINE",
     "Process",
     "alive",
     "children",
+    "hold_the_instance",
     "kill_strays",
     "module_argv",
+    "rows",
     "running",
     "running_server",
     "server_argv",
@@ -33,6 +40,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+# Every run goes through the queue, whatever this machine's speed makes of the model.
+NOT_INLINE = ("--inline-max-us", "0")
 
 
 def server_argv(*extra: str, node_id: str = "test-node", model: Path | None = None) -> list[str]:
@@ -96,3 +106,25 @@ def kill_strays(pids: Iterable[int], marker: bytes) -> None:
         with suppress(OSError):
             if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
                 os.kill(pid, signal.SIGKILL)
+
+
+def rows(count: int, seed: int) -> list[np.ndarray]:
+    """`count` one-row inputs for the 64-wide models (digits, the MLPs)."""
+    rng = np.random.default_rng(seed)
+    return [rng.uniform(0, 16, (1, 64)).astype(np.float32) for _ in range(count)]
+
+
+async def hold_the_instance(
+    client: AsyncSluiceClient, server: str, *, blocker_rows: int, seed: int
+) -> asyncio.Task[dict[str, np.ndarray]]:
+    """Teach the server (through `client`) a run's fixed and per-row cost with runs of two
+    sizes, then start one call of `blocker_rows` rows and return it once it holds the
+    server's only instance: what is sent next has seconds of work ahead of it."""
+    for i, x in enumerate(rows(WARMUP, seed=seed)):
+        await client.predict({"input": x.repeat(256 if i % 2 else 1, axis=0)})
+    blocker = rows(1, seed=seed + 1)[0].repeat(blocker_rows, axis=0)
+    holding = asyncio.create_task(client.predict({"input": blocker}))
+    await asyncio.to_thread(
+        wait_health, server, lambda h: h.batcher.busy_instances == 1, "the long call to hold"
+    )
+    return holding

@@ -19,14 +19,19 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.client import AsyncSluiceClient, SluiceClient
-from sluice.perf.make_mlp import build
-from sluice.server.dataplane.admission import WARMUP
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 from tests.conftest import SAMPLES
-from tests.e2e.harness import Process, running, server_argv, wait_for, wait_health
+from tests.e2e.harness import (
+    NOT_INLINE,
+    Process,
+    hold_the_instance,
+    rows,
+    running,
+    server_argv,
+    wait_for,
+)
 from tests.e2e.test_balancer_e2e import balancer_argv
-from tests.e2e.test_server_speed_e2e import BIG_ROWS, NOT_INLINE, rows
 
 pytestmark = pytest.mark.e2e
 
@@ -237,21 +242,11 @@ def _answers(port: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Heavy enough that one long call holds the only instance for seconds."""
-    path = tmp_path_factory.mktemp("models") / "mlp1024.onnx"
-    path.write_bytes(build(width=1024, depth=2))
-    return path
-
-
 async def test_a_call_refused_at_the_door_is_counted_and_logged(mlp: Path) -> None:
     """The recipe of test_server_speed_e2e's refusal at the door: once the server has
     measured runs of two sizes, a call with a 0.5 s deadline behind seconds of work is
     refused at once. sluice_admission_refused_total and the RESOURCE_EXHAUSTED calls move
     by one, and within the refusal log's interval (10 s) one WARNING line sums it up."""
-    warm = rows(WARMUP, seed=18)
-    blocker = rows(1, seed=19)[0].repeat(BIG_ROWS * 4, axis=0)  # seconds of work
     small = pb.PredictRequest(inputs=[codec.encode("input", rows(1, seed=20)[0])])
     port = free_port()
     argv = server_argv(
@@ -264,15 +259,9 @@ async def test_a_call_refused_at_the_door_is_counted_and_logged(mlp: Path) -> No
             AsyncSluiceClient(server.address, timeout=300) as client,
             grpc.aio.insecure_channel(server.address) as channel,
         ):
-            for i, x in enumerate(warm):  # the server learns a run's fixed and per-row cost
-                await client.predict({"input": x.repeat(256 if i % 2 else 1, axis=0)})
             before = await asyncio.to_thread(scrape, port)
-            running_call = asyncio.create_task(client.predict({"input": blocker}))
-            await asyncio.to_thread(
-                wait_health,
-                server.address,
-                lambda h: h.batcher.busy_instances == 1,
-                "the long call to hold the instance",
+            running_call = await hold_the_instance(
+                client, server.address, blocker_rows=64_000, seed=18
             )
             predict = channel.unary_unary(
                 "/sluice.v1.Inference/Predict",

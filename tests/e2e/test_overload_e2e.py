@@ -8,32 +8,17 @@ import asyncio
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 
 from sluice.client import AsyncSluiceClient, SluiceClient
-from sluice.perf.make_mlp import build
-from sluice.server.dataplane.admission import WARMUP
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
-from tests.e2e.harness import BIN, running, server_argv, wait_health
+from tests.e2e.harness import BIN, hold_the_instance, rows, running, server_argv
 
 pytestmark = pytest.mark.e2e
 
 PREDICT = "/sluice.v1.Inference/Predict"
 BIG_ROWS = 64_000  # seconds of work for the one instance
-
-
-@pytest.fixture(scope="module")
-def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("models") / "mlp1024.onnx"
-    path.write_bytes(build(width=1024, depth=2))
-    return path
-
-
-def rows(count: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.uniform(0, 16, (1, 64)).astype(np.float32) for _ in range(count)]
 
 
 async def test_the_balancer_learns_a_full_server_and_sheds_at_once(mlp: Path) -> None:
@@ -49,16 +34,8 @@ async def test_the_balancer_learns_a_full_server_and_sheds_at_once(mlp: Path) ->
                 AsyncSluiceClient(balancer.address, timeout=300) as client,
                 grpc.aio.insecure_channel(balancer.address) as channel,
             ):
-                # Runs of two sizes: the server learns a run's fixed and per-row cost.
-                for i, x in enumerate(rows(WARMUP, seed=1)):
-                    await client.predict({"input": x.repeat(256 if i % 2 else 1, axis=0)})
-                blocker = rows(1, seed=2)[0].repeat(BIG_ROWS, axis=0)
-                holding = asyncio.create_task(client.predict({"input": blocker}))
-                await asyncio.to_thread(
-                    wait_health,
-                    server.address,
-                    lambda h: h.batcher.busy_instances == 1,
-                    "the long call to hold the instance",
+                holding = await hold_the_instance(
+                    client, server.address, blocker_rows=BIG_ROWS, seed=1
                 )
                 predict = channel.unary_unary(
                     PREDICT, request_serializer=None, response_deserializer=None

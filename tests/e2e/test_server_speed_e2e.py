@@ -12,26 +12,20 @@ import onnxruntime as ort
 import pytest
 
 from sluice.client import AsyncSluiceClient, SluiceClient
-from sluice.perf.make_mlp import build
-from sluice.server.dataplane.admission import WARMUP
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 from tests.conftest import SAMPLES
-from tests.e2e.harness import Process, running, server_argv, wait_health
+from tests.e2e.harness import (
+    NOT_INLINE,
+    Process,
+    hold_the_instance,
+    rows,
+    running,
+    server_argv,
+    wait_health,
+)
 
 pytestmark = pytest.mark.e2e
-
-
-# Every run goes through the queue, whatever this machine's speed makes of the model.
-NOT_INLINE = ("--inline-max-us", "0")
-
-
-@pytest.fixture(scope="module")
-def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Heavy enough (~0.15 ms a row here) that requests queue behind a running batch."""
-    path = tmp_path_factory.mktemp("models") / "mlp1024.onnx"
-    path.write_bytes(build(width=1024, depth=2))
-    return path
 
 
 def start(model: Path, *extra: str) -> Iterator[Process]:
@@ -44,11 +38,6 @@ def batching_server(mlp: Path) -> Iterator[Process]:
     yield from start(
         mlp, "--max-batch", "32", "--batch-budget-ms", "50", "--cache-entries", "0", *NOT_INLINE
     )
-
-
-def rows(count: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.uniform(0, 16, (1, 64)).astype(np.float32) for _ in range(count)]
 
 
 def test_cache_answers_repeats_and_respects_opt_out(server: Process) -> None:
@@ -207,24 +196,16 @@ async def test_a_request_whose_deadline_passes_in_the_queue_is_dropped(mlp: Path
 async def test_a_call_that_cannot_finish_in_time_is_refused_at_the_door(mlp: Path) -> None:
     """Once the server has measured its runs, a call with seconds of work ahead of it and a
     short deadline is refused at once, marked retryable; one with time enough is admitted."""
-    warm = rows(WARMUP, seed=18)
-    blocker = rows(1, seed=19)[0].repeat(BIG_ROWS * 4, axis=0)  # seconds of work
-    small = pb.PredictRequest(inputs=[codec.encode("input", rows(1, seed=20)[0])])
+    small_input = rows(1, seed=20)[0]
+    small = pb.PredictRequest(inputs=[codec.encode("input", small_input)])
     argv = ("--instances", "1", "--max-batch", "1", "--cache-entries", "0", *NOT_INLINE)
     with running(server_argv(*argv, model=mlp)) as server:
         async with (
             AsyncSluiceClient(server.address, timeout=300) as client,
             grpc.aio.insecure_channel(server.address) as channel,
         ):
-            # Runs of two sizes: the server learns a run's fixed and per-row cost.
-            for i, x in enumerate(warm):
-                await client.predict({"input": x.repeat(256 if i % 2 else 1, axis=0)})
-            running_call = asyncio.create_task(client.predict({"input": blocker}))
-            await asyncio.to_thread(
-                wait_health,
-                server.address,
-                lambda h: h.batcher.busy_instances == 1,
-                "the long call to hold the instance",
+            running_call = await hold_the_instance(
+                client, server.address, blocker_rows=BIG_ROWS * 4, seed=18
             )
             before = (await client.health()).batcher
             reply = await stream_once(
@@ -237,7 +218,7 @@ async def test_a_call_that_cannot_finish_in_time_is_refused_at_the_door(mlp: Pat
             )
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await predict(small.SerializeToString(), timeout=0.5)
-            admitted = await client.predict({"input": warm[0]})  # 300 s: time enough
+            admitted = await client.predict({"input": small_input})  # 300 s: time enough
             after = (await client.health()).batcher
             await running_call
     assert reply.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], reply
