@@ -10,10 +10,10 @@ from google.protobuf.message import DecodeError, Message
 from sluice.core.errors import InvalidInput
 from sluice.server.dataplane.batcher import Arrays
 from sluice.server.dataplane.engine import TensorSpec
-from sluice.server.dataplane.models import Model
-from sluice.server.dataplane.plane import Request
+from sluice.server.dataplane.models import Model, Models
+from sluice.server.dataplane.plane import Request, Route
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import codec
+from sluice.wire import codec, peek
 
 M = TypeVar("M", bound=Message)
 
@@ -27,10 +27,23 @@ def parse(kind: type[M], body: bytes) -> M:
         ) from None
 
 
+# PredictRequest's `model` and `version` fields.
+_ROUTE = (4, 5)
+
+
 class SluiceV1:
     """Predict's bodies; the option is `typed_outputs`."""
 
     name = "sluice.v1"
+
+    def route(self, body: bytes) -> Route:
+        try:
+            found = peek.spans(body, _ROUTE)
+            return Route(peek.text(body, found.get(4)), peek.text(body, found.get(5)))
+        except peek.Malformed as exc:
+            raise InvalidInput(
+                f"request body is not a valid sluice.v1.PredictRequest: {exc}"
+            ) from None
 
     def decode(self, body: bytes) -> Request[bool]:
         request = parse(pb.PredictRequest, body)
@@ -42,7 +55,9 @@ class SluiceV1:
 
     def encode(self, model: Model, request: Request[bool], outputs: Arrays) -> bytes:
         response = pb.PredictResponse(
-            model=model.name, outputs=codec.encode_all(outputs, typed=request.options)
+            model=model.name,
+            version=model.version,
+            outputs=codec.encode_all(outputs, typed=request.options),
         )
         return response.SerializeToString()
 
@@ -60,4 +75,22 @@ def _specs(specs: list[TensorSpec]) -> list[pb.TensorSpec]:
 
 
 def model_info(model: Model) -> pb.ModelInfo:
-    return pb.ModelInfo(name=model.name, inputs=_specs(model.inputs), outputs=_specs(model.outputs))
+    return pb.ModelInfo(
+        name=model.name,
+        version=model.version,
+        inputs=_specs(model.inputs),
+        outputs=_specs(model.outputs),
+    )
+
+
+def model_statuses(models: Models) -> list[pb.ModelStatus]:
+    """Every model a node serves, its ready versions newest first."""
+    default = models.default
+    return [
+        pb.ModelStatus(
+            name=name,
+            versions=[m.version for m in models.versions(name)],
+            default=default is not None and default.name == name,
+        )
+        for name in models.names()
+    ]

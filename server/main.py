@@ -29,22 +29,26 @@ log = logging.getLogger("sluice.server")
 
 async def serve(settings: ServerSettings) -> int:
     tracing.setup("sluice-server")  # on only if OTEL_TRACES_EXPORTER asks for it
-    engine = Engine(
-        settings.model,
-        device=settings.device,
-        intra_op_threads=settings.intra_op_threads,
-        instances=settings.instances,
-        pool_bytes=settings.buffer_pool_bytes,
-        inline_max_s=settings.inline_max_us / 1e6,
-    )
-    batcher = Batcher(
-        engine.instances,
-        max_rows=settings.max_batch,
-        budget_s=settings.batch_budget_ms / 1000,
-        max_queue=settings.max_queue,
-    )
+    served = []
+    for name, path in settings.models():
+        engine = Engine(
+            path,
+            device=settings.device,
+            intra_op_threads=settings.intra_op_threads,
+            instances=settings.instances,
+            pool_bytes=settings.buffer_pool_bytes,
+            inline_max_s=settings.inline_max_us / 1e6,
+        )
+        batcher = Batcher(
+            engine.instances,
+            max_rows=settings.max_batch,
+            budget_s=settings.batch_budget_ms / 1000,
+            max_queue=settings.max_queue,
+        )
+        served.append(Model(engine, batcher, name=name))
+    default = settings.default_model or (served[0].name if served else "")
     plane = Dataplane(
-        Models([Model(engine, batcher)]), LRUCache(settings.cache_entries, settings.cache_bytes)
+        Models(served, default=default), LRUCache(settings.cache_entries, settings.cache_bytes)
     )
     service = InferenceService(
         plane, node_id=settings.node_id, default_timeout_s=settings.default_timeout_s or None
@@ -80,10 +84,9 @@ async def serve(settings: ServerSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info(
-        "node %s serving %s on %s (max batch %d, cache %d entries), listening on %s:%d",
+        "node %s serving %s (max batch %d, cache %d entries), listening on %s:%d",
         settings.node_id,
-        engine.name,
-        engine.provider,
+        ", ".join(f"{m.name} {m.version} on {m.engine.provider}" for m in plane.models),
         settings.max_batch,
         settings.cache_entries,
         settings.host,

@@ -14,14 +14,15 @@ from typing import Any
 import grpc
 
 from sluice.core.calls import BAD_REQUEST_ID, printable, stream_timeout
-from sluice.core.errors import Code, InvalidInput, Overloaded, SluiceError
+from sluice.core.errors import Code, InvalidInput, Overloaded, SluiceError, Unimplemented
 from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, OVERLOADED, REFUSED_HEADER
 from sluice.core.stats import ServingStats, health_fields
 from sluice.runtime import tracing
 from sluice.runtime.status import status_of
-from sluice.server.convert import V1, model_info, parse
+from sluice.server.convert import V1, model_info, model_statuses, parse
 from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL
-from sluice.server.dataplane.plane import Dataplane
+from sluice.server.dataplane.models import Model
+from sluice.server.dataplane.plane import Codec, Dataplane
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import stream
 
@@ -64,8 +65,8 @@ class InferenceService:
         self.stats = stats or ServingStats(clock=plane.clock)
         self.serving = True
         self._draining = asyncio.Event()
-        # sluice.v1 names no model: its calls go to the default one.
-        self._model_info = model_info(plane.models.default)
+        # What a PredictStream message's `method` asks for; other protocols add theirs.
+        self.stream_methods: dict[str, Method] = {"": self.predict}
 
     def handler(self) -> grpc.GenericRpcHandler[bytes, bytes]:
         methods: dict[str, Method] = {
@@ -74,7 +75,7 @@ class InferenceService:
             "Metadata": self.metadata,
         }
         handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {
-            name: grpc.unary_unary_rpc_method_handler(self._wrap(fn, counted=name == "Predict"))
+            name: grpc.unary_unary_rpc_method_handler(self.wrap(fn, counted=name == "Predict"))
             for name, fn in methods.items()
         }
         handlers["PredictStream"] = grpc.stream_stream_rpc_method_handler(self.predict_stream)
@@ -172,15 +173,17 @@ class InferenceService:
                     )
         return outcome
 
-    def _wrap(self, fn: Method, *, counted: bool) -> Handler:
-        """Request id, node id, error mapping; `counted` calls go into the serving stats."""
+    def wrap(self, fn: Method, *, counted: bool, method: str = "Predict") -> Handler:
+        """A unary handler for `fn`, any protocol's: request id, node id, error mapping;
+        `counted` calls (inference) go into the serving stats and, with tracing, a span
+        named for `method`."""
         stats = self.stats if counted else ServingStats(window=1)
 
         async def call(body: bytes, context: Context) -> bytes:
             metadata = context.invocation_metadata() or ()
             info = self._call(metadata, context.time_remaining())
             if counted and tracing.ON:
-                outcome = await self._traced(fn, body, info, stats, metadata, "Predict")
+                outcome = await self._traced(fn, body, info, stats, metadata, method)
             else:
                 outcome = await self._invoke(fn, body, info, stats)
             # grpc keeps an aborted call's exception, whose traceback holds this frame: drop
@@ -198,17 +201,25 @@ class InferenceService:
         retryable and the stream ends once the calls already read are answered."""
 
         async def answer(message: pb.StreamRequest) -> bytes:
+            refused: SluiceError | None = None
             try:
-                timeout, refused = stream_timeout(message.timeout_s), None
+                timeout = stream_timeout(message.timeout_s)
             except InvalidInput as exc:
                 timeout, refused = None, exc
+            fn = self.stream_methods.get(message.method)
+            if fn is None:
+                fn = self.predict
+                refused = refused or Unimplemented(
+                    f"PredictStream carries no method {message.method!r}; it carries "
+                    + ", ".join(repr(m or "Predict") for m in self.stream_methods)
+                )
             info = self._call(message.metadata.items(), timeout, refused)
             if tracing.ON:
                 outcome = await self._traced(
-                    self.predict, message.request, info, self.stats, message.metadata, STREAM
+                    fn, message.request, info, self.stats, message.metadata, STREAM
                 )
             else:
-                outcome = await self._invoke(self.predict, message.request, info, self.stats)
+                outcome = await self._invoke(fn, message.request, info, self.stats)
             reply = pb.StreamResponse(id=message.id, trailers=dict(info.trailers))
             if isinstance(outcome, bytes):
                 reply.response = outcome
@@ -230,8 +241,12 @@ class InferenceService:
         await stream.serve(requests, context.write, answer, refuse=refuse, stop=self._draining)
 
     async def predict(self, body: bytes, call: Call) -> bytes:
+        return await self.infer(body, V1, call)
+
+    async def infer(self, body: bytes, codec: Codec[Any], call: Call) -> bytes:
+        """One inference call of any protocol, its trailers added to `call`."""
         entry, cached = await self.plane.infer(
-            "", body, V1, deadline=call.deadline, cache=not call.no_cache
+            body, codec, deadline=call.deadline, cache=not call.no_cache
         )
         if entry.nonfinite:
             call.trailers.append(("x-nonfinite-inputs", ",".join(entry.nonfinite)))
@@ -240,61 +255,82 @@ class InferenceService:
         return entry.body
 
     async def health(self, body: bytes, call: Call) -> bytes:
-        parse(pb.HealthRequest, body)
-        model = self.plane.models.default
-        engine, scheduler, cache = model.engine, model.batcher, self.plane.cache
-        batcher, queue, pool = scheduler.stats, scheduler.queue, engine.pool.stats()
+        request = parse(pb.HealthRequest, body)
+        models = self.plane.models
+        if request.model:  # that model's health: NOT_FOUND unless it is served
+            model: Model | None = models.get(request.model)
+            listed = [s for s in model_statuses(models) if s.name == request.model]
+        else:
+            model = models.default or next(iter(models), None)
+            listed = model_statuses(models)
         response = pb.HealthResponse(
             role="server",
             node_id=self.node_id,
-            status="SERVING" if self.serving else "NOT_SERVING",
-            model=self._model_info,
-            provider=engine.provider,
+            status="SERVING" if self.serving and len(models) else "NOT_SERVING",
             **health_fields(self.stats),
-            batcher=pb.BatcherStats(
-                batches=batcher.batches,
-                requests=batcher.requests,
-                rows=batcher.rows,
-                mean_batch_size=batcher.mean_batch,
-                flush_full=batcher.flushes[FULL],
-                flush_budget=batcher.flushes[BUDGET],
-                flush_drained=batcher.flushes[DRAINED],
-                queue_depth=len(queue),
-                rejected=batcher.rejected,
-                expired=batcher.expired,
-                max_batch=queue.max_rows,
-                budget_ms=queue.budget_s * 1000,
-                instances=len(engine.instances),
-                busy_instances=scheduler.busy,
-                instance_batches=[scheduler.runs[i] for i in range(len(engine.instances))],
-            ),
+            models=listed,
             cache=pb.CacheStats(
-                enabled=cache.enabled,
-                entries=len(cache),
-                bytes=cache.bytes,
-                hits=cache.hits,
-                misses=cache.misses,
-                evictions=cache.evictions,
-                hit_rate=cache.hit_rate,
+                enabled=self.plane.cache.enabled,
+                entries=len(self.plane.cache),
+                bytes=self.plane.cache.bytes,
+                hits=self.plane.cache.hits,
+                misses=self.plane.cache.misses,
+                evictions=self.plane.cache.evictions,
+                hit_rate=self.plane.cache.hit_rate,
                 shared=self.plane.flight.joined,
-                max_entries=cache.max_entries,
-                max_bytes=cache.max_bytes,
-            ),
-            buffers=pb.BufferPoolStats(
-                pinned=engine.pinned,
-                buffers=pool.buffers,
-                bytes=pool.bytes,
-                reused=pool.reused,
-                allocated=pool.allocated,
-                dropped=pool.dropped,
+                max_entries=self.plane.cache.max_entries,
+                max_bytes=self.plane.cache.max_bytes,
             ),
         )
+        if model is not None:  # the named (or default) model's own figures
+            response.model.CopyFrom(model_info(model))
+            response.provider = model.engine.provider
+            response.batcher.CopyFrom(_batcher_stats(model))
+            response.buffers.CopyFrom(_buffer_stats(model))
         return response.SerializeToString()
 
     async def metadata(self, body: bytes, call: Call) -> bytes:
-        parse(pb.MetadataRequest, body)
-        engine = self.plane.models.default.engine
+        request = parse(pb.MetadataRequest, body)
+        model = self.plane.models.get(request.model, request.version)
         response = pb.MetadataResponse(
-            model=self._model_info, platform=engine.platform, provider=engine.provider
+            model=model_info(model),
+            platform=model.engine.platform,
+            provider=model.engine.provider,
+            models=model_statuses(self.plane.models),
         )
         return response.SerializeToString()
+
+
+def _batcher_stats(model: Model) -> pb.BatcherStats:
+    scheduler, engine = model.batcher, model.engine
+    batcher, queue = scheduler.stats, scheduler.queue
+    return pb.BatcherStats(
+        batches=batcher.batches,
+        requests=batcher.requests,
+        rows=batcher.rows,
+        mean_batch_size=batcher.mean_batch,
+        flush_full=batcher.flushes[FULL],
+        flush_budget=batcher.flushes[BUDGET],
+        flush_drained=batcher.flushes[DRAINED],
+        queue_depth=len(queue),
+        rejected=batcher.rejected,
+        expired=batcher.expired,
+        max_batch=queue.max_rows,
+        budget_ms=queue.budget_s * 1000,
+        instances=len(engine.instances),
+        busy_instances=scheduler.busy,
+        instance_batches=[scheduler.runs[i] for i in range(len(engine.instances))],
+    )
+
+
+def _buffer_stats(model: Model) -> pb.BufferPoolStats:
+    engine = model.engine
+    pool = engine.pool.stats()
+    return pb.BufferPoolStats(
+        pinned=engine.pinned,
+        buffers=pool.buffers,
+        bytes=pool.bytes,
+        reused=pool.reused,
+        allocated=pool.allocated,
+        dropped=pool.dropped,
+    )

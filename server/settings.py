@@ -14,8 +14,38 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True)
 class ServerSettings:
-    model: str = field(
-        default="", metadata={"help": "ONNX model file (default: the bundled digits model)"}
+    model: list[str] = field(
+        default_factory=list,
+        metadata={
+            "list": True,
+            "help": "an ONNX model to serve, as PATH or NAME=PATH (version 1); repeat for "
+            "more. Without it and without --model-repository: the bundled digits model",
+        },
+    )
+    model_repository: str = field(
+        default="",
+        metadata={
+            "help": "serve the models of this folder, in Triton's layout "
+            "(DIR/NAME/VERSION/model.onnx, optional DIR/NAME/config.pbtxt), watched for new "
+            "and removed versions"
+        },
+    )
+    default_model: str = field(
+        default="",
+        metadata={
+            "help": "the model that calls naming none get (default: the only one, or the "
+            "first --model)"
+        },
+    )
+    repository_poll_s: float = field(
+        default=2.0, metadata={"help": "how often the model repository is looked at, in seconds"}
+    )
+    repository_api: bool = field(
+        default=False,
+        metadata={
+            "help": "serve the KServe v2 repository extension (RepositoryIndex, "
+            "RepositoryModelLoad, RepositoryModelUnload): callers may load and unload models"
+        },
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8001, metadata={"help": "port to listen on; 0 picks a free one"})
@@ -110,5 +140,24 @@ class ServerSettings:
             raise ValueError("--default-timeout-s must not be negative")
         if not self.node_id:
             object.__setattr__(self, "node_id", socket.gethostname())
-        if not self.model:
-            object.__setattr__(self, "model", str(DIGITS))
+        if self.repository_poll_s <= 0:
+            raise ValueError("--repository-poll-s must be more than 0")
+        if self.repository_api and not self.model_repository:
+            raise ValueError("--repository-api needs --model-repository")
+        names = [name for name, _ in self.models() if name]
+        if len(names) != len(set(names)):
+            raise ValueError("two --model entries have one name")
+        if not self.model and not self.model_repository:
+            object.__setattr__(self, "model", [str(DIGITS)])
+
+    def models(self) -> list[tuple[str, str]]:
+        """The --model entries as (name, path); an empty name: the model's own."""
+        pairs = []
+        for entry in self.model:
+            name, equals, path = entry.partition("=")
+            if not equals:
+                name, path = "", entry
+            if not path or (equals and not name):
+                raise ValueError(f"--model takes PATH or NAME=PATH, not {entry!r}")
+            pairs.append((name, path))
+        return pairs

@@ -1,17 +1,19 @@
 """The loaded models: each one's name and version, its engine and batcher, and the checks of a
-request against its inputs and outputs. Transport-free.
+request against its inputs and outputs; `Models`, the set a node serves, by name and
+version, which the repository changes while calls go on. Transport-free.
 
-`Models` is the seam for a repository of several models and versions: the dataplane asks it
-for a model by name and keys its cache by that model's name and version."""
+The dataplane asks `Models` for a model by name and version and keys its cache by both, so
+a new version never meets an old one's answers."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from sluice.core.datatypes import name_of
-from sluice.core.errors import InvalidInput
+from sluice.core.errors import InvalidInput, ModelNotFound
 from sluice.server.dataplane import staging
 from sluice.server.dataplane.batcher import Arrays, Batcher, Trip
 from sluice.server.dataplane.engine import Engine
@@ -33,6 +35,8 @@ class Model:
         self._batchable = all(s.shape and s.shape[0] is None for s in self.inputs + self.outputs)
         self._batching = batcher.queue.max_rows > 1
         self._scopes: dict[str, bytes] = {}
+        self.calls = 0  # calls holding this model now (`hold`)
+        self._idle: asyncio.Event | None = None  # set when `calls` falls to 0, once retired
 
     def __repr__(self) -> str:
         return f"Model({self.name!r}, version {self.version!r})"
@@ -121,6 +125,23 @@ class Model:
                 )
         return list(dict.fromkeys(names))
 
+    def hold(self) -> None:
+        """A call will use this model: `retire` waits for it to `release`."""
+        self.calls += 1
+
+    def release(self) -> None:
+        self.calls -= 1
+        if self.calls == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def retire(self) -> None:
+        """Once its calls in flight are answered (it no longer takes new ones: see
+        Models.remove), release the model's sessions and threads."""
+        if self.calls:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+        await self.close()
+
     async def close(self) -> None:
         """Let running batches finish, then release the model's sessions and threads."""
         await self.batcher.close()
@@ -128,28 +149,97 @@ class Model:
 
 
 class Models:
-    """The models a node serves, by name; the empty name asks for the default (the first)."""
+    """The models a node serves: by name, each with its ready versions. The newest ready
+    version answers calls that name none; installing a version and removing one are single
+    steps, so every call sees either the old set or the new. The empty name asks for the
+    default model: the one named as default, else the only one."""
 
-    def __init__(self, models: Iterable[Model]) -> None:
-        self._by_name: dict[str, Model] = {}
+    def __init__(self, models: Iterable[Model] = (), *, default: str = "") -> None:
+        self._versions: dict[str, dict[str, Model]] = {}
+        self._newest: dict[str, Model] = {}
+        self._default = default
         for model in models:
-            if model.name in self._by_name:
-                raise ValueError(f"two models are named {model.name!r}")
-            self._by_name[model.name] = model
-        if not self._by_name:
-            raise ValueError("at least one model")
-        self.default = next(iter(self._by_name.values()))
+            if model.version in self._versions.get(model.name, {}):
+                raise ValueError(f"two models are named {model.name!r}, version {model.version}")
+            self.install(model)
 
     def __iter__(self) -> Iterator[Model]:
-        return iter(self._by_name.values())
+        return (m for versions in list(self._versions.values()) for m in list(versions.values()))
 
-    def get(self, name: str = "") -> Model:
+    def __len__(self) -> int:
+        return len(self._newest)
+
+    @property
+    def default(self) -> Model | None:
+        """What a call that names no model gets; None when the node serves several and
+        none is named as default (such a call is refused)."""
+        if self._default:
+            return self._newest.get(self._default)
+        if len(self._newest) == 1:
+            return next(iter(self._newest.values()))
+        return None
+
+    def install(self, model: Model) -> Model | None:
+        """Make `model` ready; returns the version it replaced (same name and version)."""
+        versions = self._versions.setdefault(model.name, {})
+        replaced = versions.get(model.version)
+        # One assignment each: a call between them sees a consistent old or new set.
+        self._versions[model.name] = {**versions, model.version: model}
+        self._newest[model.name] = max(self._versions[model.name].values(), key=_order)
+        return replaced
+
+    def remove(self, name: str, version: str) -> Model | None:
+        """Stop giving calls to this version (its calls in flight go on); returns it."""
+        versions = self._versions.get(name, {})
+        model = versions.get(version)
+        if model is None:
+            return None
+        left = {v: m for v, m in versions.items() if v != version}
+        if left:
+            self._versions[name] = left
+            self._newest[name] = max(left.values(), key=_order)
+        else:
+            del self._versions[name], self._newest[name]
+        return model
+
+    def versions(self, name: str) -> list[Model]:
+        """The ready versions of a model, newest first."""
+        return sorted(self._versions.get(name, {}).values(), key=_order, reverse=True)
+
+    def names(self) -> list[str]:
+        return sorted(self._newest)
+
+    def get(self, name: str = "", version: str = "") -> Model:
+        """The model a call asks for; raises ModelNotFound."""
         if not name:
-            return self.default
-        found = self._by_name.get(name)
+            model = self.default
+            if model is None:
+                raise ModelNotFound(self._no_default())
+            if not version:
+                return model
+            name = model.name
+        found = self._versions.get(name, {}).get(version) if version else self._newest.get(name)
         if found is None:
-            raise InvalidInput(
-                f"unknown model {name!r}; this node serves "
-                + ", ".join(repr(n) for n in self._by_name)
-            )
+            raise ModelNotFound(self._missing(name, version))
         return found
+
+    def _no_default(self) -> str:
+        if self._default:
+            return f"the default model {self._default!r} is not loaded"
+        if not self._newest:
+            return "this node serves no model yet"
+        return "this node serves several models and none is the default: name one of " + (
+            ", ".join(repr(n) for n in self.names())
+        )
+
+    def _missing(self, name: str, version: str) -> str:
+        if name not in self._newest:
+            served = ", ".join(repr(n) for n in self.names()) or "none"
+            return f"unknown model {name!r}; this node serves {served}"
+        ready = ", ".join(m.version for m in self.versions(name))
+        return f"model {name!r} has no ready version {version!r}; ready: {ready}"
+
+
+def _order(model: Model) -> tuple[int, int | str]:
+    """Versions order as numbers (Triton's directories), other names after, as text."""
+    return (1, int(model.version)) if model.version.isdigit() else (0, model.version)

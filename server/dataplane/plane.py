@@ -9,7 +9,7 @@ answers, nor a new model version an old one's."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar
 
@@ -23,6 +23,7 @@ from sluice.server.dataplane.cache import Entry, LRUCache, SingleFlight
 from sluice.server.dataplane.models import Model, Models
 
 Opts = TypeVar("Opts")
+T = TypeVar("T")
 Cached = Literal["hit", "miss"] | None  # None: the call kept out of the cache
 HIT: Cached = "hit"
 MISS: Cached = "miss"
@@ -30,6 +31,17 @@ EXPIRED = "the deadline passed before the model could run"
 # With tracing: the span of a request's way from its decoded arrays to its encoded answer;
 # its children are the steps (tracing.QUEUE_WAIT, tracing.BATCH_RUN, tracing.ENCODE).
 MODEL_RUN = "sluice.model.run"
+
+
+@dataclass(slots=True, frozen=True)
+class Route:
+    """Which model a request body asks for, read without decoding it (sluice.wire.peek)."""
+
+    model: str = ""  # empty: the default model
+    version: str = ""  # empty: its newest ready version
+    # Bytes of the body that do not change the answer (a per-call id): left out of the cache
+    # key, and put in front of the answer, where they are the same field (KServe's `id`).
+    echo: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -47,6 +59,8 @@ class Codec(Protocol[Opts]):
     @property
     def name(self) -> str: ...  # in the cache key
 
+    def route(self, body: bytes) -> Route: ...
+
     def decode(self, body: bytes) -> Request[Opts]: ...
 
     def encode(self, model: Model, request: Request[Opts], outputs: Arrays) -> bytes: ...
@@ -63,7 +77,6 @@ class Dataplane:
 
     async def infer(
         self,
-        model: str,
         body: bytes,
         codec: Codec[Opts],
         *,
@@ -74,20 +87,40 @@ class Dataplane:
         keeps the call out of the cache and single-flight)."""
         if deadline is not None and deadline <= self.clock():
             raise DeadlineExpired(EXPIRED)
-        found = self.models.get(model)
+        route = codec.route(body)
+        found = self.models.get(route.model, route.version)
         if not cache or not self.cache.enabled:
             if tracing.ON:
                 tracing.annotate(tracing.CACHE, "off")
-            return await self._compute(found, body, codec, deadline), None
-        digest = xxhash.xxh3_128(found.scope(codec.name))
-        digest.update(body)
-        key = digest.digest()
-        hit = self.cache.get(key)
-        if hit is not None:
-            if tracing.ON:
-                tracing.annotate(tracing.CACHE, "hit")
-            return hit, HIT
-        return await self._once(key, found, body, codec, deadline)
+            entry, cached = await self._held(found, self._compute(found, body, codec, deadline))
+        else:
+            digest = xxhash.xxh3_128(found.scope(codec.name))
+            if route.echo is None:
+                digest.update(body)
+            else:
+                digest.update(body[: route.echo[0]])
+                digest.update(body[route.echo[1] :])
+            key = digest.digest()
+            hit = self.cache.get(key)
+            if hit is not None:
+                if tracing.ON:
+                    tracing.annotate(tracing.CACHE, "hit")
+                entry, cached = hit, HIT
+            else:
+                entry, cached = await self._held(
+                    found, self._once(key, found, body, codec, deadline)
+                )
+        if route.echo is not None:
+            entry = Entry(body[route.echo[0] : route.echo[1]] + entry.body, entry.nonfinite)
+        return entry, cached
+
+    async def _held(self, model: Model, work: Awaitable[T]) -> T:
+        """`work` with `model` held, so a swap retires it only once its calls are answered."""
+        model.hold()
+        try:
+            return await work
+        finally:
+            model.release()
 
     async def run(
         self,
@@ -101,7 +134,8 @@ class Dataplane:
         held NaN or infinity."""
         if deadline is not None and deadline <= self.clock():
             raise DeadlineExpired(EXPIRED)
-        return await self.models.get(model).run(inputs, outputs, deadline)
+        found = self.models.get(model)
+        return await self._held(found, found.run(inputs, outputs, deadline))
 
     async def _once(
         self, key: bytes, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None
@@ -126,11 +160,16 @@ class Dataplane:
     async def _store(
         self, key: bytes, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None
     ) -> Entry:
-        entry = await self._compute(model, body, codec, deadline)
+        entry = await self._entry(model, body, codec, deadline)
         self.cache.put(key, entry)
         return entry
 
     async def _compute(
+        self, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None
+    ) -> tuple[Entry, Cached]:
+        return await self._entry(model, body, codec, deadline), None
+
+    async def _entry(
         self, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None
     ) -> Entry:
         request = codec.decode(body)

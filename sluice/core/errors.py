@@ -22,6 +22,18 @@ class InvalidInput(SluiceError):
     status = "INVALID_ARGUMENT"
 
 
+class ModelNotFound(SluiceError):
+    """The node (or no node behind a balancer) serves no such model or version."""
+
+    status = "NOT_FOUND"
+
+
+class Unimplemented(SluiceError):
+    """The call is one this node does not serve (as configured)."""
+
+    status = "UNIMPLEMENTED"
+
+
 class ModelFailed(SluiceError):
     """ONNX Runtime failed while running valid input."""
 

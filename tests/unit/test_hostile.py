@@ -143,7 +143,7 @@ def engine() -> Iterator[Engine]:
 
 async def outcome(plane: Dataplane, body: bytes, deadline: float | None, cache: bool) -> str:
     try:
-        entry, _ = await plane.infer("", body, V1, deadline=deadline, cache=cache)
+        entry, _ = await plane.infer(body, V1, deadline=deadline, cache=cache)
     except SluiceError as exc:
         return exc.status
     pb.PredictResponse.FromString(entry.body)
@@ -198,7 +198,7 @@ def test_hostile_tensors_are_invalid_argument(
         plane = Dataplane(Models([Model(engine, batcher)]), LRUCache(16, 1 << 20))
         try:
             with pytest.raises(SluiceError, match=message) as raised:
-                await plane.infer("", body, V1)
+                await plane.infer(body, V1)
             assert raised.value.status == "INVALID_ARGUMENT"
         finally:
             await batcher.close()

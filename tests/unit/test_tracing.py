@@ -31,7 +31,7 @@ from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL, Batcher, Pend
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine
 from sluice.server.dataplane.models import Model, Models
-from sluice.server.dataplane.plane import MODEL_RUN, Dataplane, Request
+from sluice.server.dataplane.plane import MODEL_RUN, Dataplane, Request, Route
 from sluice.server.service import SPAN as SERVER_SPAN
 from sluice.server.service import InferenceService
 from sluice.v1 import inference_pb2 as pb
@@ -511,6 +511,9 @@ class Raw:
 
     name = "raw"
 
+    def route(self, body: bytes) -> Route:
+        return Route()
+
     def decode(self, body: bytes) -> Request[None]:
         return Request({"input": np.frombuffer(body, np.float32).reshape(1, 64)}, (), None)
 
@@ -528,7 +531,7 @@ def test_the_model_runs_spans_show_the_queue_wait_and_the_shared_batch(
 
     async def call(request_id: str) -> None:
         with tracing.span("call", {tracing.REQUEST_ID: request_id}):
-            await plane.infer("", body, Raw(), cache=False)
+            await plane.infer(body, Raw(), cache=False)
 
     async def run() -> None:
         first = asyncio.ensure_future(call("a"))

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StreamRequest(_message.Message):
-    __slots__ = ("id", "request", "timeout_s", "metadata")
+    __slots__ = ("id", "request", "timeout_s", "metadata", "method")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -19,11 +19,13 @@ class StreamRequest(_message.Message):
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
     id: int
     request: bytes
     timeout_s: float
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, id: _Optional[int] = ..., request: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    method: str
+    def __init__(self, id: _Optional[int] = ..., request: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ..., method: _Optional[str] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
     __slots__ = ("id", "code", "message", "response", "trailers", "retryable")
@@ -75,22 +77,28 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw_data: _Optional[bytes] = ..., bool_data: _Optional[_Iterable[bool]] = ..., int_data: _Optional[_Iterable[int]] = ..., int64_data: _Optional[_Iterable[int]] = ..., uint_data: _Optional[_Iterable[int]] = ..., uint64_data: _Optional[_Iterable[int]] = ..., fp32_data: _Optional[_Iterable[float]] = ..., fp64_data: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PredictRequest(_message.Message):
-    __slots__ = ("inputs", "outputs", "typed_outputs")
+    __slots__ = ("inputs", "outputs", "typed_outputs", "model", "version")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     TYPED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
     outputs: _containers.RepeatedScalarFieldContainer[str]
     typed_outputs: bool
-    def __init__(self, inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., typed_outputs: _Optional[bool] = ...) -> None: ...
+    model: str
+    version: str
+    def __init__(self, inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., typed_outputs: _Optional[bool] = ..., model: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
-    __slots__ = ("model", "outputs")
+    __slots__ = ("model", "outputs", "version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, model: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    version: str
+    def __init__(self, model: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "datatype", "shape")
@@ -103,32 +111,52 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "inputs", "outputs")
+    __slots__ = ("name", "inputs", "outputs", "version")
     NAME_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     inputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     outputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, name: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    version: str
+    def __init__(self, name: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ModelStatus(_message.Message):
+    __slots__ = ("name", "versions", "default")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    versions: _containers.RepeatedScalarFieldContainer[str]
+    default: bool
+    def __init__(self, name: _Optional[str] = ..., versions: _Optional[_Iterable[str]] = ..., default: _Optional[bool] = ...) -> None: ...
 
 class MetadataRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model", "version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
 class MetadataResponse(_message.Message):
-    __slots__ = ("model", "platform", "provider")
+    __slots__ = ("model", "platform", "provider", "models")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     model: ModelInfo
     platform: str
     provider: str
-    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., platform: _Optional[str] = ..., provider: _Optional[str] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., platform: _Optional[str] = ..., provider: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class LatencySummary(_message.Message):
     __slots__ = ("count", "p50_ms", "p90_ms", "p99_ms", "max_ms")
@@ -145,7 +173,7 @@ class LatencySummary(_message.Message):
     def __init__(self, count: _Optional[int] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., max_ms: _Optional[float] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("node_id", "status", "model", "provider", "uptime_s", "requests", "errors", "errors_by_code", "latency", "in_flight", "batcher", "cache", "buffers", "role", "backends", "balancer")
+    __slots__ = ("node_id", "status", "model", "provider", "uptime_s", "requests", "errors", "errors_by_code", "latency", "in_flight", "batcher", "cache", "buffers", "role", "backends", "balancer", "models")
     class ErrorsByCodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +197,7 @@ class HealthResponse(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     BALANCER_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     status: str
     model: ModelInfo
@@ -185,10 +214,11 @@ class HealthResponse(_message.Message):
     role: str
     backends: _containers.RepeatedCompositeFieldContainer[BackendStatus]
     balancer: BalancerStats
-    def __init__(self, node_id: _Optional[str] = ..., status: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., provider: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., errors_by_code: _Optional[_Mapping[str, int]] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., in_flight: _Optional[int] = ..., batcher: _Optional[_Union[BatcherStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., buffers: _Optional[_Union[BufferPoolStats, _Mapping]] = ..., role: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., balancer: _Optional[_Union[BalancerStats, _Mapping]] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
+    def __init__(self, node_id: _Optional[str] = ..., status: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., provider: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., errors_by_code: _Optional[_Mapping[str, int]] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., in_flight: _Optional[int] = ..., batcher: _Optional[_Union[BatcherStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., buffers: _Optional[_Union[BufferPoolStats, _Mapping]] = ..., role: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., balancer: _Optional[_Union[BalancerStats, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ...) -> None: ...
 
 class BackendStatus(_message.Message):
-    __slots__ = ("address", "health", "breaker", "in_flight", "calls", "failures", "ewma_ms", "share", "limit")
+    __slots__ = ("address", "health", "breaker", "in_flight", "calls", "failures", "ewma_ms", "share", "limit", "models")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     BREAKER_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +228,7 @@ class BackendStatus(_message.Message):
     EWMA_MS_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     address: str
     health: str
     breaker: str
@@ -207,7 +238,8 @@ class BackendStatus(_message.Message):
     ewma_ms: float
     share: float
     limit: float
-    def __init__(self, address: _Optional[str] = ..., health: _Optional[str] = ..., breaker: _Optional[str] = ..., in_flight: _Optional[int] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., ewma_ms: _Optional[float] = ..., share: _Optional[float] = ..., limit: _Optional[float] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
+    def __init__(self, address: _Optional[str] = ..., health: _Optional[str] = ..., breaker: _Optional[str] = ..., in_flight: _Optional[int] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., ewma_ms: _Optional[float] = ..., share: _Optional[float] = ..., limit: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ...) -> None: ...
 
 class BalancerStats(_message.Message):
     __slots__ = ("calls", "retries", "retries_refused", "unavailable", "shed")
