@@ -4,39 +4,48 @@ histograms fed by the batchers' hooks, set only here (metrics on)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from sluice.core.stats import Histogram
 from sluice.runtime.metrics import ROWS, RUN_SECONDS, SECONDS, histogram_family
-from sluice.server.dataplane.batcher import Batcher
 from sluice.server.dataplane.cache import LRUCache
+from sluice.server.dataplane.models import Model, Models
 
 
 class DataplaneCollector(Collector):
-    """Queue, batches, admission and the result cache of one server (its batchers summed:
-    one per model)."""
+    """Queue, batches, admission and the result cache of one server: its models' batchers
+    summed, as models come and go (a listener of `Models`); the counts of a model that was
+    unloaded stay in the totals, so counters never go back."""
 
-    def __init__(self, batchers: Iterable[Batcher], cache: LRUCache) -> None:
-        self.batchers = list(batchers)
+    def __init__(self, models: Models, cache: LRUCache) -> None:
+        self.models = models
         self.cache = cache
         self.wait = Histogram(SECONDS)
         self.run = Histogram(RUN_SECONDS)
         self.rows = Histogram(ROWS)
-        wait, run, rows = self.wait.observe, self.run.observe, self.rows.observe
+        self.gone_rejected = 0  # of models unloaded since
+        self.gone_expired = 0
+        for model in models:
+            self.installed(model)
+        models.listeners.append(self)
 
-        def ran(count: int, seconds: float) -> None:
-            run(seconds)
-            rows(count)
+    def _ran(self, count: int, seconds: float) -> None:
+        self.run.observe(seconds)
+        self.rows.observe(count)
 
-        for batcher in self.batchers:
-            batcher.on_wait = wait
-            batcher.on_run = ran
+    def installed(self, model: Model) -> None:
+        model.batcher.on_wait = self.wait.observe
+        model.batcher.on_run = self._ran
+
+    def removed(self, model: Model) -> None:
+        self.gone_rejected += model.batcher.stats.rejected
+        self.gone_expired += model.batcher.stats.expired
 
     def collect(self) -> Iterator[Metric]:
-        batchers, cache = self.batchers, self.cache
+        batchers, cache = [m.batcher for m in self.models], self.cache
         yield GaugeMetricFamily(
             "sluice_queue_depth",
             "requests waiting in the batcher queue",
@@ -54,12 +63,12 @@ class DataplaneCollector(Collector):
         yield CounterMetricFamily(
             "sluice_admission_refused",
             "requests refused at the door: queue full, or no time to answer before the deadline",
-            value=sum(b.stats.rejected for b in batchers),
+            value=self.gone_rejected + sum(b.stats.rejected for b in batchers),
         )
         yield CounterMetricFamily(
             "sluice_expired",
             "requests dropped in the queue: their deadline passed while waiting",
-            value=sum(b.stats.expired for b in batchers),
+            value=self.gone_expired + sum(b.stats.expired for b in batchers),
         )
         yield CounterMetricFamily("sluice_cache_hits", "result cache hits", value=cache.hits)
         yield CounterMetricFamily("sluice_cache_misses", "result cache misses", value=cache.misses)

@@ -256,7 +256,6 @@ class Engine:
         allocator = gpu.pinned_allocator() if CUDA in providers else None
         self.pinned = allocator is not None
         self.pool = BufferPool(pool_bytes, allocator or numpy_allocator)
-        self.executor = ThreadPoolExecutor(instances, thread_name_prefix="sluice-run")
         sessions: list[tuple[ort.InferenceSession, Any]] = []
         for _ in range(instances):
             stream = gpu.new_stream() if CUDA in providers else None
@@ -276,6 +275,8 @@ class Engine:
         self.inputs = [_spec(a) for a in first.get_inputs()]
         self.outputs = [_spec(a) for a in first.get_outputs()]
         on_cuda = self.provider == CUDA
+        # Made only once the model is known to load: a refused one leaves no threads behind.
+        self.executor = ThreadPoolExecutor(instances, thread_name_prefix="sluice-run")
         self.instances = [
             Instance(
                 i,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -21,10 +22,17 @@ from sluice.server.dataplane.engine import Engine
 
 class Model:
     def __init__(
-        self, engine: Engine, batcher: Batcher, *, name: str = "", version: str = "1"
+        self,
+        engine: Engine,
+        batcher: Batcher,
+        *,
+        name: str = "",
+        version: str = "1",
+        tag: str = "",
     ) -> None:
         self.name = name or engine.name
         self.version = version
+        self.tag = tag  # what else tells this load apart (its file's mtime and size)
         self.engine = engine
         self.batcher = batcher
         self.inputs = engine.inputs
@@ -46,7 +54,8 @@ class Model:
         same bytes in another format, or for another model or version, meet another answer."""
         scope = self._scopes.get(codec)
         if scope is None:  # once per codec: this is on every call's path
-            scope = self._scopes[codec] = f"{codec}\0{self.name}\0{self.version}\0".encode()
+            scope = f"{codec}\0{self.name}\0{self.version}\0{self.tag}\0".encode()
+            self._scopes[codec] = scope
         return scope
 
     async def run(
@@ -148,6 +157,14 @@ class Model:
         self.engine.close()
 
 
+class Listener(Protocol):
+    """What wants to know when the served set changes (metrics, readiness)."""
+
+    def installed(self, model: Model) -> None: ...
+
+    def removed(self, model: Model) -> None: ...
+
+
 class Models:
     """The models a node serves: by name, each with its ready versions. The newest ready
     version answers calls that name none; installing a version and removing one are single
@@ -158,6 +175,7 @@ class Models:
         self._versions: dict[str, dict[str, Model]] = {}
         self._newest: dict[str, Model] = {}
         self._default = default
+        self.listeners: list[Listener] = []  # told of every install and removal
         for model in models:
             if model.version in self._versions.get(model.name, {}):
                 raise ValueError(f"two models are named {model.name!r}, version {model.version}")
@@ -186,6 +204,10 @@ class Models:
         # One assignment each: a call between them sees a consistent old or new set.
         self._versions[model.name] = {**versions, model.version: model}
         self._newest[model.name] = max(self._versions[model.name].values(), key=_order)
+        for listener in self.listeners:
+            if replaced is not None:
+                listener.removed(replaced)
+            listener.installed(model)
         return replaced
 
     def remove(self, name: str, version: str) -> Model | None:
@@ -200,6 +222,8 @@ class Models:
             self._newest[name] = max(left.values(), key=_order)
         else:
             del self._versions[name], self._newest[name]
+        for listener in self.listeners:
+            listener.removed(model)
         return model
 
     def versions(self, name: str) -> list[Model]:

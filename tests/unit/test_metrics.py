@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import closing
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from sluice.runtime import metrics
 from sluice.runtime.process import REQUEST_ID, TRACE_ID, JsonFormatter, setup_logging
 from sluice.server.dataplane.batcher import Arrays, Batcher, BatcherStats, Pending
 from sluice.server.dataplane.cache import Entry, LRUCache
+from sluice.server.dataplane.models import Models
 from sluice.server.metrics import DataplaneCollector
 from sluice.server.settings import ServerSettings
 from sluice.wire.mux import Reply
@@ -136,17 +138,27 @@ class FakeBatcher:
         self.on_run: Any = None
 
 
+@dataclass
+class FakeModel:
+    name: str
+    version: str
+    batcher: FakeBatcher
+
+
 def test_dataplane_collector_reads_queue_admission_and_cache_when_scraped() -> None:
     batchers = [
         FakeBatcher(3, BatcherStats(rejected=2, expired=1)),
         FakeBatcher(1, BatcherStats(rejected=5)),
     ]
+    served = Models()
+    for i, batcher in enumerate(batchers):
+        served.install(FakeModel("m", str(i + 1), batcher))  # type: ignore[arg-type]
     cache = LRUCache(max_entries=2, max_bytes=1 << 20)
     for key in (b"a", b"b", b"c"):  # the third evicts the first
         cache.put(key, Entry(b"x" * 10))
     cache.get(b"b")
     cache.get(b"a")
-    collector = DataplaneCollector(batchers, cache)  # type: ignore[arg-type]
+    collector = DataplaneCollector(served, cache)
     samples = scrape(collector)
     assert value(samples, "sluice_queue_depth") == 4
     assert value(samples, "sluice_admission_refused_total") == 7
@@ -170,6 +182,15 @@ def test_dataplane_collector_reads_queue_admission_and_cache_when_scraped() -> N
     assert value(samples, "sluice_batch_rows_bucket", le="2.0") == 0
     assert value(samples, "sluice_batch_rows_bucket", le="4.0") == 2
     assert value(samples, "sluice_batch_rows_sum") == 8
+
+    # A version swapped out: its counts stay in the totals; the new one gets the hooks.
+    fresh = FakeBatcher(0, BatcherStats(rejected=1))
+    served.install(FakeModel("m", "3", fresh))  # type: ignore[arg-type]
+    served.remove("m", "1")
+    samples = scrape(collector)
+    assert value(samples, "sluice_admission_refused_total") == 8
+    assert value(samples, "sluice_queue_depth") == 1
+    assert fresh.on_wait is not None and fresh.on_run is not None
 
 
 class Gated:

@@ -1,0 +1,546 @@
+"""The model repository: Triton's layout (`root/<name>/<version>/model.onnx`, with an optional
+`root/<name>/config.pbtxt`), watched by polling, each change applied as a hot swap.
+Transport-free: the config reader is injected (sluice.server.modelconfig reads Triton's).
+
+Policy. A version that should serve is loaded beside what serves now, checked and warmed up
+with one run of zeros, then installed in one step (`Models.install`); only then do the
+versions no longer wanted stop taking calls, and each unloads once its calls in flight are
+answered. A version that fails to load is refused with one log line, and remembered by its
+file's (mtime, size) so it is not retried until the file changes; what served before keeps
+serving (a refused version counts as absent when the version policy picks the newest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from sluice.core.errors import ModelNotFound, SluiceError
+from sluice.server.dataplane.batcher import Batcher
+from sluice.server.dataplane.engine import Engine
+from sluice.server.dataplane.models import Model, Models
+
+CONFIG_FILE = "config.pbtxt"
+READY, UNAVAILABLE, LOADING = "READY", "UNAVAILABLE", "LOADING"
+
+# A file as the poll saw it: (mtime_ns, size) of the model file and of config.pbtxt (None when
+# absent). A change to either reloads the version.
+Stamp = tuple[tuple[int, int], tuple[int, int] | None]
+
+
+class LoadFailed(SluiceError):
+    """A model file or config in the repository could not be loaded or failed its check."""
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The server-wide settings, which a model's config may override."""
+
+    device: str = "auto"
+    intra_op_threads: int = 1
+    instances: int = 1
+    max_batch: int = 1
+    batch_budget_s: float = 0.005
+    max_queue: int = 1024
+    pool_bytes: int = 256 << 20
+    inline_max_s: float = 100e-6
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which of the versions found serve: the newest `latest`, all, or the `versions` listed."""
+
+    kind: Literal["latest", "all", "specific"] = "latest"
+    latest: int = 1
+    versions: tuple[int, ...] = ()
+
+    def choose(self, available: Iterable[int]) -> set[int]:
+        found = set(available)
+        if self.kind == "all":
+            return found
+        if self.kind == "specific":
+            return found & set(self.versions)
+        return set(sorted(found, reverse=True)[: max(self.latest, 1)])
+
+    def describe(self) -> str:
+        if self.kind == "all":
+            return "all versions"
+        if self.kind == "specific":
+            return "versions " + ", ".join(map(str, self.versions))
+        return f"the latest {self.latest}"
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a model's config.pbtxt says, as far as Sluice honors it; None: the server's
+    default (`Defaults`)."""
+
+    max_batch: int | None = None  # rows per batch; 1: no batching
+    instances: int | None = None
+    batch_budget_s: float | None = None
+    device: str | None = None
+    policy: VersionPolicy = field(default_factory=VersionPolicy)
+    default_model_filename: str = "model.onnx"
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One row of the repository index; version "" speaks for the whole model."""
+
+    name: str
+    version: str
+    state: str  # READY, UNAVAILABLE or LOADING
+    reason: str = ""
+
+
+def no_config(path: Path) -> Config:
+    """The reader used when none is injected: the defaults, and no config file allowed."""
+    if path.exists():
+        raise LoadFailed(f"{path}: this repository was set up without a config reader")
+    return Config()
+
+
+def _stat(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size)
+
+
+async def load_model(
+    name: str, version: int | str, path: Path, config: Config, defaults: Defaults
+) -> Model:
+    """Load `path` as `name` version `version`, check it and warm up every instance with one
+    run of zeros; raises LoadFailed naming the file and why. Serving goes on meanwhile: the
+    sessions are built in a thread."""
+    building = asyncio.ensure_future(
+        asyncio.to_thread(
+            Engine,
+            path,
+            device=config.device or defaults.device,
+            intra_op_threads=defaults.intra_op_threads,
+            instances=config.instances or defaults.instances,
+            pool_bytes=defaults.pool_bytes,
+            inline_max_s=defaults.inline_max_s,
+        )
+    )
+    try:
+        engine = await asyncio.shield(building)
+    except asyncio.CancelledError:
+        # The thread cannot be stopped: close the engine it builds once it is done.
+        building.add_done_callback(_close_built)
+        raise
+    except Exception as exc:
+        raise LoadFailed(f"{path}: {_reason(exc)}") from exc
+    max_batch = config.max_batch if config.max_batch is not None else defaults.max_batch
+    budget_s = (
+        config.batch_budget_s if config.batch_budget_s is not None else defaults.batch_budget_s
+    )
+    batcher = Batcher(
+        engine.instances,
+        max_rows=max(max_batch, 1),
+        budget_s=budget_s,
+        max_queue=defaults.max_queue,
+    )
+    # A file rewritten in place keeps its version: its stat keeps the cache from answering
+    # with the old file's results.
+    stat = _stat(path)
+    tag = f"{stat[0]}:{stat[1]}" if stat else ""
+    model = Model(engine, batcher, name=name, version=str(version), tag=tag)
+    try:
+        await asyncio.to_thread(warm_up, model)
+    except BaseException as exc:
+        await model.close()
+        if isinstance(exc, Exception):
+            raise LoadFailed(f"{path}: {_reason(exc)}") from exc
+        raise
+    return model
+
+
+def _close_built(task: asyncio.Future[Engine]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().close()
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0] if len(text) > 300 else text
+
+
+def zeros(model: Model) -> dict[str, np.ndarray]:
+    """A request of zeros that fits the model: dynamic dimensions are 1."""
+    return {
+        s.name: np.zeros(tuple(1 if d is None else d for d in s.shape), s.dtype)
+        for s in model.inputs
+    }
+
+
+def warm_up(model: Model) -> None:
+    """Run zeros once through each instance (its first run allocates) and check the outputs
+    have the declared datatypes. Blocking: call it in a thread, before the model serves."""
+    inputs = zeros(model)
+    model.check(inputs)
+    names = [s.name for s in model.outputs]
+    for instance in model.engine.instances:
+        try:
+            results, pooled = instance.run_sync(inputs, names, 1)
+        except Exception as exc:
+            shapes = ", ".join(f"{s.name} {list(inputs[s.name].shape)}" for s in model.inputs)
+            raise LoadFailed(f"a warm-up run of zeros ({shapes}) failed: {exc}") from exc
+        try:
+            for spec in model.outputs:
+                got = results[spec.name].dtype
+                if got != spec.dtype:
+                    raise LoadFailed(
+                        f"output {spec.name!r} is declared {spec.datatype} but a run of zeros "
+                        f"gave {got}"
+                    )
+        finally:
+            for buffer in pooled:
+                instance.pool.give(buffer)
+        # The first run is slow by nature: it must not count in the instance's run time.
+        instance.runs, instance.seconds_per_row = 0, 0.0
+
+
+@dataclass
+class _Loaded:
+    model: Model
+    stamp: Stamp
+
+
+@dataclass
+class _Found:
+    """One model directory as a scan saw it."""
+
+    name: str
+    config: Config | None
+    error: str  # why the config is refused ("" if it is not)
+    config_stamp: tuple[int, int] | None
+    versions: dict[int, tuple[Path, Stamp]] = field(default_factory=dict)
+
+
+class Repository:
+    """Keeps `models` in step with the model repository at `root` (see the module's doc).
+    Only the models it loaded are its to change; one step (`poll`, `load`, `unload`) runs at
+    a time."""
+
+    def __init__(
+        self,
+        root: Path,
+        models: Models,
+        defaults: Defaults = Defaults(),
+        *,
+        read_config: Callable[[Path], Config] = no_config,
+        poll_s: float = 5.0,
+        log: logging.Logger | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        loader: Callable[[str, int, Path, Config, Defaults], Awaitable[Model]] | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.models = models
+        self.defaults = defaults
+        self.read_config = read_config
+        self.poll_s = poll_s
+        self.log = log or logging.getLogger("sluice.repository")
+        self.clock = clock
+        self._load = loader or load_model
+        self._lock = asyncio.Lock()
+        self._loaded: dict[str, dict[int, _Loaded]] = {}
+        self._loading: set[tuple[str, int]] = set()
+        self._failed: dict[tuple[str, int], tuple[Stamp, str]] = {}
+        self._config_failed: dict[str, tuple[tuple[int, int] | None, str]] = {}
+        self._configs: dict[str, tuple[tuple[int, int] | None, Config | str]] = {}
+        self._found: dict[str, _Found] = {}
+        self._unloaded: set[str] = set()  # by `unload`: not loaded again until `load`
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._runner: asyncio.Task[None] | None = None
+
+    # The steps.
+
+    async def poll(self) -> None:
+        """One sync step: scan the repository and bring the loaded versions in line."""
+        async with self._lock:
+            found = await asyncio.to_thread(self._scan)
+            self._found = found
+            for name, model in found.items():
+                if name not in self._unloaded:
+                    await self._sync(model)
+            for name in [n for n in self._loaded if n not in found]:
+                self._unload_all(name, "its directory is gone")
+            for key in [k for k in self._failed if k[0] not in found]:
+                del self._failed[key]
+
+    async def run(self) -> None:
+        """Poll every `poll_s` seconds until cancelled (or `close`)."""
+        self._runner = asyncio.current_task()
+        failing = ""
+        try:
+            while True:
+                try:
+                    await self.poll()
+                    failing = ""
+                except Exception as exc:  # a bad scan must not stop the watching
+                    if str(exc) != failing:  # once, not every poll
+                        failing = str(exc)
+                        self.log.error("model repository: poll failed: %s", _reason(exc))
+                await asyncio.sleep(self.poll_s)
+        finally:
+            self._runner = None
+
+    async def close(self) -> None:
+        """Stop polling (a load under way is abandoned) and wait for the versions taken out
+        of service to finish their calls and unload. The serving models are left to their
+        owner (the dataplane closes them)."""
+        if self._runner is not None and self._runner is not asyncio.current_task():
+            self._runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._runner
+        async with self._lock:
+            pass
+        await self.settle()
+
+    async def settle(self) -> None:
+        """Wait until the versions taken out of service have unloaded."""
+        while self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
+
+    # The repository API (KServe's model repository extension).
+
+    async def load(self, name: str) -> None:
+        """Load or reload `name` from the repository now, retrying files that failed before;
+        raises ModelNotFound if it has no directory, LoadFailed if no version serves or one
+        that should failed."""
+        async with self._lock:
+            self._dir(name)
+            self._unloaded.discard(name)
+            found = await asyncio.to_thread(self._scan, name)
+            if name not in found:
+                raise ModelNotFound(f"the model repository {str(self.root)!r} has no {name!r}")
+            self._found[name] = found[name]
+            for key in [k for k in self._failed if k[0] == name]:
+                del self._failed[key]
+            self._config_failed.pop(name, None)
+            failures = await self._sync(found[name])
+            if failures:
+                raise LoadFailed("; ".join(failures))
+            if not self._loaded.get(name):
+                config = found[name].config or Config()
+                raise LoadFailed(
+                    f"model {name!r} has no version to serve: no numbered directory under "
+                    f"{str(self.root / name)!r} holds {config.default_model_filename} "
+                    f"(version policy: {config.policy.describe()})"
+                )
+
+    async def unload(self, name: str) -> None:
+        """Stop serving every version of `name` (each unloads once its calls in flight are
+        answered) and keep it unloaded until `load(name)`."""
+        async with self._lock:
+            if name not in self._loaded and not self._dir(name).is_dir():
+                raise ModelNotFound(f"the model repository {str(self.root)!r} has no {name!r}")
+            self._unloaded.add(name)
+            self._unload_all(name, "unloaded on request")
+
+    def index(self) -> list[IndexEntry]:
+        """Every model directory found (and every model loaded) with its versions' states."""
+        entries: list[IndexEntry] = []
+        for name in sorted(set(self._found) | set(self._loaded)):
+            rows: dict[int, IndexEntry] = {}
+            found = self._found.get(name)
+            for (model, version), (stamp, reason) in self._failed.items():
+                current = found.versions.get(version) if found and model == name else None
+                if current is not None and current[1] == stamp:  # not since changed
+                    rows[version] = IndexEntry(name, str(version), UNAVAILABLE, reason)
+            for model, version in self._loading:
+                if model == name:
+                    rows[version] = IndexEntry(name, str(version), LOADING)
+            for version in self._loaded.get(name, {}):
+                rows[version] = IndexEntry(name, str(version), READY)
+            if not rows:
+                if name in self._unloaded:
+                    reason = "unloaded"
+                elif name in self._config_failed:
+                    reason = self._config_failed[name][1]
+                else:
+                    reason = "no version to serve"
+                rows[0] = IndexEntry(name, "", UNAVAILABLE, reason)
+            entries += [rows[v] for v in sorted(rows)]
+        return entries
+
+    # Inside.
+
+    def _scan(self, only: str | None = None) -> dict[str, _Found]:
+        """The model directories under root (all, or just `only`), their configs and the
+        version directories that hold a model file. Blocking: runs in a thread."""
+        found: dict[str, _Found] = {}
+        try:
+            dirs = [self.root / only] if only else sorted(self.root.iterdir())
+        except OSError as exc:
+            raise LoadFailed(f"model repository {str(self.root)!r}: {exc}") from exc
+        for folder in dirs:
+            if folder.name.startswith(".") or not folder.is_dir():
+                continue
+            name = folder.name
+            config_path = folder / CONFIG_FILE
+            config_stamp = _stat(config_path)
+            cached = self._configs.get(name)
+            if cached is not None and cached[0] == config_stamp:
+                config_or_error = cached[1]
+            else:
+                try:
+                    config_or_error = self.read_config(config_path)
+                except Exception as exc:
+                    config_or_error = _reason(exc)
+                self._configs[name] = (config_stamp, config_or_error)
+            if isinstance(config_or_error, str):
+                found[name] = _Found(name, None, config_or_error, config_stamp)
+                continue
+            model = found[name] = _Found(name, config_or_error, "", config_stamp)
+            try:
+                subs = list(folder.iterdir())
+            except OSError as exc:  # unreadable now: refuse it, but what serves keeps serving
+                found[name] = _Found(name, None, f"{folder}: {exc}", config_stamp)
+                continue
+            for sub in subs:
+                # Triton's versions are positive integers; anything else is not a version.
+                if not sub.name.isdigit() or int(sub.name) <= 0 or not sub.is_dir():
+                    continue
+                path = sub / config_or_error.default_model_filename
+                stamp = _stat(path) if path.is_file() else None
+                if stamp is not None:
+                    model.versions[int(sub.name)] = (path, (stamp, config_stamp))
+        for name in [n for n in self._configs if n not in found and only is None]:
+            del self._configs[name]
+        return found
+
+    async def _sync(self, found: _Found) -> list[str]:
+        """Bring one model's loaded versions in line with the scan; the refusals it logged."""
+        name = found.name
+        if found.config is None:
+            known = self._config_failed.get(name)
+            if known is None or known[0] != found.config_stamp:  # logged once per file
+                self._config_failed[name] = (found.config_stamp, found.error)
+                self.log.warning(
+                    "model %s refused: %s; %s", name, found.error, self._serving_now(name)
+                )
+            return [f"model {name}: {found.error}"]
+        self._config_failed.pop(name, None)
+        loaded = self._loaded.setdefault(name, {})
+        failures: list[str] = []
+
+        def refused(version: int) -> bool:
+            failed = self._failed.get((name, version))
+            return failed is not None and failed[0] == found.versions[version][1]
+
+        while True:
+            # A loaded version stays a candidate even if its changed file was refused: it
+            # keeps serving the file it loaded.
+            usable = [v for v in found.versions if v in loaded or not refused(v)]
+            wanted = found.config.policy.choose(usable)
+            todo = [
+                v
+                for v in sorted(wanted)
+                if not refused(v) and (v not in loaded or loaded[v].stamp != found.versions[v][1])
+            ]
+            if not todo:
+                break
+            for version in todo:
+                path, stamp = found.versions[version]
+                failure = await self._load_version(name, version, path, stamp, found.config)
+                if failure:
+                    failures.append(failure)
+        for version in sorted(set(loaded) - wanted):
+            self._take_out(name, version, "not picked by its version policy")
+        if not loaded:
+            del self._loaded[name]
+        return failures
+
+    async def _load_version(
+        self, name: str, version: int, path: Path, stamp: Stamp, config: Config
+    ) -> str:
+        """Load, check and install one version; the refusal ("" if none)."""
+        loaded = self._loaded.setdefault(name, {})
+        again = version in loaded
+        started = self.clock()
+        self._loading.add((name, version))
+        try:
+            model = await self._load(name, version, path, config, self.defaults)
+        except Exception as exc:
+            reason = str(exc) if isinstance(exc, LoadFailed) else f"{path}: {_reason(exc)}"
+            self._failed[(name, version)] = (stamp, reason)
+            self.log.warning(
+                "model %s version %d refused: %s; %s",
+                name,
+                version,
+                reason,
+                self._serving_now(name),
+            )
+            return f"model {name} version {version}: {reason}"
+        finally:
+            self._loading.discard((name, version))
+        self._failed.pop((name, version), None)
+        replaced = self.models.install(model)  # the switch: calls from now on get it
+        loaded[version] = _Loaded(model, stamp)
+        self.log.info(
+            "model %s version %d %s in %.2f s, takes traffic",
+            name,
+            version,
+            "reloaded (its file changed)" if again else "loaded",
+            self.clock() - started,
+        )
+        if replaced is not None:
+            self._retire(replaced)
+        return ""
+
+    def _take_out(self, name: str, version: int, why: str) -> None:
+        entry = self._loaded[name].pop(version)
+        # Remove only what this repository installed (a same-named model may be another's).
+        if any(m is entry.model for m in self.models.versions(name)):
+            self.models.remove(name, str(version))
+            self.log.debug("model %s version %d stops taking calls: %s", name, version, why)
+        self._retire(entry.model)
+
+    def _unload_all(self, name: str, why: str) -> None:
+        for version in sorted(self._loaded.get(name, {})):
+            self._take_out(name, version, why)
+        self._loaded.pop(name, None)
+
+    def _retire(self, model: Model) -> None:
+        """Unload `model` once its calls in flight are answered, without holding up the
+        poll (a long call must not delay other models' loads)."""
+
+        async def retire() -> None:
+            try:
+                await model.retire()
+            except Exception:
+                self.log.exception(
+                    "model %s version %s: unloading failed", model.name, model.version
+                )
+            else:
+                self.log.info("model %s version %s unloaded", model.name, model.version)
+
+        task = asyncio.create_task(retire())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    def _serving_now(self, name: str) -> str:
+        versions = sorted(self._loaded.get(name, {}), reverse=True)
+        if not versions:
+            return "no version of it serves"
+        if len(versions) == 1:
+            return f"version {versions[0]} keeps serving"
+        return "versions " + ", ".join(map(str, versions)) + " keep serving"
+
+    def _dir(self, name: str) -> Path:
+        """The directory of model `name`; ModelNotFound for a name that is not one."""
+        if not name or name.startswith(".") or "/" in name or "\\" in name:
+            raise ModelNotFound(f"{name!r} cannot name a model in the repository")
+        return self.root / name

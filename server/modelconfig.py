@@ -1,0 +1,155 @@
+"""Triton's config.pbtxt, read into the repository's `Config`: the subset Sluice honors.
+
+Honored: max_batch_size (0: no batching), instance_group (the sum of the counts; all
+KIND_CPU: on the CPU), dynamic_batching.max_queue_delay_microseconds (the batch budget,
+unless 0), version_policy, default_model_filename. Other known fields (input and output
+dims: the ONNX file's own signature rules) are read and logged as ignored; unknown fields
+are skipped, and named in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from google.protobuf import text_format
+
+from sluice.server.dataplane.repository import Config, LoadFailed, VersionPolicy
+from sluice.v1 import model_config_pb2 as pb
+
+log = logging.getLogger("sluice.modelconfig")
+
+# The platform and backend names Triton gives ONNX Runtime models; others cannot serve here.
+ONNX_PLATFORMS = ("", "onnxruntime_onnx")
+ONNX_BACKENDS = ("", "onnxruntime")
+
+# Triton writes repeated messages as `input [ {...} ]`; text_format can skip an unknown field
+# written so only in its `name: [ ... ]` form, so the colon goes in first (strings and
+# comments kept as they are).
+_LIST_WITHOUT_COLON = re.compile(
+    r"""("(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*'|\#[^\n]*)|\b([A-Za-z_]\w*)(\s*)\["""
+)
+
+# Strings, comments, brackets and field names: enough to find the top-level fields.
+_TOKENS = re.compile(
+    r"""("(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*'|\#[^\n]*)"""  # kept whole
+    r"|([{<\[])|([}>\]])"  # nesting
+    r"|([A-Za-z_]\w*)\s*[:{<\[]"  # a field's name
+)
+
+
+def _colon(match: re.Match[str]) -> str:
+    if match.group(1) is not None:
+        return match.group(1)
+    return f"{match.group(2)}:{match.group(3)}["
+
+
+def unknown_fields(text: str) -> list[str]:
+    """The top-level fields of config.pbtxt text that ModelConfig does not declare (parsing
+    skips them silently)."""
+    depth = 0
+    names: list[str] = []
+    for match in _TOKENS.finditer(text):
+        opening, closing, name = match.group(2), match.group(3), match.group(4)
+        if opening:
+            depth += 1
+        elif closing:
+            depth -= 1
+        elif name and depth == 0 and name not in pb.ModelConfig.DESCRIPTOR.fields_by_name:
+            names.append(name)
+        if name and match.group(0)[-1] in "{<[":
+            depth += 1  # the field's own bracket, matched with its name
+    return list(dict.fromkeys(names))
+
+
+def parse(text: str, source: str = "config.pbtxt") -> pb.ModelConfig:
+    """Parse config.pbtxt text; raises LoadFailed saying where and why."""
+    message = pb.ModelConfig()
+    try:
+        text_format.Parse(_LIST_WITHOUT_COLON.sub(_colon, text), message, allow_unknown_field=True)
+    except text_format.ParseError as exc:
+        raise LoadFailed(f"{source}: does not parse: {exc}") from None
+    return message
+
+
+def convert(message: pb.ModelConfig, source: str = "config.pbtxt", name: str = "") -> Config:
+    """The `Config` a parsed ModelConfig says; raises LoadFailed for one Sluice cannot serve."""
+    if name and message.name and message.name != name:
+        raise LoadFailed(f"{source}: names model {message.name!r}, but its directory is {name!r}")
+    if message.platform not in ONNX_PLATFORMS or message.backend not in ONNX_BACKENDS:
+        raise LoadFailed(
+            f"{source}: platform {message.platform!r}, backend {message.backend!r}: "
+            "Sluice serves ONNX models only (onnxruntime_onnx)"
+        )
+    if message.max_batch_size < 0:
+        raise LoadFailed(f"{source}: max_batch_size {message.max_batch_size} is negative")
+    ignored = []
+    if message.input or message.output:
+        ignored.append("input/output (the ONNX file's own inputs and outputs rule)")
+    if message.parameters:
+        ignored.append("parameters")
+
+    instances = None
+    device = None
+    if message.instance_group:
+        # Triton's count defaults to 1 per group.
+        instances = sum(max(g.count, 1) for g in message.instance_group)
+        if all(g.kind == pb.ModelInstanceGroup.KIND_CPU for g in message.instance_group):
+            device = "cpu"
+        else:
+            ignored.append("instance_group kind/gpus (the device is the server's --device)")
+
+    budget_s = None
+    if message.HasField("dynamic_batching"):
+        batching = message.dynamic_batching
+        # Triton's delay is how long a batch may wait to fill; here the budget bounds how far
+        # apart the requests that join a batch arrived, so Triton's 0 ("do not wait") keeps
+        # the server's budget rather than batching nothing.
+        if batching.max_queue_delay_microseconds:
+            budget_s = batching.max_queue_delay_microseconds / 1e6
+        if batching.preferred_batch_size or batching.preserve_ordering:
+            ignored.append("dynamic_batching.preferred_batch_size/preserve_ordering")
+
+    policy = VersionPolicy()
+    which = message.version_policy.WhichOneof("policy_choice")
+    if which == "all":
+        policy = VersionPolicy("all")
+    elif which == "specific":
+        versions = tuple(message.version_policy.specific.versions)
+        if not versions or min(versions) <= 0:
+            raise LoadFailed(f"{source}: version_policy.specific needs positive versions")
+        policy = VersionPolicy("specific", versions=versions)
+    elif which == "latest":
+        policy = VersionPolicy("latest", latest=max(message.version_policy.latest.num_versions, 1))
+
+    filename = message.default_model_filename or Config.default_model_filename
+    if "/" in filename or filename in (".", ".."):
+        raise LoadFailed(f"{source}: default_model_filename {filename!r} is not a file name")
+    if ignored:
+        log.info("%s: Sluice ignores %s", source, "; ".join(ignored))
+    return Config(
+        max_batch=max(message.max_batch_size, 1),
+        instances=instances,
+        batch_budget_s=budget_s,
+        device=device,
+        policy=policy,
+        default_model_filename=filename,
+    )
+
+
+def read_config(path: Path) -> Config:
+    """The `Config` of a model's config.pbtxt at `path`: the server's defaults when there is
+    no such file; raises LoadFailed (naming the file) for one that does not parse or that
+    Sluice cannot serve."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return Config()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LoadFailed(f"{path}: cannot be read: {exc}") from None
+    config = convert(parse(text, str(path)), str(path), path.parent.name)
+    unknown = unknown_fields(text)
+    if unknown:
+        log.info("%s: skipping fields Sluice does not know: %s", path, ", ".join(unknown))
+    return config
