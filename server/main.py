@@ -8,58 +8,100 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from grpc_health.v1 import health_pb2
 
 from sluice.core.errors import SluiceError
 from sluice.runtime import config, metrics, refusals, tracing
+from sluice.runtime.health import HealthService
 from sluice.runtime.listener import bind, new_server
 from sluice.runtime.process import event_loop, return_large_blocks, setup_logging
-from sluice.server.dataplane.batcher import Batcher
 from sluice.server.dataplane.cache import LRUCache
-from sluice.server.dataplane.engine import Engine
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Dataplane
+from sluice.server.dataplane.repository import Config, Defaults, Repository, load_model
+from sluice.server.kserve import SERVICE as KSERVE
+from sluice.server.kserve import KServeService
 from sluice.server.metrics import DataplaneCollector
+from sluice.server.modelconfig import read_config
 from sluice.server.service import SERVICE, InferenceService
 from sluice.server.settings import ServerSettings
 
 log = logging.getLogger("sluice.server")
 
 
+class Readiness:
+    """grpc.health.v1 says SERVING while at least one model is loaded (a repository may be
+    empty at start, or emptied), so orchestrators and balancers send calls only then; a
+    listener of `Models`. Once the server drains, it says nothing more."""
+
+    def __init__(self, health: HealthService, names: tuple[str, ...], models: Models) -> None:
+        self.health = health
+        self.names = names
+        self.models = models
+        self.draining = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def update(self) -> None:
+        if self.draining:
+            return
+        serving = health_pb2.HealthCheckResponse.SERVING
+        status = serving if len(self.models) else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.names:
+            await self.health.set(name, status)
+
+    def _changed(self, model: Model) -> None:
+        task = asyncio.ensure_future(self.update())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    installed = removed = _changed
+
+
 async def serve(settings: ServerSettings) -> int:
     tracing.setup("sluice-server")  # on only if OTEL_TRACES_EXPORTER asks for it
-    served = []
-    for name, path in settings.models():
-        engine = Engine(
-            path,
-            device=settings.device,
-            intra_op_threads=settings.intra_op_threads,
-            instances=settings.instances,
-            pool_bytes=settings.buffer_pool_bytes,
-            inline_max_s=settings.inline_max_us / 1e6,
-        )
-        batcher = Batcher(
-            engine.instances,
-            max_rows=settings.max_batch,
-            budget_s=settings.batch_budget_ms / 1000,
-            max_queue=settings.max_queue,
-        )
-        served.append(Model(engine, batcher, name=name))
-    default = settings.default_model or (served[0].name if served else "")
-    plane = Dataplane(
-        Models(served, default=default), LRUCache(settings.cache_entries, settings.cache_bytes)
+    defaults = Defaults(
+        device=settings.device,
+        intra_op_threads=settings.intra_op_threads,
+        instances=settings.instances,
+        max_batch=settings.max_batch,
+        batch_budget_s=settings.batch_budget_ms / 1000,
+        max_queue=settings.max_queue,
+        pool_bytes=settings.buffer_pool_bytes,
+        inline_max_s=settings.inline_max_us / 1e6,
     )
+    # --model entries: loaded, checked and warmed up once, like a repository's versions.
+    served = [
+        await load_model(name, "1", Path(path), Config(), defaults)
+        for name, path in settings.models()
+    ]
+    default = settings.default_model or (served[0].name if served else "")
+    models = Models(served, default=default)
+    repository = None
+    if settings.model_repository:
+        repository = Repository(
+            Path(settings.model_repository),
+            models,
+            defaults,
+            read_config=read_config,
+            poll_s=settings.repository_poll_s,
+            log=log,
+        )
+        await repository.poll()  # what is there at start serves from the first call
+    plane = Dataplane(models, LRUCache(settings.cache_entries, settings.cache_bytes))
     service = InferenceService(
         plane, node_id=settings.node_id, default_timeout_s=settings.default_timeout_s or None
     )
+    # KServe v2 beside sluice.v1; its repository calls answer UNIMPLEMENTED unless asked for.
+    kserve = KServeService(service, repository=repository if settings.repository_api else None)
     exporter = None
     if settings.metrics_port:
         try:
             exporter = await metrics.start(
                 metrics.new_registry(
                     metrics.ServingCollector(service.stats),
-                    DataplaneCollector([m.batcher for m in plane.models], plane.cache),
+                    DataplaneCollector(models, plane.cache),
                 ),
                 settings.host,
                 [settings.metrics_port],
@@ -72,11 +114,14 @@ async def serve(settings: ServerSettings) -> int:
         max_message_bytes=settings.max_message_bytes,
         reuseport=False,
         max_pending_calls=settings.max_pending_calls,
+        services={KSERVE: kserve.handler()},
     )
     port = bind(server, settings.host, settings.port)
     await server.start()
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    ready = Readiness(health_servicer, ("", SERVICE, KSERVE), models)
+    await ready.update()
+    models.listeners.append(ready)
+    watching = asyncio.create_task(repository.run()) if repository is not None else None
     refusal_log = refusals.start(service.stats, log)  # one WARNING line per 10 s, if any
 
     stop = asyncio.Event()
@@ -86,7 +131,7 @@ async def serve(settings: ServerSettings) -> int:
     log.info(
         "node %s serving %s (max batch %d, cache %d entries), listening on %s:%d",
         settings.node_id,
-        ", ".join(f"{m.name} {m.version} on {m.engine.provider}" for m in plane.models),
+        ", ".join(f"{m.name} {m.version} on {m.engine.provider}" for m in models) or "no model yet",
         settings.max_batch,
         settings.cache_entries,
         settings.host,
@@ -98,11 +143,15 @@ async def serve(settings: ServerSettings) -> int:
     # give in-flight ones the grace period.
     log.info("shutting down: draining for up to %.1fs", settings.drain_delay_s + settings.grace_s)
     service.serving = False
+    ready.draining = True
     await health_servicer.shut_down()
     if settings.drain_delay_s:
         await asyncio.sleep(settings.drain_delay_s)
     service.start_draining()
     await server.stop(settings.grace_s)
+    if watching is not None and repository is not None:
+        watching.cancel()
+        await repository.close()  # versions being retired finish unloading
     refusal_log.cancel()
     await plane.close()  # each model: its running batches, then its engine
     if exporter is not None:
@@ -124,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with asyncio.Runner(loop_factory=event_loop) as runner:
             return runner.run(serve(settings))
-    except (SluiceError, FileNotFoundError) as exc:
+    except (SluiceError, FileNotFoundError, ValueError) as exc:
         log.error("%s", exc)
         return 1
     except KeyboardInterrupt:

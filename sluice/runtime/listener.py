@@ -4,6 +4,7 @@ reflection (so grpcurl needs no protos), message size limits, and keepalive ping
 from __future__ import annotations
 
 import socket
+from collections.abc import Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,7 +31,11 @@ def new_server(
     max_message_bytes: int,
     reuseport: bool,
     max_pending_calls: int = MAX_PENDING_CALLS,
+    services: Mapping[str, grpc.GenericRpcHandler[bytes, bytes]] | None = None,
 ) -> tuple[grpc.aio.Server, HealthService]:
+    """A server with `handler` (sluice.v1.Inference) and `services` (more services, by their
+    full names: the server's KServe v2 API), health, and reflection of all of them."""
+    services = services or {}
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -47,12 +52,13 @@ def new_server(
             ("grpc.server.max_pending_requests_hard_limit", max_pending_calls),
         ]
     )
-    server.add_generic_rpc_handlers([handler])
+    server.add_generic_rpc_handlers([handler, *services.values()])
     health = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         [
             inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
+            *services,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
         ],

@@ -1,0 +1,373 @@
+"""The KServe v2 / Open Inference Protocol over gRPC (`inference.GRPCInferenceService`, the API
+of Triton and MLServer), served beside sluice.v1 so their clients work unchanged: the
+ModelInferRequest wire format as a dataplane codec, and a thin servicer for the protocol's
+calls. ModelInfer takes Predict's path (validation, cache, batching, status codes)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from importlib import metadata
+from typing import Protocol
+
+import grpc
+import numpy as np
+
+from sluice.core.datatypes import DATATYPES, DataType
+from sluice.core.errors import InvalidInput, ModelNotFound, Unimplemented
+from sluice.kserve import grpc_predict_v2_pb2 as kpb
+from sluice.server.convert import parse
+from sluice.server.dataplane.batcher import Arrays
+from sluice.server.dataplane.engine import TensorSpec
+from sluice.server.dataplane.models import Model
+from sluice.server.dataplane.plane import Request, Route
+from sluice.server.service import Call, InferenceService, Method
+from sluice.wire import codec, peek
+
+SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+INFER = "ModelInfer"  # the method name, also a PredictStream message's `method`
+# Triton's name for ONNX models run by ONNX Runtime: clients and dashboards match on it.
+PLATFORM = "onnxruntime_onnx"
+REPOSITORY = "model_repository"  # the extension's name in ServerMetadata
+REPOSITORY_OFF = (
+    "the repository API is off; start sluice-server with --model-repository DIR --repository-api"
+)
+READY = "READY"
+
+# ModelInferRequest's model_name, model_version and id.
+_NAME, _VERSION, _ID = 1, 2, 3
+# KServe's typed fields are sluice.v1's, renamed: int_data is int_contents, and so on.
+_CONTENTS = sorted({d.typed_field.replace("_data", "_contents") for d in DATATYPES.values()})
+_ALL_CONTENTS = [*_CONTENTS, "bytes_contents"]
+_SHARED_MEMORY = "shared_memory_region"
+_NO_SHARED_MEMORY = "Sluice does not serve shared memory: send the values in the request"
+
+
+def _contents_field(dt: DataType) -> str | None:
+    """The InferTensorContents field for a datatype; None for FP16, which KServe carries
+    only as raw bytes (there is no 16-bit float field)."""
+    return None if dt.name == "FP16" else dt.typed_field.replace("_data", "_contents")
+
+
+class KServeCodec:
+    """ModelInfer's bodies. The request's `id` is echoed, not computed: it is left out of the
+    cache key and the dataplane puts the request's id field in front of the answer, where it
+    is ModelInferResponse's `id` (the same field number and type), so `encode` leaves it out
+    and two requests that differ only in id share one cached answer."""
+
+    name = "kserve.v2"
+
+    def route(self, body: bytes) -> Route:
+        try:
+            found = peek.spans(body, (_NAME, _VERSION, _ID))
+            # Read for its check only: an id that is not UTF-8 must not be echoed.
+            peek.text(body, found.get(_ID))
+        except peek.Malformed as exc:
+            raise InvalidInput(
+                f"request body is not a valid inference.ModelInferRequest: {exc}"
+            ) from None
+        span = found.get(_ID)
+        return Route(
+            peek.text(body, found.get(_NAME)),
+            peek.text(body, found.get(_VERSION)),
+            None if span is None else (span[0], span[2]),
+        )
+
+    def decode(self, body: bytes) -> Request[None]:
+        request = parse(kpb.ModelInferRequest, body)
+        # Request-level parameters (Triton's priority, sequence ids, ...) change nothing here.
+        raw = request.raw_input_contents
+        if raw and len(raw) != len(request.inputs):
+            raise InvalidInput(
+                f"raw_input_contents has {len(raw)} entries but the request has "
+                f"{len(request.inputs)} inputs; send one entry per input, in order, or none"
+            )
+        inputs: dict[str, np.ndarray] = {}
+        for i, tensor in enumerate(request.inputs):
+            if tensor.name in inputs:
+                raise InvalidInput(f"input {tensor.name!r} appears more than once")
+            inputs[tensor.name] = _decode(tensor, raw[i] if raw else None)
+        outputs = []
+        for output in request.outputs:
+            label = f"output {output.name!r}"
+            if "classification" in output.parameters:
+                raise InvalidInput(
+                    f"{label} asks for classification, which Sluice does not serve; "
+                    "ask for the output itself and take the top classes from it"
+                )
+            if _SHARED_MEMORY in output.parameters:
+                raise InvalidInput(f"{label} names a shared memory region; {_NO_SHARED_MEMORY}")
+            outputs.append(output.name)
+        return Request(inputs, outputs, None)
+
+    def encode(self, model: Model, request: Request[None], outputs: Arrays) -> bytes:
+        # Always raw, as Triton answers over gRPC: one entry per output, in order.
+        tensors, raw = [], []
+        for name, array in outputs.items():
+            dt = codec.datatype_of(array.dtype)
+            tensors.append(
+                kpb.ModelInferResponse.InferOutputTensor(
+                    name=name, datatype=dt.name, shape=array.shape
+                )
+            )
+            raw.append(np.ascontiguousarray(array, dtype=dt.dtype).tobytes())
+        response = kpb.ModelInferResponse(
+            model_name=model.name,
+            model_version=model.version,
+            outputs=tensors,
+            raw_output_contents=raw,
+        )
+        return response.SerializeToString()
+
+
+KSERVE = KServeCodec()
+
+
+def _decode(tensor: kpb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> np.ndarray:
+    """One input's array, from its raw bytes (`raw`, when the request uses them) or its
+    typed contents. The checks against the model come later (Model.check)."""
+    label = f"input {tensor.name!r}" if tensor.name else "an input with no name"
+    if tensor.datatype == "BYTES":
+        raise InvalidInput(
+            f"{label} is BYTES, which Sluice does not serve: its models take numeric tensors"
+        )
+    dt = DATATYPES.get(tensor.datatype)
+    if dt is None:
+        raise InvalidInput(
+            f"{label} has unknown datatype {tensor.datatype!r}; "
+            f"expected one of {', '.join(DATATYPES)}"
+        )
+    if _SHARED_MEMORY in tensor.parameters:
+        raise InvalidInput(f"{label} names a shared memory region; {_NO_SHARED_MEMORY}")
+    shape = tuple(tensor.shape)
+    count = _count(label, shape)
+    present = [f for f in _ALL_CONTENTS if len(getattr(tensor.contents, f))]
+    if raw is not None:
+        if present:
+            raise InvalidInput(
+                f"{label} fills contents.{present[0]} but the request uses "
+                "raw_input_contents; send every input's values there, or none"
+            )
+        return _raw(label, raw, dt, shape, count)
+    field = _contents_field(dt)
+    if len(present) > 1:
+        raise InvalidInput(f"{label} fills several contents fields ({', '.join(present)}); use one")
+    if field is None:
+        raise InvalidInput(
+            f"{label} is FP16, whose values travel only in raw_input_contents "
+            "(KServe has no typed field for them)"
+        )
+    if present and present[0] != field:
+        raise InvalidInput(
+            f"{label} is {dt.name} but fills contents.{present[0]}; "
+            f"{dt.name} values go in contents.{field}"
+        )
+    values = getattr(tensor.contents, field)
+    if len(values) != count:
+        raise InvalidInput(
+            f"{label} has {len(values)} values in contents.{field} "
+            f"but shape {list(shape)} needs {count}"
+        )
+    try:
+        # sluice.v1's conversion and range checks: the typed fields are the same types.
+        return codec._typed_array(values, dt, label).reshape(shape)
+    except codec.TensorError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def _count(label: str, shape: tuple[int, ...]) -> int:
+    """The element count of a shape, refused when no array could have it (sluice.v1's
+    bounds, sluice.wire.codec)."""
+    if len(shape) > codec.MAX_RANK:
+        raise InvalidInput(
+            f"{label} has {len(shape)} dimensions; at most {codec.MAX_RANK} are allowed"
+        )
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"{label} has a negative dimension in shape {list(shape)}")
+    count = math.prod(shape)
+    # An empty shape is judged by its other dimensions.
+    if count > codec.MAX_ELEMENTS or (
+        not count and math.prod(d for d in shape if d) > codec.MAX_ELEMENTS
+    ):
+        raise InvalidInput(
+            f"{label} has shape {list(shape)}, over {codec.MAX_ELEMENTS} elements; "
+            "no message can carry it"
+        )
+    return count
+
+
+def _raw(label: str, raw: bytes, dt: DataType, shape: tuple[int, ...], count: int) -> np.ndarray:
+    expected = count * dt.dtype.itemsize
+    if len(raw) != expected:
+        raise InvalidInput(
+            f"{label} has {len(raw)} bytes in raw_input_contents but {dt.name} shape "
+            f"{list(shape)} needs {expected} ({count} x {dt.dtype.itemsize} bytes)"
+        )
+    array = np.frombuffer(raw, dtype=dt.dtype)
+    if dt.dtype.kind == "b" and array.view(np.uint8).max(initial=0) > 1:
+        raise InvalidInput(
+            f"{label} is BOOL but its raw_input_contents hold bytes other than 0 and 1"
+        )
+    return array.reshape(shape)
+
+
+# The servicer.
+
+
+class IndexEntry(Protocol):
+    """One row of a repository's index (version "": the whole model)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def version(self) -> str: ...
+    @property
+    def state(self) -> str: ...  # READY, UNAVAILABLE, LOADING, UNLOADING
+    @property
+    def reason(self) -> str: ...
+
+
+class Repository(Protocol):
+    """The model repository, as far as the repository API reaches into it."""
+
+    def index(self) -> Sequence[IndexEntry]: ...
+
+    async def load(self, name: str) -> None: ...
+
+    async def unload(self, name: str) -> None: ...
+
+
+def _version() -> str:
+    try:
+        return metadata.version("sluice")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+class KServeService:
+    """`inference.GRPCInferenceService` over an InferenceService: the same request ids,
+    trailers, stats, tracing and error table. The repository calls are served only with a
+    `repository` (--repository-api). Registers ModelInfer as a PredictStream method too, so
+    a balancer can forward ModelInfer bodies on its streams."""
+
+    def __init__(self, service: InferenceService, repository: Repository | None = None) -> None:
+        self.service = service
+        self.repository = repository
+        self.version = _version()
+        service.stream_methods[INFER] = self.model_infer
+
+    def handler(self) -> grpc.GenericRpcHandler[bytes, bytes]:
+        methods: dict[str, Method] = {
+            "ServerLive": self.server_live,
+            "ServerReady": self.server_ready,
+            "ModelReady": self.model_ready,
+            "ServerMetadata": self.server_metadata,
+            "ModelMetadata": self.model_metadata,
+            INFER: self.model_infer,
+            "RepositoryIndex": self.repository_index,
+            "RepositoryModelLoad": self.repository_load,
+            "RepositoryModelUnload": self.repository_unload,
+        }
+        handlers = {
+            name: grpc.unary_unary_rpc_method_handler(
+                self.service.wrap(fn, counted=name == INFER, method=name)
+            )
+            for name, fn in methods.items()
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    async def model_infer(self, body: bytes, call: Call) -> bytes:
+        return await self.service.infer(body, KSERVE, call)
+
+    async def server_live(self, body: bytes, call: Call) -> bytes:
+        parse(kpb.ServerLiveRequest, body)
+        return kpb.ServerLiveResponse(live=True).SerializeToString()
+
+    async def server_ready(self, body: bytes, call: Call) -> bytes:
+        parse(kpb.ServerReadyRequest, body)
+        ready = self.service.serving and len(self.service.plane.models) > 0
+        return kpb.ServerReadyResponse(ready=ready).SerializeToString()
+
+    async def model_ready(self, body: bytes, call: Call) -> bytes:
+        request = parse(kpb.ModelReadyRequest, body)
+        try:
+            self.service.plane.models.get(request.name, request.version)
+        except ModelNotFound:  # Triton answers "not ready" for a model it does not know
+            ready = False
+        else:
+            ready = self.service.serving
+        return kpb.ModelReadyResponse(ready=ready).SerializeToString()
+
+    async def server_metadata(self, body: bytes, call: Call) -> bytes:
+        parse(kpb.ServerMetadataRequest, body)
+        extensions = [REPOSITORY] if self.repository is not None else []
+        response = kpb.ServerMetadataResponse(
+            name="sluice", version=self.version, extensions=extensions
+        )
+        return response.SerializeToString()
+
+    async def model_metadata(self, body: bytes, call: Call) -> bytes:
+        request = parse(kpb.ModelMetadataRequest, body)
+        models = self.service.plane.models
+        model = models.get(request.name, request.version)
+        response = kpb.ModelMetadataResponse(
+            name=model.name,
+            versions=[m.version for m in models.versions(model.name)],
+            platform=PLATFORM,
+            inputs=_metadata(model.inputs),
+            outputs=_metadata(model.outputs),
+        )
+        return response.SerializeToString()
+
+    def _repository(self) -> Repository:
+        if self.repository is None:
+            raise Unimplemented(REPOSITORY_OFF)
+        return self.repository
+
+    # One repository: its name in a request (`repository_name`) is not checked.
+
+    async def repository_index(self, body: bytes, call: Call) -> bytes:
+        repository = self._repository()
+        request = parse(kpb.RepositoryIndexRequest, body)
+        rows = [
+            kpb.RepositoryIndexResponse.ModelIndex(
+                name=e.name, version=e.version, state=e.state, reason=e.reason
+            )
+            for e in repository.index()
+            if not request.ready or e.state == READY
+        ]
+        return kpb.RepositoryIndexResponse(models=rows).SerializeToString()
+
+    async def repository_load(self, body: bytes, call: Call) -> bytes:
+        repository = self._repository()
+        request = parse(kpb.RepositoryModelLoadRequest, body)
+        _no_parameters("RepositoryModelLoad", request.parameters)
+        await repository.load(request.model_name)
+        return kpb.RepositoryModelLoadResponse().SerializeToString()
+
+    async def repository_unload(self, body: bytes, call: Call) -> bytes:
+        repository = self._repository()
+        request = parse(kpb.RepositoryModelUnloadRequest, body)
+        _no_parameters("RepositoryModelUnload", request.parameters)
+        await repository.unload(request.model_name)
+        return kpb.RepositoryModelUnloadResponse().SerializeToString()
+
+
+def _no_parameters(method: str, parameters: Iterable[str]) -> None:
+    """Triton's load parameters (a config override, model files) would load something other
+    than the repository holds: refused, rather than ignored."""
+    names = sorted(parameters)
+    if names:
+        raise InvalidInput(
+            f"{method} takes no parameters ({', '.join(names)} given); Sluice loads "
+            "what the repository holds"
+        )
+
+
+def _metadata(specs: list[TensorSpec]) -> list[kpb.ModelMetadataResponse.TensorMetadata]:
+    return [
+        kpb.ModelMetadataResponse.TensorMetadata(
+            name=s.name, datatype=s.datatype, shape=[-1 if d is None else d for d in s.shape]
+        )
+        for s in specs
+    ]
