@@ -45,14 +45,24 @@ def render(answer: Prediction, as_json: bool) -> str:
             }
             for name, array in answer.outputs.items()
         }
-        return json.dumps({"outputs": outputs, "metadata": answer.metadata})
+        return json.dumps(
+            {
+                "model": answer.model,
+                "version": answer.version,
+                "outputs": outputs,
+                "metadata": answer.metadata,
+            }
+        )
     lines = []
     with np.printoptions(precision=4, suppress=True, threshold=64, linewidth=100):
         for name, array in answer.outputs.items():
             head = f"{name} {name_of(array.dtype)}{list(array.shape)}:"
             body = np.array2string(array)
             lines.append(f"{head} {body}" if "\n" not in body else f"{head}\n{body}")
-    lines.append(f"(node {answer.node_id}, request {answer.request_id})")
+    lines.append(
+        f"(model {answer.model} version {answer.version}, node {answer.node_id}, "
+        f"request {answer.request_id})"
+    )
     warning = answer.metadata.get("x-nonfinite-inputs")
     if warning:
         lines.append(f"note: input {warning} holds NaN or infinity")
@@ -85,27 +95,30 @@ def cmd_predict(client: SluiceClient, args: argparse.Namespace) -> str:
     if args.sample is not None or any(
         not v.partition("=")[2].endswith(".npy") for v in args.inputs
     ):
-        datatypes = {t.name: t.datatype for t in client.metadata().model.inputs}
+        meta = client.metadata(model=args.model, version=args.version)
+        datatypes = {t.name: t.datatype for t in meta.model.inputs}
     inputs = dict(parse_input(text, datatypes) for text in args.inputs)
     if args.sample is not None:
         name, array = sample_input(args.sample, datatypes)
         if name in inputs:
             raise ValueError(f"input {name!r} given twice: by --sample and as {name}=...")
         inputs[name] = array
-    answer = client.infer(inputs, outputs=args.output or ())
+    answer = client.infer(inputs, outputs=args.output or (), model=args.model, version=args.version)
     return render(answer, args.json)
 
 
 def cmd_health(client: SluiceClient, args: argparse.Namespace) -> str:
-    health = MessageToDict(client.health(), preserving_proto_field_name=True)
+    health = MessageToDict(client.health(model=args.model), preserving_proto_field_name=True)
     return json.dumps(health, indent=None if args.json else 2)
 
 
 def cmd_metadata(client: SluiceClient, args: argparse.Namespace) -> str:
-    meta = client.metadata()
+    meta = client.metadata(model=args.model, version=args.version)
     if args.json:
         return json.dumps(MessageToDict(meta, preserving_proto_field_name=True))
-    lines = [f"model {meta.model.name} ({meta.platform}, {meta.provider})"]
+    lines = [
+        f"model {meta.model.name} version {meta.model.version} ({meta.platform}, {meta.provider})"
+    ]
     for kind, specs in (("input", meta.model.inputs), ("output", meta.model.outputs)):
         for spec in specs:
             dims = ", ".join("N" if d < 0 else str(d) for d in spec.shape)
@@ -158,8 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
         " as the model's input `input` (or its only input)",
     )
     predict.add_argument("--output", action="append", help="return only this output (repeatable)")
-    client_command("health", cmd_health, "Show node, model and serving statistics.")
-    client_command("metadata", cmd_metadata, "Show the model's inputs and outputs.")
+    health = client_command("health", cmd_health, "Show node, model and serving statistics.")
+    metadata = client_command("metadata", cmd_metadata, "Show the model's inputs and outputs.")
+    for sub in (predict, health, metadata):
+        sub.add_argument("--model", default="", help="the model by name (default: the default)")
+    for sub in (predict, metadata):
+        sub.add_argument("--version", default="", help="its version (default: the newest ready)")
     commands.add_parser(
         "up",
         help="Start a local cluster: servers behind a balancer; `sluice up --help`.",

@@ -48,10 +48,13 @@ SPAN = "sluice.client/Predict"  # with tracing (sluice.runtime.tracing): one per
 
 @dataclass(frozen=True)
 class Prediction:
-    """A Predict answer: the outputs and the response metadata that came with them."""
+    """A Predict answer: the outputs, the response metadata that came with them, and the
+    model and version that answered."""
 
     outputs: dict[str, np.ndarray]
     metadata: dict[str, str]
+    model: str = ""
+    version: str = ""
 
     @property
     def node_id(self) -> str:
@@ -71,9 +74,14 @@ def channel_options(max_message_bytes: int, extra: ChannelOptions) -> list[tuple
 
 
 def predict_request(
-    inputs: Mapping[str, np.ndarray], outputs: Sequence[str] = ()
+    inputs: Mapping[str, np.ndarray],
+    outputs: Sequence[str] = (),
+    model: str = "",
+    version: str = "",
 ) -> pb.PredictRequest:
-    return pb.PredictRequest(inputs=codec.encode_all(inputs), outputs=outputs)
+    return pb.PredictRequest(
+        inputs=codec.encode_all(inputs), outputs=outputs, model=model, version=version
+    )
 
 
 def call_metadata(request_id: str | None, no_cache: bool = False) -> dict[str, str]:
@@ -139,8 +147,10 @@ class _Core:
         outputs: Sequence[str],
         request_id: str | None,
         no_cache: bool,
+        model: str = "",
+        version: str = "",
     ) -> tuple[bytes, Metadata]:
-        body = predict_request(inputs, outputs).SerializeToString()
+        body = predict_request(inputs, outputs, model, version).SerializeToString()
         return body, tuple(call_metadata(request_id, no_cache).items())
 
     def _route(self, body: bytes, metadata: Metadata, timeout: float | None) -> Route:
@@ -165,7 +175,9 @@ def prediction(reply: Reply) -> Prediction:
     if reply.code:
         raise rpc_error(reply)
     response = pb.PredictResponse.FromString(reply.body)
-    return Prediction(codec.decode_all(response.outputs), reply.trailers)
+    return Prediction(
+        codec.decode_all(response.outputs), reply.trailers, response.model, response.version
+    )
 
 
 class AsyncSluiceClient(_Core):
@@ -216,11 +228,20 @@ class AsyncSluiceClient(_Core):
         timeout: float | None = None,
         request_id: str | None = None,
         no_cache: bool = False,
+        model: str = "",
+        version: str = "",
     ) -> dict[str, np.ndarray]:
-        """Run the model; returns its outputs by name. `no_cache` keeps the call out of the
-        result cache (and out of cache-affinity routing)."""
+        """Run the model (`model`, `version`: empty for the default model, its newest
+        version); returns its outputs by name. `no_cache` keeps the call out of the result
+        cache (and out of cache-affinity routing)."""
         answer = await self.infer(
-            inputs, outputs=outputs, timeout=timeout, request_id=request_id, no_cache=no_cache
+            inputs,
+            outputs=outputs,
+            timeout=timeout,
+            request_id=request_id,
+            no_cache=no_cache,
+            model=model,
+            version=version,
         )
         return answer.outputs
 
@@ -232,9 +253,11 @@ class AsyncSluiceClient(_Core):
         timeout: float | None = None,
         request_id: str | None = None,
         no_cache: bool = False,
+        model: str = "",
+        version: str = "",
     ) -> Prediction:
         """Run the model; returns its outputs with the response metadata."""
-        body, metadata = self._request(inputs, outputs, request_id, no_cache)
+        body, metadata = self._request(inputs, outputs, request_id, no_cache, model, version)
         return prediction(await self._call(body, metadata, timeout))
 
     async def call_raw(
@@ -279,17 +302,19 @@ class AsyncSluiceClient(_Core):
         """One call to one target: the transport step. Raises grpc.aio.AioRpcError."""
         return await unary.call(next(self._senders[target]), body, metadata, timeout)
 
-    async def health(self, *, timeout: float | None = None) -> pb.HealthResponse:
-        """The first target's Health."""
+    async def health(self, *, model: str = "", timeout: float | None = None) -> pb.HealthResponse:
+        """The first target's Health (a model's, when named)."""
         response: pb.HealthResponse = await self._stub.Health(
-            pb.HealthRequest(), timeout=timeout or self.timeout
+            pb.HealthRequest(model=model), timeout=timeout or self.timeout
         )
         return response
 
-    async def metadata(self, *, timeout: float | None = None) -> pb.MetadataResponse:
-        """The first target's model metadata."""
+    async def metadata(
+        self, *, model: str = "", version: str = "", timeout: float | None = None
+    ) -> pb.MetadataResponse:
+        """The first target's metadata of a model (the default one unless named)."""
         response: pb.MetadataResponse = await self._stub.Metadata(
-            pb.MetadataRequest(), timeout=timeout or self.timeout
+            pb.MetadataRequest(model=model, version=version), timeout=timeout or self.timeout
         )
         return response
 
@@ -339,11 +364,20 @@ class SluiceClient(_Core):
         timeout: float | None = None,
         request_id: str | None = None,
         no_cache: bool = False,
+        model: str = "",
+        version: str = "",
     ) -> dict[str, np.ndarray]:
-        """Run the model; returns its outputs by name. `no_cache` keeps the call out of the
-        result cache (and out of cache-affinity routing)."""
+        """Run the model (`model`, `version`: empty for the default model, its newest
+        version); returns its outputs by name. `no_cache` keeps the call out of the result
+        cache (and out of cache-affinity routing)."""
         return self.infer(
-            inputs, outputs=outputs, timeout=timeout, request_id=request_id, no_cache=no_cache
+            inputs,
+            outputs=outputs,
+            timeout=timeout,
+            request_id=request_id,
+            no_cache=no_cache,
+            model=model,
+            version=version,
         ).outputs
 
     def infer(
@@ -354,9 +388,11 @@ class SluiceClient(_Core):
         timeout: float | None = None,
         request_id: str | None = None,
         no_cache: bool = False,
+        model: str = "",
+        version: str = "",
     ) -> Prediction:
         """Run the model; returns its outputs with the response metadata."""
-        body, metadata = self._request(inputs, outputs, request_id, no_cache)
+        body, metadata = self._request(inputs, outputs, request_id, no_cache, model, version)
         return prediction(self._call(body, metadata, timeout))
 
     def _call(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
@@ -386,17 +422,19 @@ class SluiceClient(_Core):
         """One call to one target: the transport step. Raises grpc.RpcError."""
         return unary.call_sync(next(self._senders[target]), body, metadata, timeout)
 
-    def health(self, *, timeout: float | None = None) -> pb.HealthResponse:
-        """The first target's Health."""
+    def health(self, *, model: str = "", timeout: float | None = None) -> pb.HealthResponse:
+        """The first target's Health (a model's, when named)."""
         response: pb.HealthResponse = self._stub.Health(
-            pb.HealthRequest(), timeout=timeout or self.timeout
+            pb.HealthRequest(model=model), timeout=timeout or self.timeout
         )
         return response
 
-    def metadata(self, *, timeout: float | None = None) -> pb.MetadataResponse:
-        """The first target's model metadata."""
+    def metadata(
+        self, *, model: str = "", version: str = "", timeout: float | None = None
+    ) -> pb.MetadataResponse:
+        """The first target's metadata of a model (the default one unless named)."""
         response: pb.MetadataResponse = self._stub.Metadata(
-            pb.MetadataRequest(), timeout=timeout or self.timeout
+            pb.MetadataRequest(model=model, version=version), timeout=timeout or self.timeout
         )
         return response
 
