@@ -170,7 +170,7 @@ def _decode(tensor: kpb.ModelInferRequest.InferInputTensor, raw: bytes | None) -
         )
     try:
         # sluice.v1's conversion and range checks: the typed fields are the same types.
-        return codec._typed_array(values, dt, label).reshape(shape)
+        return codec.typed_array(values, dt, label).reshape(shape)
     except codec.TensorError as exc:
         raise InvalidInput(str(exc)) from None
 

@@ -31,6 +31,8 @@ log = logging.getLogger("sluice.service")
 SERVICE = "sluice.v1.Inference"
 Context = grpc.aio.ServicerContext[bytes, bytes]
 SPAN = "sluice.server/Predict"  # with tracing: one per Predict call or stream message
+# Other protocols' inference calls, by method: their service and span names.
+SPANS = {"ModelInfer": ("inference.GRPCInferenceService", "sluice.server/ModelInfer")}
 STREAM = "PredictStream"
 NODE_ID = "sluice.node_id"
 
@@ -152,7 +154,8 @@ class InferenceService:
         """`_invoke` in a SERVER span, the child of the caller's span that `metadata` names
         (tracing on): request id, status, an event for an admission refusal; the dataplane
         adds the cache's part (`sluice.cache`) and the model run's span."""
-        with tracing.server_span(SPAN, metadata, method) as span:
+        service, name = SPANS.get(method, (SERVICE, SPAN))
+        with tracing.server_span(name, metadata, method, service) as span:
             outcome = await self._invoke(fn, body, info, stats)
             if not span.is_recording():  # not sampled
                 return outcome

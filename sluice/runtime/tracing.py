@@ -235,12 +235,15 @@ def tracer() -> Tracer:
 
 
 def server_span(
-    name: str, metadata: Mapping[str, str] | Iterable[tuple[str, str | bytes]], method: str
+    name: str,
+    metadata: Mapping[str, str] | Iterable[tuple[str, str | bytes]],
+    method: str,
+    service: str = SERVICE,
 ) -> AbstractContextManager[Span]:
     """A SERVER span for one call, child of the caller's span that `metadata` names (with
     none, the root of a trace). Current inside the block only when it records (sampled):
     an unsampled call pays for the sampling decision alone (see `Current`)."""
-    attributes = {RPC_SYSTEM: "grpc", RPC_SERVICE: SERVICE, RPC_METHOD: method}
+    attributes = {RPC_SYSTEM: "grpc", RPC_SERVICE: service, RPC_METHOD: method}
     return Current(tracer().start_span(name, extract(metadata), SpanKind.SERVER, attributes))
 
 

@@ -95,7 +95,7 @@ def decode(tensor: pb.Tensor) -> np.ndarray:
                 f"{label} has {len(values)} values in {dt.typed_field} "
                 f"but shape {list(shape)} needs {count}"
             )
-        return _typed_array(values, dt, label).reshape(shape)
+        return typed_array(values, dt, label).reshape(shape)
     expected = count * dt.dtype.itemsize
     if len(tensor.raw_data) != expected:
         raise TensorError(
@@ -108,7 +108,7 @@ def decode(tensor: pb.Tensor) -> np.ndarray:
     return array.reshape(shape)
 
 
-def _typed_array(values: Iterable[object], dt: DataType, label: str) -> np.ndarray:
+def typed_array(values: Iterable[object], dt: DataType, label: str) -> np.ndarray:
     array = np.asarray(values, dtype=_WIDE[dt.typed_field])
     if dt.dtype.kind in "iu":
         info = np.iinfo(dt.dtype)  # type: ignore[type-var]  # integer kinds only, checked above

@@ -11,7 +11,6 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -30,6 +29,7 @@ from sluice.server.dataplane.repository import (
     load_model,
 )
 from sluice.server.modelconfig import read_config
+from tests.conftest import scale_model
 
 DEFAULTS = Defaults(device="cpu")
 LOG = "sluice.repository"
@@ -37,17 +37,7 @@ LOG = "sluice.repository"
 
 def scale(k: float) -> bytes:
     """An ONNX model: FP32 x [N, 2] -> y = x * k."""
-    graph = helper.make_graph(
-        [helper.make_node("Mul", ["x", "k"], ["y"])],
-        "scale",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])],
-        [numpy_helper.from_array(np.array(k, np.float32), "k")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return bytes(model.SerializeToString())
+    return scale_model(k, width=2)
 
 
 def broken_at_run() -> bytes:
