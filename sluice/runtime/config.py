@@ -58,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
         convert = _converter(field_type(field))
         if field.metadata.get("list"):
             parser.add_argument(flag, action="append", type=convert, default=None, help=help_text)
+        elif convert is _parse_bool:  # `--flag` alone turns it on; `--flag false` too
+            parser.add_argument(
+                flag, nargs="?", const=True, type=convert, default=None, help=help_text
+            )
         else:
             parser.add_argument(flag, type=convert, default=None, help=help_text)
 

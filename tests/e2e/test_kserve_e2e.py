@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -17,8 +18,8 @@ import pytest
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from sluice.v1 import inference_pb2 as pb
-from tests.conftest import SAMPLES
-from tests.e2e.harness import BIN, Process
+from tests.conftest import SAMPLES, scale_model
+from tests.e2e.harness import BIN, Process, running, server_argv
 
 pytestmark = pytest.mark.e2e
 
@@ -277,3 +278,36 @@ def test_grpcurl_list_describe_and_model_infer(
         raw_output_contents=[base64.b64decode(r) for r in reply["raw_output_contents"]],
     )
     assert_matches(response, reference, x)
+
+
+def test_the_repository_api_loads_and_unloads_behind_its_flag(tmp_path: Path) -> None:
+    repository = tmp_path / "repository"
+    (repository / "scale" / "1").mkdir(parents=True)
+    (repository / "scale" / "1" / "model.onnx").write_bytes(scale_model(2.0))
+    api = ("--model-repository", str(repository), "--repository-api")
+    with running(server_argv(*api)) as proc, grpc.insecure_channel(proc.address) as channel:
+        stub = kpb_grpc.GRPCInferenceServiceStub(channel)
+        index = stub.RepositoryIndex(kpb.RepositoryIndexRequest())
+        assert [(m.name, m.version, m.state) for m in index.models] == [("scale", "1", "READY")]
+        meta = stub.ServerMetadata(kpb.ServerMetadataRequest())
+        assert "model_repository" in meta.extensions
+        stub.RepositoryModelUnload(kpb.RepositoryModelUnloadRequest(model_name="scale"))
+        assert not stub.ModelReady(kpb.ModelReadyRequest(name="scale")).ready
+        with pytest.raises(grpc.RpcError) as gone:
+            stub.ModelInfer(scale_request(np.ones((1, 4), np.float32)))
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+        stub.RepositoryModelLoad(kpb.RepositoryModelLoadRequest(model_name="scale"))
+        assert stub.ModelReady(kpb.ModelReadyRequest(name="scale", version="1")).ready
+        answer = stub.ModelInfer(scale_request(np.ones((1, 4), np.float32)))
+        assert np.frombuffer(answer.raw_output_contents[0], np.float32).tolist() == [2.0] * 4
+        with pytest.raises(grpc.RpcError) as missing:
+            stub.RepositoryModelLoad(kpb.RepositoryModelLoadRequest(model_name="nothing"))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def scale_request(x: np.ndarray) -> kpb.ModelInferRequest:
+    return kpb.ModelInferRequest(
+        model_name="scale",
+        inputs=[InputTensor(name="x", datatype="FP32", shape=x.shape)],
+        raw_input_contents=[x.tobytes()],
+    )

@@ -44,3 +44,22 @@ def test_drain_delay_from_a_flag_or_the_environment_and_never_negative() -> None
     assert parse([], {"SLUICE_DRAIN_DELAY_S": "1"}).drain_delay_s == 1.0
     with pytest.raises(ValueError, match="--drain-delay-s must not be negative"):
         parse(["--drain-delay-s", "-1"])
+
+
+def test_model_entries_and_repository_flags() -> None:
+    settings = parse(["--model", "a=/m/a.onnx", "--model", "/m/b.onnx"])
+    assert settings.models() == [("a", "/m/a.onnx"), ("", "/m/b.onnx")]
+    assert parse([], {"SLUICE_MODEL": "a=/x.onnx,b=/y.onnx"}).models() == [
+        ("a", "/x.onnx"),
+        ("b", "/y.onnx"),
+    ]
+    assert parse([]).models()[0][1].endswith("digits.onnx")  # the bundled model by default
+    served = parse(["--model-repository", "/r", "--repository-api"])
+    assert served.model == [] and served.repository_api  # a bare boolean flag turns it on
+    assert not parse(["--model-repository", "/r", "--repository-api", "false"]).repository_api
+    with pytest.raises(ValueError, match="--repository-api needs --model-repository"):
+        parse(["--repository-api"])
+    with pytest.raises(ValueError, match="NAME=PATH, not '=x'"):
+        parse(["--model", "=x"])
+    with pytest.raises(ValueError, match="two --model entries have one name"):
+        parse(["--model", "a=/x", "--model", "a=/y"])
