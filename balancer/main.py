@@ -14,10 +14,12 @@ from collections.abc import Callable, Coroutine, Sequence
 from grpc_health.v1 import health_pb2
 
 from sluice.balancer.discovery import Discovery
+from sluice.balancer.kserve import SERVICE as KSERVE
+from sluice.balancer.kserve import KServeFacade
 from sluice.balancer.metrics import RoutingCollector
 from sluice.balancer.service import SERVICE, BalancerService
 from sluice.balancer.settings import BalancerSettings
-from sluice.balancer.upstream import Upstream
+from sluice.balancer.upstream import Models, Upstream
 from sluice.core.errors import SluiceError
 from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
@@ -65,7 +67,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
             if pool.serving()
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        for name in ("", SERVICE):
+        for name in ("", SERVICE, KSERVE):
             await health_servicer.set(name, status)
 
     def reporter(backend: Backend) -> Callable[[str, bool], None]:
@@ -79,6 +81,19 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
 
         return report
 
+    def learner(backend: Backend) -> Callable[[Models | None, str], None]:
+        def learn(models: Models | None, default: str) -> None:
+            if not pool.learn(backend, models, default):
+                return
+            if models is None:
+                log.info("backend %s lists no models: it may take any call", backend.address)
+                return
+            listed = ", ".join(f"{m} (versions {', '.join(v)})" for m, v in models.items())
+            default_is = f"; default {default}" if default else ""
+            log.info("backend %s serves %s%s", backend.address, listed or "no model", default_is)
+
+        return learn
+
     def apply(addresses: list[str]) -> None:
         added, removed = pool.set_addresses(addresses)
         for backend in added:
@@ -90,6 +105,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
             )
             backend.transport = upstream
             upstream.watch_health(reporter(backend))
+            upstream.watch_models(settings.models_refresh_s, learner(backend))
             log.info("backend %s added", backend.address)
         for backend in removed:
             spawn(backend.transport.close())
@@ -103,6 +119,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         max_message_bytes=settings.max_message_bytes,
         reuseport=reuseport,
         max_pending_calls=settings.max_pending_calls,
+        services={KSERVE: KServeFacade(service).handler()},
     )
     try:
         if reuseport and not is_worker:

@@ -1,13 +1,15 @@
 """The balancer's gRPC face: the same sluice.v1.Inference API as a server, forwarding raw
-bytes (the body is never parsed) to the backend the pool chooses. The attempt loop (retries
+bytes (the body is never parsed: its model and version are read off the wire, sluice.wire.peek)
+to the backend the pool chooses among those that serve the model. The attempt loop (retries
 within a retry budget and the caller's deadline, what counts against a backend) is the
-shared call planner, sluice.routing.planner."""
+shared call planner, sluice.routing.planner. KServe v2 ModelInfer bodies take the same way
+(`forward(..., method=INFER)`; the facade is sluice.balancer.kserve)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -20,23 +22,50 @@ from sluice.core.keys import NO_CACHE_HEADER, OVERLOADED, REFUSED_HEADER, affini
 from sluice.core.stats import ServingStats, health_fields
 from sluice.routing.budget import RetryBudget
 from sluice.routing.planner import Planner, rule_of
-from sluice.routing.pool import Backend, Pool
+from sluice.routing.pool import Backend, Pool, Want
 from sluice.runtime import tracing
 from sluice.runtime.status import grpc_code
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import stream
+from sluice.wire import peek, stream
 from sluice.wire.mux import Reply, StreamBroken
 
 log = logging.getLogger("sluice.balancer")
 
 SERVICE = "sluice.v1.Inference"
 METADATA = f"/{SERVICE}/Metadata"
+INFER = "ModelInfer"  # StreamRequest.method of a KServe v2 ModelInferRequest body
+# Where each kind of body names its model and version: (field numbers, message name).
+ROUTE_FIELDS = {
+    "": ((4, 5), "sluice.v1.PredictRequest"),
+    INFER: ((1, 2), "inference.ModelInferRequest"),
+}
 # Trace context passes through as it came; with tracing on, each attempt's replaces it.
 FORWARDED = ("x-request-id", NO_CACHE_HEADER, *tracing.HEADERS)
 SPAN = "sluice.balancer/Predict"  # with tracing: one SERVER span per call ...
 ATTEMPT = "sluice.balancer/attempt"  # ... and a CLIENT span per attempt
 NO_METADATA: Mapping[str, str] = {}
 Context = grpc.aio.ServicerContext[bytes, bytes]
+
+
+def wanted(body: bytes, fields: tuple[int, int], kind: str) -> Want:
+    """The model and version a `kind` message names in its string fields `fields`;
+    InvalidInput when the body is no protobuf message, as the server would refuse it."""
+    model, version = fields
+    try:
+        found = peek.spans(body, (model, version))
+        return Want(peek.text(body, found.get(model)), peek.text(body, found.get(version)))
+    except peek.Malformed as exc:
+        raise InvalidInput(f"request body is not a valid {kind}: {exc}") from None
+
+
+def send(
+    backend: Backend, body: bytes, headers: Mapping[str, str], left: float | None, method: str
+) -> Awaitable[Reply]:
+    """One attempt over `backend`'s streams. A Predict goes as it always did (a transport
+    that carries Predict alone need not know `method`)."""
+    if method:
+        return backend.transport.predict(body, headers, left, method)  # type: ignore[no-any-return]
+    return backend.transport.predict(body, headers, left)  # type: ignore[no-any-return]
 
 
 def refusal(metadata: Mapping[str, str], timeout_s: float = 0.0) -> str | None:
@@ -87,6 +116,10 @@ class BalancerService:
         return None if remaining is None else self.clock() + remaining
 
     async def predict(self, body: bytes, context: Context) -> bytes:
+        return await self.unary(body, context)
+
+    async def unary(self, body: bytes, context: Context, method: str = "") -> bytes:
+        """A unary call forwarded over the streams: Predict, or `method` (INFER)."""
         metadata = {
             k: v if isinstance(v, str) else v.decode("latin-1")
             for k, v in context.invocation_metadata() or ()
@@ -95,7 +128,8 @@ class BalancerService:
         if refused is not None:
             self._refused()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
-        reply = await self.forward(body, metadata, self._deadline(context.time_remaining()))
+        deadline = self._deadline(context.time_remaining())
+        reply = await self.forward(body, metadata, deadline, method=method)
         trailers = reply.trailers
         if reply.retryable and REFUSED_HEADER not in trailers:  # refused here, not upstream
             trailers = {**trailers, REFUSED_HEADER: OVERLOADED}
@@ -105,18 +139,25 @@ class BalancerService:
         await context.abort(grpc_code(reply.code), reply.message)
 
     async def predict_stream(self, requests: AsyncIterator[bytes], context: Context) -> None:
-        """Clients may multiplex too: each message is forwarded on its own."""
+        """Clients may multiplex too: each message is forwarded on its own, a Predict or
+        what its `method` names, as a server's streams carry them."""
 
         async def answer(message: pb.StreamRequest) -> bytes:
-            metadata, timeout = dict(message.metadata), message.timeout_s
+            metadata, timeout, method = dict(message.metadata), message.timeout_s, message.method
             refused = refusal(metadata, timeout)
+            if method not in ROUTE_FIELDS:
+                refused = f"PredictStream carries no method {method!r}; it carries " + ", ".join(
+                    repr(m or "Predict") for m in ROUTE_FIELDS
+                )
             if refused is not None:
                 self._refused()
                 return pb.StreamResponse(
                     id=message.id, code=Code.INVALID_ARGUMENT, message=refused
                 ).SerializeToString()
             deadline = self._deadline(stream_timeout(timeout))
-            reply = await self.forward(message.request, metadata, deadline, stream=True)
+            reply = await self.forward(
+                message.request, metadata, deadline, stream=True, method=method
+            )
             return pb.StreamResponse(
                 id=message.id,
                 code=reply.code,
@@ -139,19 +180,29 @@ class BalancerService:
         deadline: float | None,
         *,
         stream: bool = False,
+        method: str = "",
     ) -> Reply:
-        """One Predict through the planner: each attempt goes over the chosen backend's
-        multiplexed streams with the time left. `stream`: it came on a PredictStream."""
+        """One Predict (or, `method` INFER, one KServe v2 ModelInfer) through the planner,
+        among the backends that serve the model the body names: each attempt goes over the
+        chosen backend's multiplexed streams with the time left. `stream`: it came on a
+        PredictStream."""
         started = self.stats.begin()
         forwarded = {k: metadata[k] for k in FORWARDED if k in metadata}
         try:
+            want = wanted(body, *ROUTE_FIELDS[method])
+        except InvalidInput as exc:
+            self.stats.end(started, "INVALID_ARGUMENT")
+            return Reply(Code.INVALID_ARGUMENT, str(exc))
+        try:
             if tracing.ON:
-                reply = await self._traced(body, metadata, forwarded, deadline, stream)
+                label = method or ("PredictStream" if stream else "Predict")
+                reply = await self._traced(body, metadata, forwarded, deadline, want, label, method)
             else:
                 reply = await self.planner.run(
                     affinity_key(body, metadata),
                     deadline,
-                    lambda backend, left: backend.transport.predict(body, forwarded, left),
+                    lambda backend, left: send(backend, body, forwarded, left, method),
+                    want,
                 )
         except BaseException:  # cancelled by its caller: it is not in flight any more
             self.stats.end(started, "CANCELLED")
@@ -165,14 +216,17 @@ class BalancerService:
         metadata: Mapping[str, str],
         forwarded: dict[str, str],
         deadline: float | None,
-        stream: bool,
+        want: Want,
+        label: str,
+        method: str,
     ) -> Reply:
         """`forward`'s planner run in a SERVER span, the child of the caller's span that
         `metadata` names (tracing on). Each attempt is a CLIENT span of its own, with the
         routing decision (backend, affinity or least-loaded, why; a retry says after what),
         and its context goes to the server in place of the caller's."""
         key = affinity_key(body, metadata)
-        with tracing.server_span(SPAN, metadata, "PredictStream" if stream else "Predict") as span:
+        stream = label == "PredictStream"
+        with tracing.server_span(SPAN, metadata, label) as span:
             span.set_attribute("sluice.node_id", self.node_id)
             if stream:
                 span.set_attribute(tracing.STREAM, True)
@@ -181,7 +235,7 @@ class BalancerService:
             tried: list[str] = []  # each attempt so far: "address: outcome"
 
             async def attempt(backend: Backend, left: float | None) -> Reply:
-                routing, why = self._routing(key, backend, tried)
+                routing, why = self._routing(key, want, backend, tried)
                 attributes: tracing.Attributes = {
                     "server.address": backend.address,
                     "sluice.attempt": len(tried) + 1,
@@ -191,8 +245,8 @@ class BalancerService:
                 kind = SpanKind.CLIENT
                 with tracing.span(ATTEMPT, attributes, kind=kind, parent=span) as sending:
                     try:
-                        reply: Reply = await backend.transport.predict(
-                            body, tracing.inject(dict(forwarded)), left
+                        reply: Reply = await send(
+                            backend, body, tracing.inject(dict(forwarded)), left, method
                         )
                     except BaseException as exc:  # the planner decides what it means
                         tried.append(f"{backend.address}: {type(exc).__name__}")
@@ -204,25 +258,28 @@ class BalancerService:
                 return reply
 
             if span.is_recording():
-                reply = await self.planner.run(key, deadline, attempt)
+                reply = await self.planner.run(key, deadline, attempt, want)
             else:  # not sampled: its context goes on (the flag says so), and no spans
                 headers = tracing.inject(dict(forwarded), trace.set_span_in_context(span))
                 reply = await self.planner.run(
                     key,
                     deadline,
-                    lambda backend, left: backend.transport.predict(body, headers, left),
+                    lambda backend, left: send(backend, body, headers, left, method),
+                    want,
                 )
             span.set_attribute("sluice.attempts", len(tried))
             tracing.set_code(span, reply.code, reply.message)
         return reply
 
-    def _routing(self, key: int | None, backend: Backend, tried: list[str]) -> tuple[str, str]:
+    def _routing(
+        self, key: int | None, want: Want, backend: Backend, tried: list[str]
+    ) -> tuple[str, str]:
         """How the pool chose `backend` for a call with affinity `key`, and why."""
         if key is None:
             routing = "least-loaded"
             why = "the call skips the cache: two random choices by in-flight x EWMA latency"
         else:
-            routing, owner = "affinity", self.pool.ring.owner(key)
+            routing, owner = "affinity", self.pool.route(want).ring.owner(key)
             why = (
                 "the key's owner on the ring"
                 if owner == backend.address
@@ -233,21 +290,39 @@ class BalancerService:
         return routing, why
 
     async def metadata(self, body: bytes, context: Context) -> bytes:
-        """Metadata from the first usable backend that answers. A control call: it stays out
-        of the routing record (no budget, no breaker verdict, no latency sample), so it can
-        neither open nor close a breaker; the planner's table still says which failures
-        mean "ask the next one"."""
+        """Metadata from a usable backend that serves the model asked for."""
+        try:
+            want = wanted(body, (1, 2), "sluice.v1.MetadataRequest")
+        except InvalidInput as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        reply = await self.ask(METADATA, body, want, context.time_remaining())
+        if reply.code != 0:
+            await context.abort(grpc_code(reply.code), reply.message)
+        return reply.body
+
+    async def ask(self, method: str, body: bytes, want: Want, timeout: float | None) -> Reply:
+        """A control call (`method`, unary) answered by the first usable backend that serves
+        `want` and answers. It stays out of the routing record (no budget, no breaker
+        verdict, no latency sample), so it can neither open nor close a breaker; the
+        planner's table still says which failures mean "ask the next one". The answer: the
+        backend's, the pool's (no backend serves `want`: NOT_FOUND, ...), or UNAVAILABLE."""
         tried: list[Backend] = []
-        while (backend := self.pool.choose(None, tried).backend) is not None:
+        last: Reply | None = None  # a backend's NOT_FOUND: the answer if no other has it
+        while True:
+            choice = self.pool.choose(None, tried, want)
+            backend = choice.backend
+            if backend is None:
+                if last is not None:
+                    return last
+                if choice.code != Code.UNAVAILABLE:
+                    return Reply(choice.code, choice.why)
+                return Reply(Code.UNAVAILABLE, f"no backend can answer {method}: {choice.why}")
             tried.append(backend)
-            reply: Reply = await backend.transport.unary(
-                METADATA, body, NO_METADATA, context.time_remaining()
-            )
-            if reply.code == 0:
-                return reply.body
-            if not rule_of(reply.code, reply.retryable).retry:
-                await context.abort(grpc_code(reply.code), reply.message)
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "no backend can answer Metadata")
+            reply: Reply = await backend.transport.unary(method, body, NO_METADATA, timeout)
+            if reply.code == 0 or not rule_of(reply.code, reply.retryable).retry:
+                return reply
+            if reply.code == Code.NOT_FOUND:
+                last = reply
 
     async def health(self, body: bytes, context: Context) -> bytes:
         try:
@@ -255,10 +330,12 @@ class BalancerService:
         except DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a HealthRequest: {exc}")
         total = max(self.pool.calls, 1)
+        default = self.pool.default_model()  # none when the servers disagree
         response = pb.HealthResponse(
             role="balancer",
             node_id=self.node_id,
             status="SERVING" if self.pool.serving() else "NOT_SERVING",
+            models=served(self.pool.backends.values(), default if isinstance(default, str) else ""),
             **health_fields(self.stats),
             backends=[
                 pb.BackendStatus(
@@ -271,6 +348,7 @@ class BalancerService:
                     ewma_ms=b.latency.current() * 1000,
                     share=b.calls / total,
                     limit=self.planner.limits.limit(b) or 0.0,
+                    models=served([b], b.default),
                 )
                 for b in self.pool.backends.values()
             ],
@@ -283,3 +361,25 @@ class BalancerService:
             ),
         )
         return response.SerializeToString()
+
+
+def served(backends: Iterable[Backend], default: str) -> list[pb.ModelStatus]:
+    """The models `backends` serve as they last said, each with its versions merged newest
+    first (as a server orders them); `default` (a model's name) is marked as the default."""
+    versions: dict[str, set[str]] = {}
+    for backend in backends:
+        for name, ready in (backend.models or {}).items():
+            versions.setdefault(name, set()).update(ready)
+    return [
+        pb.ModelStatus(
+            name=name,
+            versions=sorted(versions[name], key=_version_order, reverse=True),
+            default=name == default,
+        )
+        for name in sorted(versions)
+    ]
+
+
+def _version_order(version: str) -> tuple[int, int | str]:
+    """Versions order as numbers, other names after, as text (the servers' order)."""
+    return (1, int(version)) if version.isdigit() else (0, version)

@@ -26,6 +26,13 @@ class BalancerSettings:
     refresh_s: float = field(
         default=2.0, metadata={"help": "how often the backends file and DNS are checked"}
     )
+    models_refresh_s: float = field(
+        default=1.0,
+        metadata={
+            "help": "how often each server is asked which models (and versions) it serves; "
+            "also at once when it starts serving or answers NOT_FOUND"
+        },
+    )
     node_id: str = field(default="", metadata={"help": "name in Health (default hostname)"})
     workers: int = field(
         default=1, metadata={"help": "balancer processes sharing the port (SO_REUSEPORT)"}
@@ -145,6 +152,8 @@ class BalancerSettings:
             raise ValueError("--max-ejection-percent must be between 0 and 100")
         if self.outlier_factor != 0 and not 1 < self.outlier_factor < 1e6:
             raise ValueError("--outlier-factor must be 0 (off) or more than 1")
+        if not 0.01 <= self.models_refresh_s <= 3600:
+            raise ValueError("--models-refresh-s must be between 0.01 and 3600 seconds")
         if self.default_timeout_s < 0:
             raise ValueError("--default-timeout-s must not be negative")
         if not self.node_id:

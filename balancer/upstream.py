@@ -1,17 +1,22 @@
-"""One server as the balancer sees it: a channel, multiplexed streams for Predict, unary
-calls for the rest, and a grpc.health.v1 Watch that reports its serving state."""
+"""One server as the balancer sees it: a channel, multiplexed streams for Predict (and
+ModelInfer), unary calls for the rest, a grpc.health.v1 Watch that reports its serving
+state, and the models it serves, asked for again and again (sluice.v1 Health)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Mapping
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sluice.core.errors import Code
 from sluice.routing.pool import Health
+from sluice.v1 import inference_pb2 as pb
 from sluice.wire import unary
 from sluice.wire.mux import MuxStream, Reply
 
@@ -37,6 +42,12 @@ PING_AFTER = 0.3  # of keepalive_s without a byte read
 CHECK_EVERY = 0.15  # of keepalive_s: well within PING_AFTER (see above)
 WEDGED_PERIODS = 10
 MAX_BACKOFF_S = 0.5  # between attempts to reach a server that is gone
+HEALTH = "/sluice.v1.Inference/Health"
+NO_METADATA: Mapping[str, str] = {}
+# The least time a models refresh may take before it is given up (until the next one).
+REFRESH_TIMEOUT_S = 1.0
+_NOT_FOUND = int(Code.NOT_FOUND)
+Models = dict[str, tuple[str, ...]]
 
 
 def channel_options(keepalive_s: float) -> list[tuple[str, int]]:
@@ -86,17 +97,59 @@ class Upstream:
         self._keepalive_s = keepalive_s
         self._tasks: list[asyncio.Task[None]] = []
         self.hung = False  # a health check went unanswered: out until one is answered
+        # Ask for its models now: it (re)started serving, or said it lacks a model.
+        self._refresh = asyncio.Event()
 
     async def predict(
-        self, body: bytes, metadata: Mapping[str, str], timeout: float | None
+        self, body: bytes, metadata: Mapping[str, str], timeout: float | None, method: str = ""
     ) -> Reply:
-        return await next(self._turn).call(body, metadata, timeout)
+        """A Predict, or the stream method `method` names ("ModelInfer"), on a stream."""
+        return self._heard(await next(self._turn).call(body, metadata, timeout, method))
 
     async def unary(
         self, method: str, body: bytes, metadata: Mapping[str, str], timeout: float | None
     ) -> Reply:
         stub = self.channel.unary_unary(method, request_serializer=None, response_deserializer=None)
-        return await unary.attempt(stub, body, tuple(metadata.items()), timeout)
+        return self._heard(await unary.attempt(stub, body, tuple(metadata.items()), timeout))
+
+    def _heard(self, reply: Reply) -> Reply:
+        if reply.code == _NOT_FOUND:  # a model it served is gone: learn what it serves now
+            self._refresh.set()
+        return reply
+
+    def watch_models(self, every_s: float, report: Callable[[Models | None, str], None]) -> None:
+        """Report (models, default) as the server's sluice.v1 Health lists them: every
+        `every_s`, and at once when asked (`_refresh`). A refresh that fails or is not
+        answered within max(every_s, REFRESH_TIMEOUT_S) reports nothing: what the server
+        said last stands, and whether it is reachable is the health watch's business (so
+        refreshes never touch its breaker). A server that lists no models but names its
+        model (one older than model lists) reports None: any call may go there."""
+
+        async def refresh() -> None:
+            timeout = max(every_s, REFRESH_TIMEOUT_S)
+            self._refresh.set()  # the first at once
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._refresh.wait(), every_s)
+                self._refresh.clear()
+                reply = await self.unary(HEALTH, b"", NO_METADATA, timeout)
+                if reply.code != 0:
+                    log.debug(
+                        "models of %s: status %d: %s", self.address, reply.code, reply.message
+                    )
+                    continue
+                try:
+                    health = pb.HealthResponse.FromString(reply.body)
+                except DecodeError as exc:
+                    log.warning("models of %s: not a HealthResponse: %s", self.address, exc)
+                    continue
+                if not health.models and health.model.name:
+                    report(None, "")
+                    continue
+                default = next((m.name for m in health.models if m.default), "")
+                report({m.name: tuple(m.versions) for m in health.models}, default)
+
+        self._tasks.append(asyncio.create_task(refresh()))
 
     def watch_health(self, report: Callable[[str, bool], None]) -> None:
         """Report (state, unreachable): SERVING / NOT_SERVING as the server's health watch
@@ -119,6 +172,8 @@ class Upstream:
                         serving = update.status == health_pb2.HealthCheckResponse.SERVING
                         announced = not serving
                         lost = False
+                        if serving:  # new, or back: what it serves may have changed
+                            self._refresh.set()
                         report(Health.SERVING if serving else Health.NOT_SERVING, False)
                         backoff = 0.05
                 except grpc.aio.AioRpcError as exc:
@@ -159,12 +214,14 @@ class Upstream:
                         self.hung = False
                         log.info("backend %s answers again", self.address)
                         serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+                        if serving:
+                            self._refresh.set()
                         report(Health.SERVING if serving else Health.NOT_SERVING, False)
                 # One check at a time, one per CHECK_EVERY x keepalive_s at most: their
                 # replies are the DATA frames that keep pings unthrottled (see above).
                 await asyncio.sleep(max(0.0, asked + period - loop.time()))
 
-        self._tasks = [asyncio.create_task(watch()), asyncio.create_task(probe())]
+        self._tasks += [asyncio.create_task(watch()), asyncio.create_task(probe())]
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -17,7 +17,12 @@ the break counts against the backend.
 A server that refuses a call for want of capacity (RESOURCE_EXHAUSTED, retryable) teaches
 the planner its concurrency limit (sluice.routing.limit); calls go, and such refusals are
 retried, only where a backend has headroom, and when none has, the call is refused at once
-(RESOURCE_EXHAUSTED, retryable) rather than queued."""
+(RESOURCE_EXHAUSTED, retryable) rather than queued.
+
+A call names the model it wants (`Want`): only backends that serve it are tried. One that
+answers NOT_FOUND no longer serves it (unloaded since the pool learned what it serves): the
+call goes on to another that does, and the server's NOT_FOUND is the answer when none is
+left. When no backend serves the model at all, the pool's NOT_FOUND is the answer at once."""
 
 from __future__ import annotations
 
@@ -31,13 +36,14 @@ from typing import Generic, Protocol, TypeVar
 from sluice.core.errors import Code, status_name
 from sluice.routing.budget import RetryBudget
 from sluice.routing.limit import Limits
-from sluice.routing.pool import Backend, Pool
+from sluice.routing.pool import ANY, Backend, Pool, Want
 
 
 class Outcome(StrEnum):
     OK = "ok"
     REFUSED = "refused"  # refused before any work (a draining server): the `retryable` flag
     OVERLOADED = "overloaded"  # RESOURCE_EXHAUSTED before any work: the server is at its limit
+    MISSING = "missing"  # NOT_FOUND: the server does not serve the model (or version) asked for
     UNAVAILABLE = "unavailable"  # UNAVAILABLE: no connection, or the server cannot take it
     BROKEN = "broken"  # the stream broke before the reply: the call may have run
     BACKEND_ERROR = "backend error"  # INTERNAL, UNKNOWN: the backend failed on this call
@@ -59,6 +65,9 @@ RULES: dict[Outcome, Rule] = {
     Outcome.REFUSED: Rule(retry=True, verdict="neutral"),
     # No work was done; busy is no fault. Retried only on a backend with headroom (Limits).
     Outcome.OVERLOADED: Rule(retry=True, verdict="neutral"),
+    # Refused before any work, and no fault: servers serve different models, and the pool's
+    # record of which may lag an unload by a refresh. Another that serves it may take it.
+    Outcome.MISSING: Rule(retry=True, verdict="neutral"),
     Outcome.UNAVAILABLE: Rule(retry=True, verdict="failed"),
     # It may have run; inference is pure, so a second run costs load, not correctness.
     Outcome.BROKEN: Rule(retry=True, verdict="failed"),
@@ -76,6 +85,7 @@ RULES: dict[Outcome, Rule] = {
 OUTCOME_OF_CODE: dict[int, Outcome] = {
     Code.OK: Outcome.OK,
     Code.UNAVAILABLE: Outcome.UNAVAILABLE,
+    Code.NOT_FOUND: Outcome.MISSING,
     Code.INTERNAL: Outcome.BACKEND_ERROR,
     Code.UNKNOWN: Outcome.BACKEND_ERROR,
     Code.DEADLINE_EXCEEDED: Outcome.TIMEOUT,
@@ -97,6 +107,7 @@ _RULE_OF_CODE = {int(code): RULES[outcome] for code, outcome in OUTCOME_OF_CODE.
 _CALLERS = RULES[Outcome.CALLER_ERROR]
 _REFUSED = RULES[Outcome.REFUSED]
 _OVERLOADED = RULES[Outcome.OVERLOADED]
+_MISSING = RULES[Outcome.MISSING]
 _BROKEN = RULES[Outcome.BROKEN]
 _TIMEOUT = RULES[Outcome.TIMEOUT]
 
@@ -151,16 +162,20 @@ class Plan(Generic[R]):
     (or gives the final answer), `answered` and `failed` record how it went. The drivers,
     `Planner.run` (asyncio) and `Planner.run_sync` (blocking), only do the sending."""
 
-    __slots__ = ("_planner", "deadline", "key", "last", "refusal", "retry", "tried")
+    __slots__ = ("_planner", "deadline", "key", "last", "refusal", "retry", "tried", "want")
 
-    def __init__(self, planner: Planner[R], key: int | None, deadline: float | None) -> None:
+    def __init__(
+        self, planner: Planner[R], key: int | None, deadline: float | None, want: Want = ANY
+    ) -> None:
         self._planner = planner
         self.key = key
         self.deadline = deadline
+        self.want = want
         self.tried: list[Backend] = []
         self.last = ""  # the last failure, for the message when the call cannot go on
         self.retry = False  # the next attempt is a retry: it takes a token from the budget
-        self.refusal: R | None = None  # a server's overload refusal, the answer if none is left
+        # A server's refusal (overloaded, or NOT_FOUND): the answer if no backend is left.
+        self.refusal: R | None = None
         planner.budget.deposit()
 
     def next(self) -> Attempt | R:
@@ -172,9 +187,12 @@ class Plan(Generic[R]):
                 return planner.reply(_DEADLINE_EXCEEDED, f"the deadline passed{self.last}")
             limits = planner.limits
             full = [b for b in pool.backends.values() if limits.full(b)] if limits else []
-            choice = pool.choose(self.key, self.tried + full if full else self.tried)
+            want = self.want
+            choice = pool.choose(self.key, self.tried + full if full else self.tried, want)
             backend = choice.backend
-            if backend is None and full and pool.choose(self.key, self.tried).backend:
+            if backend is None and choice.code != _UNAVAILABLE:  # no backend serves it
+                return planner.reply(choice.code, f"{choice.why}{self.last}")
+            if backend is None and full and pool.choose(self.key, self.tried, want).backend:
                 # Only full backends stand in the way: refuse now rather than queue.
                 limits.shed += 1
                 held = sum(b.in_flight for b in full)
@@ -183,7 +201,7 @@ class Plan(Generic[R]):
                     _RESOURCE_EXHAUSTED, f"{why}; retry later{self.last}", retryable=True
                 )
             if backend is None and self.refusal is not None:
-                return self.refusal  # the servers' own word: overloaded, retryable
+                return self.refusal  # the servers' own word: overloaded (retryable), not found
             if backend is None:
                 planner.unavailable += 1
                 why = f"no backend can take the call: {choice.why}"
@@ -208,6 +226,8 @@ class Plan(Generic[R]):
         if rule is _OVERLOADED:
             planner = self._planner
             planner.limits.refused(attempt.backend, attempt.sent, planner.clock())
+            self.refusal = answer
+        elif rule is _MISSING:
             self.refusal = answer
         elif answer.code == 0 and self._planner.limits:
             self._planner.limits.answered(attempt.backend)
@@ -269,19 +289,21 @@ class Planner(Generic[R]):
         self.limits = Limits()  # how many calls each backend can take, from its refusals
         self._known: tuple[type[BaseException], ...] = (TimeoutError, *broken)
 
-    def plan(self, key: int | None, deadline: float | None) -> Plan[R]:
-        """One call: `key` routes it (None: least loaded), `deadline` is on the planner's
-        clock (None: none), and each attempt gets the time left before it."""
-        return Plan(self, key, deadline)
+    def plan(self, key: int | None, deadline: float | None, want: Want = ANY) -> Plan[R]:
+        """One call: `key` routes it (None: least loaded) among the backends that serve
+        `want`, `deadline` is on the planner's clock (None: none), and each attempt gets the
+        time left before it."""
+        return Plan(self, key, deadline, want)
 
     async def run(
         self,
         key: int | None,
         deadline: float | None,
         attempt: Callable[[Backend, float | None], Awaitable[R]],
+        want: Want = ANY,
     ) -> R:
         """The call, sending each attempt with `attempt(backend, time_left)`."""
-        plan = Plan(self, key, deadline)
+        plan = Plan(self, key, deadline, want)
         while True:
             step = plan.next()
             if not isinstance(step, Attempt):
@@ -304,10 +326,11 @@ class Planner(Generic[R]):
         deadline: float | None,
         attempt: Callable[[Backend, float | None], R],
         lock: AbstractContextManager[object] = NO_LOCK,
+        want: Want = ANY,
     ) -> R:
         """`run` for blocking transports; `lock` guards each step (not the sending)."""
         with lock:
-            plan = Plan(self, key, deadline)
+            plan = Plan(self, key, deadline, want)
         while True:
             with lock:
                 step = plan.next()

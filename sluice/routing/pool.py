@@ -19,7 +19,14 @@ What holds a backend out, and the one cap on it:
   beyond it is not ejected. Should more be held out anyway (the live set changed under open
   breakers: one went NOT_SERVING, or came back from it with its breaker still open), every
   breaker is overruled until the count is back within the cap (Envoy's panic threshold,
-  which is thus 100% - max_ejection_percent)."""
+  which is thus 100% - max_ejection_percent).
+
+Backends may serve different models. A call wants a model (`Want`; the empty name is the
+default model) and goes only to the backends that serve it (and the version, when named);
+each model has its own ring over the backends that serve it, so identical inputs for a
+model meet on one of them. A backend whose models are not learned yet is given the benefit
+of the doubt (like Health.UNKNOWN): it may take any call. The breaker cap and the panic
+threshold stay pool-wide: they are about backends, not models."""
 
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.core.errors import Code
 from sluice.routing.breaker import Breaker, BreakerSettings, State
 from sluice.routing.p2c import PeakEwma, p2c
 from sluice.routing.ring import MaglevRing, pick_bounded
@@ -53,6 +61,10 @@ class Backend:
     failures: int = 0
     timeouts: int = 0  # timeouts counted against it (OutlierSettings)
     transport: Any = None  # set by the transport layer
+    # Model name -> its ready versions, newest first, as the server last said (Pool.learn);
+    # None: not learned yet. `default`: what a call naming no model gets there ('' none).
+    models: dict[str, tuple[str, ...]] | None = None
+    default: str = ""
 
     @property
     def usable(self) -> bool:
@@ -81,10 +93,42 @@ class OutlierSettings:
     interval_s: float = 0.25
 
 
+@dataclass(frozen=True, slots=True)
+class Want:
+    """What a call asks for: a model ('' the default model) and a version ('' any)."""
+
+    model: str = ""
+    version: str = ""
+
+    def __str__(self) -> str:
+        named = f"model {self.model!r}"
+        return f"{named} version {self.version!r}" if self.version else named
+
+
+ANY = Want()
+
+
 @dataclass(frozen=True)
 class Choice:
     backend: Backend | None
-    why: str = ""  # when there is no backend: why, for the UNAVAILABLE message
+    why: str = ""  # when there is no backend: why, for the message
+    # When there is no backend: UNAVAILABLE (those that serve the call are out), NOT_FOUND
+    # (no backend serves it) or INVALID_ARGUMENT (the call cannot be routed as it is).
+    code: int = Code.UNAVAILABLE
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where the calls for one Want may go, while the pool's generation holds."""
+
+    generation: int
+    holders: list[Backend]  # the backends that serve it, or may (not learned yet)
+    ring: MaglevRing  # over the backends that serve the model, any version
+    refusal: Choice | None = None  # no backend can serve it: the answer
+
+
+# Routes kept at most: callers name models, and names nobody serves must not grow memory.
+MAX_ROUTES = 1024
 
 
 class Pool:
@@ -113,8 +157,15 @@ class Pool:
         self.rng = rng or random.Random()
         self.table_size = table_size
         self.backends: dict[str, Backend] = {}
-        self.ring = MaglevRing([])
+        self.ring = MaglevRing([])  # over every backend: calls when no model is learned
         self.calls = 0
+        # Bumped whenever the backends or what they serve change: the routes are then stale.
+        self._generation = 0
+        self._routes: dict[Want, Route] = {}
+        # Rings by their backends: models served by the same backends share one. Those not
+        # used since the last change are dropped at the next (`_changed`).
+        self._rings: dict[frozenset[str], MaglevRing] = {}
+        self._retired: dict[frozenset[str], MaglevRing] = {}
 
     def set_addresses(self, addresses: Iterable[str]) -> tuple[list[Backend], list[Backend]]:
         """Make the pool hold exactly these backends; returns (added, removed)."""
@@ -133,13 +184,104 @@ class Pool:
         for backend in removed:
             del self.backends[backend.address]
         if added or removed:
-            kwargs = {"table_size": self.table_size} if self.table_size else {}
-            self.ring = MaglevRing(self.backends, **kwargs)
+            self.ring = self._ring(frozenset(self.backends))
+            self._changed()
         return added, removed
 
-    def choose(self, key: int | None, exclude: Iterable[Backend] = ()) -> Choice:
+    def learn(
+        self, backend: Backend, models: dict[str, tuple[str, ...]] | None, default: str = ""
+    ) -> bool:
+        """What `backend` serves now (None: unknown again); True when that changed."""
+        if backend.models == models and backend.default == default:
+            return False
+        backend.models, backend.default = models, default
+        if self.backends.get(backend.address) is backend:
+            self._changed()
+        return True
+
+    def _changed(self) -> None:
+        self._generation += 1
+        self._routes.clear()
+        self._retired, self._rings = self._rings, {frozenset(self.ring.nodes): self.ring}
+
+    def _ring(self, members: frozenset[str]) -> MaglevRing:
+        ring = self._rings.get(members) or self._retired.get(members)
+        if ring is None:
+            kwargs = {"table_size": self.table_size} if self.table_size else {}
+            ring = MaglevRing(members, **kwargs)
+        self._rings[members] = ring
+        return ring
+
+    def default_model(self) -> str | Choice:
+        """The one default model of the backends that report one ('' when none does), or
+        the refusal of calls naming no model when they disagree."""
+        defaults: dict[str, list[str]] = {}
+        for b in self.backends.values():
+            if b.models is not None and b.default:
+                defaults.setdefault(b.default, []).append(b.address)
+        if len(defaults) <= 1:
+            return next(iter(defaults), "")
+        named = "; ".join(f"{m!r} on {', '.join(a)}" for m, a in sorted(defaults.items()))
+        return Choice(
+            None,
+            f"the servers behind this balancer have different default models ({named}): "
+            "name a model",
+            Code.INVALID_ARGUMENT,
+        )
+
+    def route(self, want: Want) -> Route:
+        """The backends that may take calls for `want`, and its ring (cached per generation)."""
+        found = self._routes.get(want)
+        if found is not None and found.generation == self._generation:
+            return found
+        found = self._route(want)
+        if len(self._routes) >= MAX_ROUTES:
+            self._routes.clear()
+        self._routes[want] = found
+        return found
+
+    def _route(self, want: Want) -> Route:
+        backends = list(self.backends.values())
+        if not any(b.models is not None for b in backends):  # nothing learned: all may
+            return Route(self._generation, backends, self.ring)
+        model, default = want.model, not want.model
+        if default:
+            resolved = self.default_model()
+            if isinstance(resolved, Choice):
+                return Route(self._generation, [], self.ring, resolved)
+            model = resolved
+        # A backend serves a call naming no model only if that is its own default too.
+        serving = [
+            b
+            for b in backends
+            if b.models is None
+            or (model and model in b.models and (not default or b.default == model))
+        ]
+        holders = [
+            b
+            for b in serving
+            if not want.version or b.models is None or want.version in b.models[model]
+        ]
+        ring = self._ring(frozenset(b.address for b in serving))
+        if holders:
+            return Route(self._generation, holders, ring)
+        if not model:
+            what = "a default model"
+        else:
+            what = str(Want(model, want.version))
+            what = what if want.model else f"the default model, {what}"
+        served = sorted({m for b in backends for m in b.models or ()})
+        why = f"no server behind this balancer serves {what}" + (
+            f" (they serve {', '.join(map(repr, served))})" if served else ""
+        )
+        return Route(self._generation, [], ring, Choice(None, why, Code.NOT_FOUND))
+
+    def choose(self, key: int | None, exclude: Iterable[Backend] = (), want: Want = ANY) -> Choice:
+        route = self.route(want)
+        if route.refusal is not None:
+            return route.refusal
         skip = set(map(id, exclude))
-        candidates = [b for b in self.backends.values() if id(b) not in skip]
+        candidates = [b for b in route.holders if id(b) not in skip]
         usable = [b for b in candidates if b.usable]
         if len(usable) < len(candidates) and self.panicking():  # only when some are out
             usable = [b for b in candidates if b.health != Health.NOT_SERVING]
@@ -150,7 +292,7 @@ class Pool:
         else:
             by_address = {b.address: b for b in usable}
             address = pick_bounded(
-                self.ring,
+                route.ring,
                 key,
                 list(by_address),
                 lambda a: self.backends[a].in_flight,

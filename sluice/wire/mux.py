@@ -103,15 +103,22 @@ class MuxStream:
             self._current = _Generation(self.channel)
         return self._current
 
-    async def call(self, body: bytes, metadata: Mapping[str, str], timeout: float | None) -> Reply:
-        """One Predict over the stream. Raises StreamBroken (no reply came) or TimeoutError."""
+    async def call(
+        self, body: bytes, metadata: Mapping[str, str], timeout: float | None, method: str = ""
+    ) -> Reply:
+        """One call over the stream: a Predict, or what `method` names (StreamRequest.method,
+        e.g. "ModelInfer"). Raises StreamBroken (no reply came) or TimeoutError."""
         async with self._slots:
             stream = self._stream()
             ident = next(self._ids)
             waiter: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
             stream.pending[ident] = waiter
             message = pb.StreamRequest(
-                id=ident, request=body, timeout_s=timeout or 0.0, metadata=metadata
+                id=ident,
+                request=body,
+                timeout_s=timeout or 0.0,
+                metadata=metadata,
+                method=method,
             )
             stream.outbox.put_nowait(message.SerializeToString())
             try:

@@ -113,7 +113,7 @@ def test_every_outcome_has_one_rule() -> None:
         (Code.INVALID_ARGUMENT, False, Outcome.CALLER_ERROR),
         (Code.RESOURCE_EXHAUSTED, False, Outcome.CALLER_ERROR),
         (Code.RESOURCE_EXHAUSTED, True, Outcome.OVERLOADED),
-        (Code.NOT_FOUND, False, Outcome.CALLER_ERROR),
+        (Code.NOT_FOUND, False, Outcome.MISSING),
     ],
 )
 def test_statuses_map_to_outcomes(code: Code, retryable: bool, outcome: Outcome) -> None:

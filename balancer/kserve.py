@@ -1,0 +1,99 @@
+"""The balancer's KServe v2 face, `inference.GRPCInferenceService` (the Open Inference
+Protocol of Triton and MLServer). ModelInfer takes Predict's way (BalancerService.forward
+with method "ModelInfer": routing by the model it names, affinity, limits, retries and
+trailers alike), carried on the servers' PredictStreams. ModelReady and ModelMetadata ask a
+usable backend that serves the model; the server calls answer for the balancer itself. The
+repository calls are each server's own, not the balancer's: they answer UNIMPLEMENTED."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from importlib import metadata
+from typing import TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from sluice.balancer.service import INFER, BalancerService, Context
+from sluice.core.errors import Code
+from sluice.kserve import grpc_predict_v2_pb2 as kpb
+from sluice.routing.pool import Want
+from sluice.runtime.status import grpc_code
+
+SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+MODEL_READY = f"/{SERVICE}/ModelReady"
+MODEL_METADATA = f"/{SERVICE}/ModelMetadata"
+NAME = "sluice-balancer"
+M = TypeVar("M", bound=Message)
+Handler = Callable[[bytes, Context], Awaitable[bytes]]
+
+
+def _version() -> str:
+    try:
+        return metadata.version("sluice")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+async def _parse(kind: type[M], body: bytes, context: Context) -> M:
+    try:
+        return kind.FromString(body)
+    except DecodeError as exc:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request body is not a valid {kind.DESCRIPTOR.full_name} message: {exc}",
+        )
+
+
+class KServeFacade:
+    def __init__(self, service: BalancerService) -> None:
+        self.service = service
+        self.version = _version()
+
+    def handler(self) -> grpc.GenericRpcHandler[bytes, bytes]:
+        methods: dict[str, Handler] = {
+            "ServerLive": self.server_live,
+            "ServerReady": self.server_ready,
+            "ServerMetadata": self.server_metadata,
+            "ModelReady": self.model_ready,
+            "ModelMetadata": self.model_metadata,
+            INFER: self.model_infer,
+        }
+        return grpc.method_handlers_generic_handler(
+            SERVICE, {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()}
+        )
+
+    async def model_infer(self, body: bytes, context: Context) -> bytes:
+        return await self.service.unary(body, context, INFER)
+
+    async def server_live(self, body: bytes, context: Context) -> bytes:
+        await _parse(kpb.ServerLiveRequest, body, context)
+        return kpb.ServerLiveResponse(live=True).SerializeToString()
+
+    async def server_ready(self, body: bytes, context: Context) -> bytes:
+        await _parse(kpb.ServerReadyRequest, body, context)
+        return kpb.ServerReadyResponse(ready=self.service.pool.serving()).SerializeToString()
+
+    async def server_metadata(self, body: bytes, context: Context) -> bytes:
+        await _parse(kpb.ServerMetadataRequest, body, context)
+        return kpb.ServerMetadataResponse(name=NAME, version=self.version).SerializeToString()
+
+    async def model_ready(self, body: bytes, context: Context) -> bytes:
+        request = await _parse(kpb.ModelReadyRequest, body, context)
+        want = Want(request.name, request.version)
+        reply = await self.service.ask(MODEL_READY, body, want, context.time_remaining())
+        if reply.code in (Code.NOT_FOUND, Code.UNAVAILABLE):
+            # No backend serves it, or none that does can answer: not ready (as Triton
+            # answers for a model it does not know).
+            return kpb.ModelReadyResponse(ready=False).SerializeToString()
+        if reply.code != 0:
+            await context.abort(grpc_code(reply.code), reply.message)
+        return reply.body
+
+    async def model_metadata(self, body: bytes, context: Context) -> bytes:
+        request = await _parse(kpb.ModelMetadataRequest, body, context)
+        want = Want(request.name, request.version)
+        reply = await self.service.ask(MODEL_METADATA, body, want, context.time_remaining())
+        if reply.code != 0:
+            await context.abort(grpc_code(reply.code), reply.message)
+        return reply.body
