@@ -1,5 +1,6 @@
-"""Triton's own Python client (`tritonclient[grpc]`, unmodified) against a real sluice-server:
-health, metadata, inference with raw inputs, the id echo and the status codes. tritonclient
+"""Triton's own Python client (`tritonclient[grpc]`, unmodified) against a real sluice-server
+and a balancer in front of one: health, metadata, inference with raw inputs, the id echo
+and the status codes. tritonclient
 pins protobuf<7 and Sluice needs protobuf 7, so the client runs in a venv of its own
 (.venv-tritonclient at the repository root, made on first use and reused while it imports),
 through tests/e2e/tritonclient_check.py; the answers are judged here against ONNX Runtime."""
@@ -17,7 +18,7 @@ import onnxruntime as ort
 import pytest
 
 from tests.conftest import SAMPLES
-from tests.e2e.harness import Process
+from tests.e2e.harness import BIN, Process, running
 
 pytestmark = pytest.mark.e2e
 
@@ -107,3 +108,31 @@ def test_tritonclient_against_a_server(
     assert errors["model_metadata"]["status"] == "StatusCode.NOT_FOUND"
     assert errors["repository_index"]["status"] == "StatusCode.UNIMPLEMENTED"
     assert "--repository-api" in errors["repository_index"]["message"]
+
+
+def test_tritonclient_against_a_balancer(
+    server: Process, triton_python: Path, reference: ort.InferenceSession, tmp_path: Path
+) -> None:
+    x = np.concatenate([s.input for s in SAMPLES[4:8]])
+    balancer_argv = [str(BIN / "sluice-balancer"), "--port", "0", "--backend", server.address]
+    with running(balancer_argv) as balancer:
+        found = run_check(triton_python, balancer.address, x, tmp_path)
+    assert (found["live"], found["ready"]) == (True, True)
+    assert (found["model_ready"], found["unknown_model_ready"]) == (True, False)
+    assert found["server_metadata"]["name"] == "sluice-balancer"
+    assert found["model_metadata"]["name"] == "digits"
+    label, probabilities = reference.run(None, {"input": x})
+    for answer in found["answers"].values():
+        assert (answer["model_name"], answer["model_version"]) == ("digits", "1")
+        outputs = answer["outputs"]
+        np.testing.assert_array_equal(np.array(outputs["label"]["data"], np.int64), label)
+        got = np.array(outputs["probabilities"]["data"], outputs["probabilities"]["dtype"])
+        np.testing.assert_array_equal(got, probabilities)
+    errors = found["errors"]
+    assert errors["unknown_model"]["status"] == "StatusCode.NOT_FOUND"
+    assert (
+        "no server behind this balancer serves model 'no-such-model'"
+        in (errors["unknown_model"]["message"])
+    )
+    assert errors["wrong_shape"]["status"] == "StatusCode.INVALID_ARGUMENT"
+    assert errors["repository_index"]["status"] == "StatusCode.UNIMPLEMENTED"
