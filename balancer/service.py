@@ -20,6 +20,7 @@ from sluice.core.calls import check_request_id, stream_timeout
 from sluice.core.errors import Code, InvalidInput, status_name
 from sluice.core.keys import NO_CACHE_HEADER, OVERLOADED, REFUSED_HEADER, affinity_key
 from sluice.core.stats import ServingStats, health_fields
+from sluice.core.versions import version_key
 from sluice.routing.budget import RetryBudget
 from sluice.routing.planner import Planner, rule_of
 from sluice.routing.pool import Backend, Pool, Want
@@ -326,16 +327,25 @@ class BalancerService:
 
     async def health(self, body: bytes, context: Context) -> bytes:
         try:
-            pb.HealthRequest.FromString(body)
+            request = pb.HealthRequest.FromString(body)
         except DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a HealthRequest: {exc}")
         total = max(self.pool.calls, 1)
         default = self.pool.default_model()  # none when the servers disagree
+        backends = list(self.pool.backends.values())
+        serving = self.pool.serving()
+        if request.model:  # that model's health: the servers that serve it
+            route = self.pool.route(Want(request.model))
+            if route.refusal is not None:
+                await context.abort(grpc_code(route.refusal.code), route.refusal.why)
+            backends = route.holders
+            serving = any(b.usable for b in backends)
+        listed = served(backends, default if isinstance(default, str) else "")
         response = pb.HealthResponse(
             role="balancer",
             node_id=self.node_id,
-            status="SERVING" if self.pool.serving() else "NOT_SERVING",
-            models=served(self.pool.backends.values(), default if isinstance(default, str) else ""),
+            status="SERVING" if serving else "NOT_SERVING",
+            models=[m for m in listed if not request.model or m.name == request.model],
             **health_fields(self.stats),
             backends=[
                 pb.BackendStatus(
@@ -350,7 +360,7 @@ class BalancerService:
                     limit=self.planner.limits.limit(b) or 0.0,
                     models=served([b], b.default),
                 )
-                for b in self.pool.backends.values()
+                for b in backends
             ],
             balancer=pb.BalancerStats(
                 calls=self.pool.calls,
@@ -373,13 +383,8 @@ def served(backends: Iterable[Backend], default: str) -> list[pb.ModelStatus]:
     return [
         pb.ModelStatus(
             name=name,
-            versions=sorted(versions[name], key=_version_order, reverse=True),
+            versions=sorted(versions[name], key=version_key, reverse=True),
             default=name == default,
         )
         for name in sorted(versions)
     ]
-
-
-def _version_order(version: str) -> tuple[int, int | str]:
-    """Versions order as numbers, other names after, as text (the servers' order)."""
-    return (1, int(version)) if version.isdigit() else (0, version)

@@ -29,6 +29,7 @@ import numpy as np
 from sluice import models
 from sluice.core.datatypes import DATATYPES
 from sluice.core.keys import PREDICT
+from sluice.kserve import grpc_predict_v2_pb2 as kserve
 from sluice.perf import loadgen, report, stats
 from sluice.perf.loadgen import (
     LEVEL_STRIDE,
@@ -43,6 +44,8 @@ from sluice.perf.loadgen import (
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec
+
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 CONTROL_TIMEOUT = 10.0  # Metadata and Health calls, whatever --timeout says
 SATURATED = 0.85  # a load-generator process busier than this share of a core is the limit
@@ -94,9 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--call",
-        choices=["predict", "stream"],
+        choices=["predict", "stream", "modelinfer"],
         default="predict",
-        help="unary Predict, or PredictStream multiplexing calls on one stream per connection",
+        help="unary Predict, PredictStream multiplexing calls on one stream per connection, "
+        "or the KServe v2 protocol's unary ModelInfer",
+    )
+    p.add_argument(
+        "--model", default="", help="the model to call by name (default: the target's default)"
     )
     p.add_argument(
         "--embedded",
@@ -130,10 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_input(target: str, name: str, timeout: float) -> tuple[str, str]:
+def model_input(target: str, name: str, timeout: float, model: str = "") -> tuple[str, str]:
     """The input to fill and its datatype, from the target's Metadata."""
     with grpc.insecure_channel(target) as channel:
-        meta = pb_grpc.InferenceStub(channel).Metadata(pb.MetadataRequest(), timeout=timeout)
+        meta = pb_grpc.InferenceStub(channel).Metadata(
+            pb.MetadataRequest(model=model), timeout=timeout
+        )
     inputs = {t.name: t.datatype for t in meta.model.inputs}
     if not inputs:
         raise SystemExit(f"{target} reports no model inputs")
@@ -153,10 +162,25 @@ def load_arrays(data: str, datatype: str) -> list[np.ndarray]:
     return [np.asarray(loaded, dtype=dtype)]
 
 
-def make_bodies(arrays: Sequence[np.ndarray], name: str, unique: bool) -> Bodies:
-    bodies = tuple(
-        pb.PredictRequest(inputs=[codec.encode(name, a)]).SerializeToString() for a in arrays
+def request_body(array: np.ndarray, name: str, call: str, model: str) -> bytes:
+    """One call's body: a PredictRequest, or a KServe v2 ModelInferRequest (raw contents)."""
+    if call != "modelinfer":
+        return pb.PredictRequest(
+            inputs=[codec.encode(name, array)], model=model
+        ).SerializeToString()
+    tensor = kserve.ModelInferRequest.InferInputTensor(
+        name=name, datatype=codec.datatype_of(array.dtype).name, shape=array.shape
     )
+    request = kserve.ModelInferRequest(
+        model_name=model, inputs=[tensor], raw_input_contents=[codec.encode(name, array).raw_data]
+    )
+    return request.SerializeToString()
+
+
+def make_bodies(
+    arrays: Sequence[np.ndarray], name: str, unique: bool, call: str = "predict", model: str = ""
+) -> Bodies:
+    bodies = tuple(request_body(a, name, call, model) for a in arrays)
     if not unique:
         return Bodies(bodies)
     first = arrays[0]  # unique bodies vary the first data set's values
@@ -225,9 +249,9 @@ def run_level(
     specs = [
         LevelSpec(
             targets=tuple(args.target.split(",")),
-            method=PREDICT,
+            method=MODEL_INFER if args.call == "modelinfer" else PREDICT,
             bodies=bodies,
-            call=args.call,
+            call="predict" if args.call == "modelinfer" else args.call,  # unary either way
             embedded=args.embedded,
             concurrency=int(share) if mode == "concurrency" else 0,
             rate=float(share) if mode == "rate" else 0.0,
@@ -285,8 +309,10 @@ def summarize_level(
 
 
 def sweep(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
-    name, datatype = model_input(args.target.split(",")[0], args.input_name, CONTROL_TIMEOUT)
-    bodies = make_bodies(load_arrays(args.data, datatype), name, args.unique)
+    target = args.target.split(",")[0]
+    name, datatype = model_input(target, args.input_name, CONTROL_TIMEOUT, args.model)
+    arrays = load_arrays(args.data, datatype)
+    bodies = make_bodies(arrays, name, args.unique, args.call, args.model)
     levels: list[tuple[str, float]] = [("concurrency", c) for c in args.concurrency or []]
     levels += [("rate", r) for r in args.rps or []]
     results: list[Level] = []

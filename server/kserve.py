@@ -90,6 +90,9 @@ class KServeCodec:
         outputs = []
         for output in request.outputs:
             label = f"output {output.name!r}"
+            if not output.parameters:
+                outputs.append(output.name)
+                continue
             if "classification" in output.parameters:
                 raise InvalidInput(
                     f"{label} asks for classification, which Sluice does not serve; "
@@ -137,11 +140,15 @@ def _decode(tensor: kpb.ModelInferRequest.InferInputTensor, raw: bytes | None) -
             f"{label} has unknown datatype {tensor.datatype!r}; "
             f"expected one of {', '.join(DATATYPES)}"
         )
-    if _SHARED_MEMORY in tensor.parameters:
+    if tensor.parameters and _SHARED_MEMORY in tensor.parameters:
         raise InvalidInput(f"{label} names a shared memory region; {_NO_SHARED_MEMORY}")
     shape = tuple(tensor.shape)
     count = _count(label, shape)
-    present = [f for f in _ALL_CONTENTS if len(getattr(tensor.contents, f))]
+    # Only a request that fills `contents` pays for looking into it (a raw one does not).
+    contents = tensor.contents if tensor.HasField("contents") else None
+    present = (
+        [f for f in _ALL_CONTENTS if len(getattr(contents, f))] if contents is not None else []
+    )
     if raw is not None:
         if present:
             raise InvalidInput(
@@ -162,7 +169,7 @@ def _decode(tensor: kpb.ModelInferRequest.InferInputTensor, raw: bytes | None) -
             f"{label} is {dt.name} but fills contents.{present[0]}; "
             f"{dt.name} values go in contents.{field}"
         )
-    values = getattr(tensor.contents, field)
+    values = getattr(tensor.contents, field)  # empty when `contents` is absent
     if len(values) != count:
         raise InvalidInput(
             f"{label} has {len(values)} values in contents.{field} "

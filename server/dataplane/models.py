@@ -15,6 +15,7 @@ import numpy as np
 
 from sluice.core.datatypes import name_of
 from sluice.core.errors import InvalidInput, ModelNotFound
+from sluice.core.versions import version_key
 from sluice.server.dataplane import staging
 from sluice.server.dataplane.batcher import Arrays, Batcher, Trip
 from sluice.server.dataplane.engine import Engine
@@ -265,5 +266,4 @@ class Models:
 
 
 def _order(model: Model) -> tuple[int, int | str]:
-    """Versions order as numbers (Triton's directories), other names after, as text."""
-    return (1, int(model.version)) if model.version.isdigit() else (0, model.version)
+    return version_key(model.version)

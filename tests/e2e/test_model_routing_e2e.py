@@ -91,6 +91,13 @@ def test_the_balancer_lists_each_servers_models(fleet: Fleet) -> None:
     ]
     listed = {b.address: {m.name for m in b.models} for b in health.backends}
     assert listed == {fleet.a.address: SERVES["server-a"], fleet.b.address: SERVES["server-b"]}
+    with SluiceClient(fleet.balancer.address) as client:
+        alpha = client.health(model="alpha")  # one model's health: the servers serving it
+        with pytest.raises(grpc.RpcError) as unknown:
+            client.health(model="gamma")
+    assert alpha.status == "SERVING" and [m.name for m in alpha.models] == ["alpha"]
+    assert [b.address for b in alpha.backends] == [fleet.a.address]
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_each_call_lands_on_a_server_that_serves_its_model(fleet: Fleet) -> None:
