@@ -102,24 +102,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         if shutil.which("nginx"):
             configs["nginx"] = (stack.enter_context(nginx(server.address)), [])
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
-        names = list(configs)
-        for round_ in range(args.rounds):
-            shift = round_ % len(names)
-            for name in names[shift:] + names[:shift]:
-                target, extra = configs[name]
-                runs[name].append(paired.sweep_once(target, [*common, *extra]))
-                print(f"hop round {round_ + 1}/{args.rounds}: {name} done", file=sys.stderr)
+        runs = paired.alternate(configs, common, args.rounds, "hop")
     levels = args.levels.split(",")
     result: dict[str, Any] = {
         "command": "python -m sluice.perf.hop " + " ".join(argv or sys.argv[1:])
     }
-    for name, r in runs.items():
-        result[name] = {
-            f"c{c}": {k: paired.median(r, i, k) for k in ("p50", "p99", "throughput")}
-            for i, c in enumerate(levels)
-        }
-        result[name]["errors"] = sum(lv["calls"] - lv["ok"] for run in r for lv in run["levels"])
+    result.update(paired.summary(runs, levels))
     idle, busy = f"c{levels[0]}", f"c{levels[-1]}"
     direct = result["direct"]
     for name in runs:

@@ -22,14 +22,39 @@ def rounds(
     targets: Mapping[str, str], extra: Sequence[str], count: int, label: str = ""
 ) -> dict[str, list[dict[str, Any]]]:
     """Each target swept `count` times, the order rotating every round."""
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
-    names = list(targets)
+    return alternate({name: (target, ()) for name, target in targets.items()}, extra, count, label)
+
+
+def alternate(
+    configs: Mapping[str, tuple[str, Sequence[str]]],
+    common: Sequence[str],
+    count: int,
+    label: str = "",
+) -> dict[str, list[dict[str, Any]]]:
+    """Each configuration (a target and its own sweep flags, after `common`) swept `count`
+    times, the order rotating every round."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+    names = list(configs)
     for r in range(count):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
-            runs[name].append(sweep_once(targets[name], extra))
+            target, extra = configs[name]
+            runs[name].append(sweep_once(target, [*common, *extra]))
             print(f"{label} round {r + 1}/{count}: {name} done", file=sys.stderr)
     return runs
+
+
+def summary(runs: Mapping[str, Sequence[dict[str, Any]]], levels: Sequence[str]) -> dict[str, Any]:
+    """Per configuration: each level's median p50, p99 and throughput (as `c<level>`), and
+    the failed calls over all rounds."""
+    result: dict[str, Any] = {}
+    for name, r in runs.items():
+        result[name] = {
+            f"c{c}": {k: median(r, i, k) for k in ("p50", "p99", "throughput")}
+            for i, c in enumerate(levels)
+        }
+        result[name]["errors"] = sum(lv["calls"] - lv["ok"] for run in r for lv in run["levels"])
+    return result
 
 
 def median(runs: Sequence[dict[str, Any]], level: int, key: str) -> float:

@@ -175,24 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "balancer-predict": (balancer.address, []),
             "balancer-modelinfer": (balancer.address, ["--call", "modelinfer"]),
         }
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
-        names = list(configs)
-        for round_ in range(args.rounds):
-            shift = round_ % len(names)
-            for name in names[shift:] + names[:shift]:
-                target, extra = configs[name]
-                runs[name].append(paired.sweep_once(target, [*common, *extra]))
-                print(f"protocols round {round_ + 1}/{args.rounds}: {name} done", file=sys.stderr)
+        runs = paired.alternate(configs, common, args.rounds, "protocols")
     levels = args.levels.split(",")
     result: dict[str, Any] = {
         "command": "python -m sluice.perf.protocols " + " ".join(argv or sys.argv[1:])
     }
-    for name, r in runs.items():
-        result[name] = {
-            f"c{c}": {k: paired.median(r, i, k) for k in ("p50", "p99", "throughput")}
-            for i, c in enumerate(levels)
-        }
-        result[name]["errors"] = sum(lv["calls"] - lv["ok"] for run in r for lv in run["levels"])
+    result.update(paired.summary(runs, levels))
     for via in ("", "balancer-"):
         base, facade = result[f"{via}predict"], result[f"{via}modelinfer"]
         result[f"{via}modelinfer_vs_predict"] = {

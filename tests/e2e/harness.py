@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
@@ -27,6 +28,7 @@ __all__ = [
     "Process",
     "alive",
     "children",
+    "grpcurl",
     "hold_the_instance",
     "kill_strays",
     "module_argv",
@@ -53,6 +55,18 @@ def server_argv(*extra: str, node_id: str = "test-node", model: Path | None = No
 def running_server(*extra: str, node_id: str = "test-node") -> Iterator[Process]:
     with running(server_argv(*extra, node_id=node_id)) as proc:
         yield proc
+
+
+def grpcurl(*args: str) -> str:
+    """grpcurl's output (the binary the dev extra installs), plaintext; raises on failure."""
+    out = subprocess.run(
+        [str(BIN / "grpcurl"), "-plaintext", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return out.stdout
 
 
 def wait_for(probe: Callable[[], T | None], what: str, timeout: float = 30.0) -> T:

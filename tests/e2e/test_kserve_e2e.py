@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from sluice.v1 import inference_pb2 as pb
 from tests.conftest import SAMPLES, scale_model
-from tests.e2e.harness import BIN, Process, running, server_argv
+from tests.e2e.harness import Process, grpcurl, running, server_argv
 
 pytestmark = pytest.mark.e2e
 
@@ -227,17 +226,6 @@ def test_model_infer_on_a_predict_stream(server: Process, reference: ort.Inferen
     assert_matches(response, reference, x)
     assert replies[2].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "size 3 in dimension 1" in replies[2].message
-
-
-def grpcurl(*args: str) -> str:
-    out = subprocess.run(
-        [str(BIN / "grpcurl"), "-plaintext", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return out.stdout
 
 
 def test_grpcurl_list_describe_and_model_infer(

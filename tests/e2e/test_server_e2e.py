@@ -15,7 +15,7 @@ from sluice.models import Sample
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import SAMPLES
-from tests.e2e.harness import BIN, Process
+from tests.e2e.harness import BIN, Process, grpcurl
 
 pytestmark = pytest.mark.e2e
 
@@ -91,17 +91,6 @@ def test_cli_reports_errors_readably(server: Process) -> None:
     assert out.returncode == 1
     assert "INVALID_ARGUMENT" in out.stderr and "needs 64" in out.stderr
     assert "Traceback" not in out.stderr
-
-
-def grpcurl(*args: str) -> str:
-    out = subprocess.run(
-        [str(BIN / "grpcurl"), "-plaintext", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return out.stdout
 
 
 def test_grpcurl_list_describe_predict_health(
