@@ -50,7 +50,8 @@ class KServeFacade:
         self.service = service
         self.version = _version()
 
-    def handler(self) -> grpc.GenericRpcHandler[bytes, bytes]:
+    def methods(self) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]:
+        """inference.GRPCInferenceService's handlers by method name."""
         methods: dict[str, Handler] = {
             "ServerLive": self.server_live,
             "ServerReady": self.server_ready,
@@ -59,9 +60,7 @@ class KServeFacade:
             "ModelMetadata": self.model_metadata,
             INFER: self.model_infer,
         }
-        return grpc.method_handlers_generic_handler(
-            SERVICE, {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()}
-        )
+        return {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()}
 
     async def model_infer(self, body: bytes, context: Context) -> bytes:
         return await self.service.unary(body, context, INFER)

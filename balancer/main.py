@@ -115,11 +115,10 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
     is_worker = bool(os.environ.get(WORKER_ENV))
     reuseport = settings.workers > 1 or is_worker
     server, health_servicer = new_server(
-        service.handler(),
+        {SERVICE: service.methods(), KSERVE: KServeFacade(service).methods()},
         max_message_bytes=settings.max_message_bytes,
         reuseport=reuseport,
         max_pending_calls=settings.max_pending_calls,
-        services={KSERVE: KServeFacade(service).handler()},
     )
     try:
         if reuseport and not is_worker:

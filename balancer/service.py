@@ -99,16 +99,14 @@ class BalancerService:
         # A stream that broke before the reply fails its calls with StreamBroken.
         self.planner = Planner(pool, budget, Reply, broken=(StreamBroken,), clock=clock)
 
-    def handler(self) -> grpc.GenericRpcHandler[bytes, bytes]:
-        return grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "Predict": grpc.unary_unary_rpc_method_handler(self.predict),
-                "PredictStream": grpc.stream_stream_rpc_method_handler(self.predict_stream),
-                "Health": grpc.unary_unary_rpc_method_handler(self.health),
-                "Metadata": grpc.unary_unary_rpc_method_handler(self.metadata),
-            },
-        )
+    def methods(self) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]:
+        """sluice.v1.Inference's handlers by method name."""
+        return {
+            "Predict": grpc.unary_unary_rpc_method_handler(self.predict),
+            "PredictStream": grpc.stream_stream_rpc_method_handler(self.predict_stream),
+            "Health": grpc.unary_unary_rpc_method_handler(self.health),
+            "Metadata": grpc.unary_unary_rpc_method_handler(self.metadata),
+        }
 
     def _deadline(self, remaining: float | None) -> float | None:
         """The call's deadline on our clock; `default_timeout_s` for a call that has none."""

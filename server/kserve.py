@@ -264,6 +264,10 @@ class KServeService:
         service.stream_methods[INFER] = self.model_infer
 
     def handler(self) -> grpc.GenericRpcHandler[bytes, bytes]:
+        return grpc.method_handlers_generic_handler(SERVICE, self.methods())
+
+    def methods(self) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]:
+        """inference.GRPCInferenceService's handlers by method name."""
         methods: dict[str, Method] = {
             "ServerLive": self.server_live,
             "ServerReady": self.server_ready,
@@ -275,13 +279,12 @@ class KServeService:
             "RepositoryModelLoad": self.repository_load,
             "RepositoryModelUnload": self.repository_unload,
         }
-        handlers = {
+        return {
             name: grpc.unary_unary_rpc_method_handler(
                 self.service.wrap(fn, counted=name == INFER, method=name)
             )
             for name, fn in methods.items()
         }
-        return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     async def model_infer(self, body: bytes, call: Call) -> bytes:
         return await self.service.infer(body, KSERVE, call)

@@ -110,11 +110,10 @@ async def serve(settings: ServerSettings) -> int:
             log.error("--metrics-port %d: %s", settings.metrics_port, exc)
             return 1
     server, health_servicer = new_server(
-        service.handler(),
+        {SERVICE: service.methods(), KSERVE: kserve.methods()},
         max_message_bytes=settings.max_message_bytes,
         reuseport=False,
         max_pending_calls=settings.max_pending_calls,
-        services={KSERVE: kserve.handler()},
     )
     port = bind(server, settings.host, settings.port)
     await server.start()

@@ -9,7 +9,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -48,6 +48,7 @@ class Call:
 
 
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
+Methods: TypeAlias = "dict[str, grpc.RpcMethodHandler[bytes, bytes]]"
 Method = Callable[[bytes, Call], Awaitable[bytes]]
 
 
@@ -71,6 +72,10 @@ class InferenceService:
         self.stream_methods: dict[str, Method] = {"": self.predict}
 
     def handler(self) -> grpc.GenericRpcHandler[bytes, bytes]:
+        return grpc.method_handlers_generic_handler(SERVICE, self.methods())
+
+    def methods(self) -> Methods:
+        """sluice.v1.Inference's handlers by method name."""
         methods: dict[str, Method] = {
             "Predict": self.predict,
             "Health": self.health,
@@ -81,7 +86,7 @@ class InferenceService:
             for name, fn in methods.items()
         }
         handlers["PredictStream"] = grpc.stream_stream_rpc_method_handler(self.predict_stream)
-        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+        return handlers
 
     def start_draining(self) -> None:
         """Report NOT_SERVING, refuse new stream calls (retryable elsewhere), and let each

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Mapping
+from typing import TypeAlias
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -12,7 +13,6 @@ from grpc_reflection.v1alpha import reflection
 
 from sluice.core.errors import SluiceError
 from sluice.runtime.health import HealthService
-from sluice.v1 import inference_pb2
 
 # grpc core holds each call that arrives before the application asks for one (grpc.aio asks
 # for one call at a time, from its event loop) in a FIFO pending queue, and drops calls past
@@ -25,17 +25,19 @@ from sluice.v1 import inference_pb2
 MAX_PENDING_CALLS = 20_000
 
 
+# A service's handlers by method name (grpc's classes are generic only to type checkers).
+Methods: TypeAlias = "Mapping[str, grpc.RpcMethodHandler[bytes, bytes]]"
+
+
 def new_server(
-    handler: grpc.GenericRpcHandler[bytes, bytes],
+    services: Mapping[str, Methods],
     *,
     max_message_bytes: int,
     reuseport: bool,
     max_pending_calls: int = MAX_PENDING_CALLS,
-    services: Mapping[str, grpc.GenericRpcHandler[bytes, bytes]] | None = None,
 ) -> tuple[grpc.aio.Server, HealthService]:
-    """A server with `handler` (sluice.v1.Inference) and `services` (more services, by their
-    full names: the server's KServe v2 API), health, and reflection of all of them."""
-    services = services or {}
+    """A server with `services` (full service name -> its handlers by method name), health,
+    and reflection of all of them."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -52,12 +54,14 @@ def new_server(
             ("grpc.server.max_pending_requests_hard_limit", max_pending_calls),
         ]
     )
-    server.add_generic_rpc_handlers([handler, *services.values()])
+    # Registered, not generic: grpc core matches each method itself. Generic handlers are
+    # asked in turn, and a call of the second service paid ~5% of its throughput for it.
+    for name, methods in services.items():
+        server.add_registered_method_handlers(name, dict(methods))  # type: ignore[attr-defined]
     health = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         [
-            inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
             *services,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
