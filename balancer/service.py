@@ -36,9 +36,10 @@ SERVICE = "sluice.v1.Inference"
 METADATA = f"/{SERVICE}/Metadata"
 INFER = "ModelInfer"  # StreamRequest.method of a KServe v2 ModelInferRequest body
 # Where each kind of body names its model and version: (field numbers, message name).
+# A call's model, version and per-call id (0: none) fields, by method, and its message.
 ROUTE_FIELDS = {
-    "": ((4, 5), "sluice.v1.PredictRequest"),
-    INFER: ((1, 2), "inference.ModelInferRequest"),
+    "": ((4, 5, 0), "sluice.v1.PredictRequest"),
+    INFER: ((1, 2, 3), "inference.ModelInferRequest"),
 }
 # Trace context passes through as it came; with tracing on, each attempt's replaces it.
 FORWARDED = ("x-request-id", NO_CACHE_HEADER, *tracing.HEADERS)
@@ -48,15 +49,20 @@ NO_METADATA: Mapping[str, str] = {}
 Context = grpc.aio.ServicerContext[bytes, bytes]
 
 
-def wanted(body: bytes, fields: tuple[int, int], kind: str) -> Want:
-    """The model and version a `kind` message names in its string fields `fields`;
-    InvalidInput when the body is no protobuf message, as the server would refuse it."""
-    model, version = fields
+def wanted(body: bytes, fields: tuple[int, int, int], kind: str) -> tuple[Want, bytes]:
+    """The model and version a `kind` message names in its string fields `fields`, and the
+    bytes its affinity key is taken of: the body less its per-call id field, if it has one
+    (KServe's `id`), so identical inputs meet on one server whatever ids callers give them,
+    as the server's cache keys leave the id out too. InvalidInput when the body is no
+    protobuf message, as the server would refuse it."""
+    model, version, call_id = fields
     try:
-        found = peek.spans(body, (model, version))
-        return Want(peek.text(body, found.get(model)), peek.text(body, found.get(version)))
+        found = peek.spans(body, fields)
+        want = Want(peek.text(body, found.get(model)), peek.text(body, found.get(version)))
     except peek.Malformed as exc:
         raise InvalidInput(f"request body is not a valid {kind}: {exc}") from None
+    cut = found.get(call_id) if call_id else None
+    return want, body if cut is None else body[: cut[0]] + body[cut[2] :]
 
 
 def send(
@@ -188,17 +194,19 @@ class BalancerService:
         started = self.stats.begin()
         forwarded = {k: metadata[k] for k in FORWARDED if k in metadata}
         try:
-            want = wanted(body, *ROUTE_FIELDS[method])
+            want, keyed = wanted(body, *ROUTE_FIELDS[method])
         except InvalidInput as exc:
             self.stats.end(started, "INVALID_ARGUMENT")
             return Reply(Code.INVALID_ARGUMENT, str(exc))
         try:
             if tracing.ON:
                 label = method or ("PredictStream" if stream else "Predict")
-                reply = await self._traced(body, metadata, forwarded, deadline, want, label, method)
+                reply = await self._traced(
+                    body, keyed, metadata, forwarded, deadline, want, label, method
+                )
             else:
                 reply = await self.planner.run(
-                    affinity_key(body, metadata),
+                    affinity_key(keyed, metadata),
                     deadline,
                     lambda backend, left: send(backend, body, forwarded, left, method),
                     want,
@@ -212,6 +220,7 @@ class BalancerService:
     async def _traced(
         self,
         body: bytes,
+        keyed: bytes,
         metadata: Mapping[str, str],
         forwarded: dict[str, str],
         deadline: float | None,
@@ -223,7 +232,7 @@ class BalancerService:
         `metadata` names (tracing on). Each attempt is a CLIENT span of its own, with the
         routing decision (backend, affinity or least-loaded, why; a retry says after what),
         and its context goes to the server in place of the caller's."""
-        key = affinity_key(body, metadata)
+        key = affinity_key(keyed, metadata)
         stream = label == "PredictStream"
         with tracing.server_span(SPAN, metadata, label) as span:
             span.set_attribute("sluice.node_id", self.node_id)
@@ -291,7 +300,7 @@ class BalancerService:
     async def metadata(self, body: bytes, context: Context) -> bytes:
         """Metadata from a usable backend that serves the model asked for."""
         try:
-            want = wanted(body, (1, 2), "sluice.v1.MetadataRequest")
+            want, _ = wanted(body, (1, 2, 0), "sluice.v1.MetadataRequest")
         except InvalidInput as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         reply = await self.ask(METADATA, body, want, context.time_remaining())

@@ -229,7 +229,7 @@ class IndexEntry(Protocol):
     @property
     def version(self) -> str: ...
     @property
-    def state(self) -> str: ...  # READY, UNAVAILABLE, LOADING, UNLOADING
+    def state(self) -> str: ...  # READY, UNAVAILABLE or LOADING
     @property
     def reason(self) -> str: ...
 

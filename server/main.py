@@ -77,7 +77,11 @@ async def serve(settings: ServerSettings) -> int:
         for name, path in settings.models()
     ]
     default = settings.default_model or (served[0].name if served else "")
-    models = Models(served, default=default)
+    try:
+        models = Models(served, default=default)
+    except ValueError as exc:  # two --model files whose graphs have one name
+        log.error("%s: name them (--model NAME=PATH)", exc)
+        return 1
     repository = None
     if settings.model_repository:
         repository = Repository(
@@ -172,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with asyncio.Runner(loop_factory=event_loop) as runner:
             return runner.run(serve(settings))
-    except (SluiceError, FileNotFoundError, ValueError) as exc:
+    except (SluiceError, FileNotFoundError) as exc:
         log.error("%s", exc)
         return 1
     except KeyboardInterrupt:

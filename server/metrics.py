@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from sluice.core.stats import Histogram
 from sluice.runtime.metrics import ROWS, RUN_SECONDS, SECONDS, histogram_family
+from sluice.server.dataplane.batcher import BatcherStats
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.models import Model, Models
 
@@ -26,8 +27,9 @@ class DataplaneCollector(Collector):
         self.wait = Histogram(SECONDS)
         self.run = Histogram(RUN_SECONDS)
         self.rows = Histogram(ROWS)
-        self.gone_rejected = 0  # of models unloaded since
-        self.gone_expired = 0
+        # The stats of models taken out of service, kept (not their batchers: those hold
+        # sessions): a retiring model still counts what it refuses while it finishes.
+        self.gone: list[BatcherStats] = []
         for model in models:
             self.installed(model)
         models.listeners.append(self)
@@ -41,11 +43,11 @@ class DataplaneCollector(Collector):
         model.batcher.on_run = self._ran
 
     def removed(self, model: Model) -> None:
-        self.gone_rejected += model.batcher.stats.rejected
-        self.gone_expired += model.batcher.stats.expired
+        self.gone.append(model.batcher.stats)
 
     def collect(self) -> Iterator[Metric]:
         batchers, cache = [m.batcher for m in self.models], self.cache
+        stats = [b.stats for b in batchers] + self.gone
         yield GaugeMetricFamily(
             "sluice_queue_depth",
             "requests waiting in the batcher queue",
@@ -63,12 +65,12 @@ class DataplaneCollector(Collector):
         yield CounterMetricFamily(
             "sluice_admission_refused",
             "requests refused at the door: queue full, or no time to answer before the deadline",
-            value=self.gone_rejected + sum(b.stats.rejected for b in batchers),
+            value=sum(s.rejected for s in stats),
         )
         yield CounterMetricFamily(
             "sluice_expired",
             "requests dropped in the queue: their deadline passed while waiting",
-            value=self.gone_expired + sum(b.stats.expired for b in batchers),
+            value=sum(s.expired for s in stats),
         )
         yield CounterMetricFamily("sluice_cache_hits", "result cache hits", value=cache.hits)
         yield CounterMetricFamily("sluice_cache_misses", "result cache misses", value=cache.misses)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
-from sluice.server.dataplane.repository import Config, LoadFailed, VersionPolicy
+from sluice.core.errors import LoadFailed
+from sluice.server.dataplane.repository import Config, VersionPolicy
 from sluice.v1 import model_config_pb2 as pb
 
 log = logging.getLogger("sluice.modelconfig")

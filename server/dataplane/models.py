@@ -202,7 +202,7 @@ class Models:
         """Make `model` ready; returns the version it replaced (same name and version)."""
         versions = self._versions.setdefault(model.name, {})
         replaced = versions.get(model.version)
-        # One assignment each: a call between them sees a consistent old or new set.
+        # No await between the two: no call sees one updated without the other.
         self._versions[model.name] = {**versions, model.version: model}
         self._newest[model.name] = max(self._versions[model.name].values(), key=_order)
         for listener in self.listeners:

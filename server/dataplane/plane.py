@@ -160,7 +160,9 @@ class Dataplane:
     async def _store(
         self, key: bytes, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None
     ) -> Entry:
-        entry = await self._entry(model, body, codec, deadline)
+        # The shared computation holds the model itself: its callers may all cancel and
+        # release theirs while it still runs (or waits in the batcher).
+        entry = await self._held(model, self._entry(model, body, codec, deadline))
         self.cache.put(key, entry)
         return entry
 

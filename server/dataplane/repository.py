@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 
-from sluice.core.errors import ModelNotFound, SluiceError
+from sluice.core.errors import LoadFailed, ModelNotFound
 from sluice.server.dataplane.batcher import Batcher
 from sluice.server.dataplane.engine import Engine
 from sluice.server.dataplane.models import Model, Models
@@ -34,10 +34,6 @@ READY, UNAVAILABLE, LOADING = "READY", "UNAVAILABLE", "LOADING"
 # A file as the poll saw it: (mtime_ns, size) of the model file and of config.pbtxt (None when
 # absent). A change to either reloads the version.
 Stamp = tuple[tuple[int, int], tuple[int, int] | None]
-
-
-class LoadFailed(SluiceError):
-    """A model file or config in the repository could not be loaded or failed its check."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +118,7 @@ async def load_model(
     """Load `path` as `name` version `version`, check it and warm up every instance with one
     run of zeros; raises LoadFailed naming the file and why. Serving goes on meanwhile: the
     sessions are built in a thread."""
+    before = _stat(path)  # the file's identity, in the cache key (see below)
     building = asyncio.ensure_future(
         asyncio.to_thread(
             Engine,
@@ -151,10 +148,13 @@ async def load_model(
         budget_s=budget_s,
         max_queue=defaults.max_queue,
     )
-    # A file rewritten in place keeps its version: its stat keeps the cache from answering
-    # with the old file's results.
-    stat = _stat(path)
-    tag = f"{stat[0]}:{stat[1]}" if stat else ""
+    # A file rewritten in place keeps its version: its stat, in the cache key, keeps the old
+    # file's answers from being served. Rewritten while it loaded: which bytes were read is
+    # unknown, so it is refused now and tried again once it holds still.
+    if _stat(path) != before:
+        engine.close()
+        raise LoadFailed(f"{path}: the file changed while it loaded")
+    tag = f"{before[0]}:{before[1]}" if before else ""
     model = Model(engine, batcher, name=name, version=str(version), tag=tag)
     try:
         await asyncio.to_thread(warm_up, model)
@@ -411,7 +411,10 @@ class Repository:
                 continue
             for sub in subs:
                 # Triton's versions are positive integers; anything else is not a version.
-                if not sub.name.isdigit() or int(sub.name) <= 0 or not sub.is_dir():
+                # Plain ASCII numbers only: '²' is a digit to isdigit() but not to int(),
+                # and '03' would be a second version 3.
+                canonical = sub.name.isascii() and sub.name.isdigit() and sub.name[0] != "0"
+                if not canonical or not sub.is_dir():
                     continue
                 path = sub / config_or_error.default_model_filename
                 stamp = _stat(path) if path.is_file() else None

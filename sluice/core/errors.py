@@ -34,6 +34,13 @@ class Unimplemented(SluiceError):
     status = "UNIMPLEMENTED"
 
 
+class LoadFailed(SluiceError):
+    """A model file or its config could not be loaded, or failed its check run: the
+    request to load it was fine, the repository's content is not."""
+
+    status = "FAILED_PRECONDITION"
+
+
 class ModelFailed(SluiceError):
     """ONNX Runtime failed while running valid input."""
 

@@ -229,6 +229,11 @@ class Plan(Generic[R]):
             self.refusal = answer
         elif rule is _MISSING:
             self.refusal = answer
+            # Only a server whose models were learned was thought to have it (and may have
+            # just unloaded it); where nothing is learned, every server would be asked in
+            # turn, and a misspelt name would spend the retry budget others need.
+            if attempt.backend.models is None:
+                return answer
         elif answer.code == 0 and self._planner.limits:
             self._planner.limits.answered(attempt.backend)
         if not rule.retry:

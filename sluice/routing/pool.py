@@ -127,8 +127,10 @@ class Route:
     refusal: Choice | None = None  # no backend can serve it: the answer
 
 
-# Routes kept at most: callers name models, and names nobody serves must not grow memory.
+# Routes kept at most: callers name models, and names nobody serves must not grow memory;
+# a longer name than any model has is refused, and a refusal is not kept.
 MAX_ROUTES = 1024
+MAX_NAME = 256
 
 
 class Pool:
@@ -234,10 +236,14 @@ class Pool:
         found = self._routes.get(want)
         if found is not None and found.generation == self._generation:
             return found
+        if len(want.model) > MAX_NAME or len(want.version) > MAX_NAME:
+            why = f"a model name or version longer than {MAX_NAME} characters"
+            return Route(self._generation, [], self.ring, Choice(None, why, Code.INVALID_ARGUMENT))
         found = self._route(want)
-        if len(self._routes) >= MAX_ROUTES:
-            self._routes.clear()
-        self._routes[want] = found
+        if found.refusal is None:
+            if len(self._routes) >= MAX_ROUTES:
+                self._routes.clear()
+            self._routes[want] = found
         return found
 
     def _route(self, want: Want) -> Route:

@@ -7,6 +7,10 @@ from __future__ import annotations
 from collections.abc import Collection
 
 Span = tuple[int, int, int]  # the field's tag start, its value's start and end
+# Real Predict and ModelInfer bodies have a handful of top-level fields (one per input or
+# output at most); walking more in Python would let one crafted 64 MiB body of two-byte
+# fields hold the event loop for many seconds.
+MAX_FIELDS = 4096
 
 
 class Malformed(ValueError):
@@ -30,8 +34,11 @@ def spans(body: bytes, wanted: Collection[int]) -> dict[int, Span]:
     """The last occurrence of each wanted length-delimited top-level field (the one a parser
     keeps), by field number. Raises Malformed on bytes no parser would take."""
     found: dict[int, Span] = {}
-    at, size = 0, len(body)
+    at, size, fields = 0, len(body), 0
     while at < size:
+        fields += 1
+        if fields > MAX_FIELDS:
+            raise Malformed(f"more than {MAX_FIELDS} top-level fields")
         start = at
         key, at = _varint(body, at)
         number, wire = key >> 3, key & 7

@@ -231,6 +231,27 @@ def test_a_not_found_is_retried_on_another_that_serves_it_and_is_no_fault() -> N
         assert backend.failures == 0 and backend.in_flight == 0
 
 
+def test_a_not_found_from_a_server_whose_models_are_unknown_is_the_answer() -> None:
+    # Nothing learned (a client balancing itself, or servers not heard from yet): asking
+    # every server in turn would spend the retry budget on a misspelt name.
+    pool = pool_of({"a:1": (None, ""), "b:1": (None, ""), "c:1": (None, "")})
+    p = planner_of(pool)
+    gone = Reply(Code.NOT_FOUND, "unknown model 'alhpa'")
+    script = Script({a: [gone] for a in pool.backends})
+    reply = asyncio.run(p.run(7, None, script, Want("alhpa")))
+    assert reply is gone and len(script.sent) == 1 and p.budget.retries == 0
+
+
+def test_invented_names_cost_no_memory() -> None:
+    pool = fleet()
+    for i in range(50):
+        assert pool.route(Want(f"nobody-{i}")).refusal is not None
+    assert pool.route(Want("x" * 300)).refusal.code == Code.INVALID_ARGUMENT  # type: ignore[union-attr]
+    assert len(pool._routes) == 0  # refusals are not kept
+    pool.route(Want("alpha"))
+    assert len(pool._routes) == 1
+
+
 def test_the_pools_refusals_answer_at_once() -> None:
     pool = fleet()
     p = planner_of(pool)
@@ -244,10 +265,15 @@ def test_the_pools_refusals_answer_at_once() -> None:
 
 def test_a_body_names_its_model_and_version_on_the_wire() -> None:
     body = pb.PredictRequest(model="alpha", version="2", typed_outputs=True).SerializeToString()
-    assert wanted(body, *ROUTE_FIELDS[""]) == Want("alpha", "2")
-    assert wanted(pb.PredictRequest().SerializeToString(), *ROUTE_FIELDS[""]) == Want()
+    assert wanted(body, *ROUTE_FIELDS[""]) == (Want("alpha", "2"), body)
+    assert wanted(pb.PredictRequest().SerializeToString(), *ROUTE_FIELDS[""])[0] == Want()
     infer = kpb.ModelInferRequest(model_name="beta", model_version="1", id="x")
-    assert wanted(infer.SerializeToString(), *ROUTE_FIELDS[INFER]) == Want("beta", "1")
+    want, keyed = wanted(infer.SerializeToString(), *ROUTE_FIELDS[INFER])
+    assert want == Want("beta", "1")
+    # The affinity key leaves the call's id out: the same inputs meet on one server.
+    other = kpb.ModelInferRequest(model_name="beta", model_version="1", id="another")
+    assert wanted(other.SerializeToString(), *ROUTE_FIELDS[INFER])[1] == keyed
+    assert keyed == kpb.ModelInferRequest(model_name="beta", model_version="1").SerializeToString()
     with pytest.raises(InvalidInput, match=r"not a valid inference\.ModelInferRequest"):
         wanted(b"\xff\xff\xff", *ROUTE_FIELDS[INFER])
 

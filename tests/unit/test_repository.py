@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from sluice.core.errors import ModelNotFound
+from sluice.core.errors import LoadFailed, ModelNotFound
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.repository import (
     LOADING,
@@ -23,7 +23,6 @@ from sluice.server.dataplane.repository import (
     Config,
     Defaults,
     IndexEntry,
-    LoadFailed,
     Repository,
     VersionPolicy,
     load_model,
@@ -113,6 +112,8 @@ async def test_scan_finds_the_layout_and_ignores_junk(tmp_path: Path) -> None:
     put(tmp_path, "m", 0, scale(9))  # not a version: they are positive
     put(tmp_path, "m", "abc", scale(9))
     put(tmp_path, "m", 2, b"", file="other.onnx")  # no model.onnx: not a version
+    put(tmp_path, "m", "²", scale(9))  # a digit to isdigit(), not to int()
+    put(tmp_path, "m", "01", scale(9))  # would be a second version 1
     (tmp_path / "m" / "notes.txt").write_text("hi")
     (tmp_path / "README").write_text("not a model")
     put(tmp_path, ".hidden", 1, scale(9))
