@@ -17,13 +17,16 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import ExitStack
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -40,6 +43,7 @@ from sluice.server.kserve import KServeService
 from sluice.server.service import InferenceService
 
 MODEL = "digits"
+GRPC = ("-H", "content-type: application/grpc", "-H", "te: trailers")  # h2load's headers
 
 
 class _Context:
@@ -135,6 +139,44 @@ def instructions(calls: int) -> dict[str, float]:
     return per_call
 
 
+def h2load(address: str, rounds: int, calls: int, in_flight: int) -> dict[str, list[float]]:
+    """Calls/s of each protocol from h2load (nghttp2's C client, one connection, `in_flight`
+    streams), replaying one gRPC-framed body, in alternating rounds: a load generator that
+    costs the two cores little next to the Python one."""
+    x = models.samples()[0].input
+    paths = {"predict": "/sluice.v1.Inference/Predict", "modelinfer": MODEL_INFER}
+    rates: dict[str, list[float]] = {name: [] for name in paths}
+    with tempfile.TemporaryDirectory() as folder:
+        for name in paths:
+            body = request_body(x, "input", name, MODEL)
+            (Path(folder) / name).write_bytes(b"\0" + struct.pack(">I", len(body)) + body)
+        for r in range(rounds):
+            for name in list(paths)[:: 1 if r % 2 == 0 else -1]:
+                data, url = str(Path(folder) / name), f"http://{address}{paths[name]}"
+                out = subprocess.run(
+                    [
+                        "h2load",
+                        "-n",
+                        str(calls),
+                        "-c",
+                        "1",
+                        "-m",
+                        str(in_flight),
+                        *GRPC,
+                        "-d",
+                        data,
+                        url,
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+                found = re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out)
+                assert found and f"{calls} 2xx" in out, out
+                rates[name].append(float(found[1]))
+    return rates
+
+
 def run_loop(name: str, n: int) -> None:
     async def go() -> None:
         async with handler_loops() as loops:
@@ -153,6 +195,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--instructions",
         action="store_true",
         help="also count instructions per call of each path with valgrind (slow: ~1 min)",
+    )
+    parser.add_argument(
+        "--h2load",
+        action="store_true",
+        help="also compare the two with h2load against the server (when it is installed)",
     )
     parser.add_argument("--loop", nargs=2, metavar=("PROTOCOL", "N"), help=argparse.SUPPRESS)
     parser.add_argument("--out", default="")
@@ -176,6 +223,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "balancer-modelinfer": (balancer.address, ["--call", "modelinfer"]),
         }
         runs = paired.alternate(configs, common, args.rounds, "protocols")
+        if args.h2load and shutil.which("h2load"):
+            rates = h2load(server.address, args.rounds, 10_000, 32)
+            medians = {name: statistics.median(r) for name, r in rates.items()}
+            h2 = {
+                "calls_per_s": rates,
+                "modelinfer_vs_predict": (medians["modelinfer"] / medians["predict"]),
+            }
     levels = args.levels.split(",")
     result: dict[str, Any] = {
         "command": "python -m sluice.perf.protocols " + " ".join(argv or sys.argv[1:])
@@ -190,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             for c in levels
         }
+    if args.h2load and shutil.which("h2load"):
+        result["h2load_c32"] = h2
     result["path_us_per_call"] = cost = path_cost(args.iterations)
     result["path_modelinfer_vs_predict"] = cost["modelinfer"] / cost["predict"]
     if args.instructions:
