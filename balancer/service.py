@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from sluice.balancer.upstream import Upstream
 from sluice.core.calls import check_request_id, stream_timeout
 from sluice.core.errors import Code, InvalidInput, status_name
 from sluice.core.keys import NO_CACHE_HEADER, OVERLOADED, REFUSED_HEADER, affinity_key
@@ -44,6 +45,7 @@ ROUTE_FIELDS = {
 # Trace context passes through as it came; with tracing on, each attempt's replaces it.
 FORWARDED = ("x-request-id", NO_CACHE_HEADER, *tracing.HEADERS)
 SPAN = "sluice.balancer/Predict"  # with tracing: one SERVER span per call ...
+SPANS = {INFER: ("sluice.balancer/ModelInfer", "inference.GRPCInferenceService")}
 ATTEMPT = "sluice.balancer/attempt"  # ... and a CLIENT span per attempt
 NO_METADATA: Mapping[str, str] = {}
 Context = grpc.aio.ServicerContext[bytes, bytes]
@@ -68,11 +70,9 @@ def wanted(body: bytes, fields: tuple[int, int, int], kind: str) -> tuple[Want, 
 def send(
     backend: Backend, body: bytes, headers: Mapping[str, str], left: float | None, method: str
 ) -> Awaitable[Reply]:
-    """One attempt over `backend`'s streams. A Predict goes as it always did (a transport
-    that carries Predict alone need not know `method`)."""
-    if method:
-        return backend.transport.predict(body, headers, left, method)  # type: ignore[no-any-return]
-    return backend.transport.predict(body, headers, left)  # type: ignore[no-any-return]
+    """One attempt over `backend`'s multiplexed streams (the transport is an Upstream)."""
+    transport: Upstream = backend.transport
+    return transport.predict(body, headers, left, method)
 
 
 def refusal(metadata: Mapping[str, str], timeout_s: float = 0.0) -> str | None:
@@ -234,7 +234,8 @@ class BalancerService:
         and its context goes to the server in place of the caller's."""
         key = affinity_key(keyed, metadata)
         stream = label == "PredictStream"
-        with tracing.server_span(SPAN, metadata, label) as span:
+        name, service = SPANS.get(method, (SPAN, SERVICE))
+        with tracing.server_span(name, metadata, label, service) as span:
             span.set_attribute("sluice.node_id", self.node_id)
             if stream:
                 span.set_attribute(tracing.STREAM, True)

@@ -23,6 +23,7 @@ from sluice.balancer.service import ATTEMPT, BalancerService
 from sluice.client import AsyncSluiceClient, SluiceClient
 from sluice.client.client import SPAN as CLIENT_SPAN
 from sluice.core.errors import DeadlineExpired
+from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Pool
 from sluice.runtime import tracing
@@ -624,7 +625,9 @@ class FakeUpstream:
         self.replies = replies
         self.sent: list[dict[str, str]] = []
 
-    async def predict(self, body: bytes, metadata: dict[str, str], timeout: float | None) -> Reply:
+    async def predict(
+        self, body: bytes, metadata: dict[str, str], timeout: float | None, method: str = ""
+    ) -> Reply:
         self.sent.append(dict(metadata))
         return self.replies.pop(0)
 
@@ -687,6 +690,18 @@ def test_the_balancer_routes_no_cache_calls_by_load(spans: InMemorySpanExporter)
     assert attempt.attributes is not None
     assert attempt.attributes["sluice.routing"] == "least-loaded"
     assert only(spans, "sluice.balancer/Predict").parent is None
+
+
+def test_the_balancer_names_a_model_infer_span_for_its_service(
+    spans: InMemorySpanExporter,
+) -> None:
+    service, _ = balancer({"a:1": [Reply(0, body=b"ok")]})
+    body = kpb.ModelInferRequest(model_name="digits").SerializeToString()
+    assert asyncio.run(service.forward(body, {}, None, method="ModelInfer")).body == b"ok"
+    call = only(spans, "sluice.balancer/ModelInfer")
+    assert call.attributes is not None
+    assert call.attributes["rpc.service"] == "inference.GRPCInferenceService"
+    assert call.attributes["rpc.method"] == "ModelInfer"
 
 
 def test_off_the_balancer_passes_the_callers_context_on() -> None:
