@@ -27,12 +27,14 @@ from sluice.routing.pool import Backend, OutlierSettings, Pool
 from sluice.runtime import config, metrics, refusals, tracing
 from sluice.runtime.listener import bind, check_port_free, new_server
 from sluice.runtime.process import event_loop, return_large_blocks, setup_logging
-from sluice.runtime.supervise import SLOT_ENV, Supervisor, attach_to_parent
+from sluice.runtime.supervise import SLOT_ENV, attach_to_parent
+from sluice.runtime.workers import Workers
 
 log = logging.getLogger("sluice.balancer")
 WORKER_ENV = "SLUICE_BALANCER_WORKER"  # set in the extra worker processes
 WORKERS_ENV = "SLUICE_BALANCER_WORKERS"  # in a worker: how many processes there are in all
 WORKER_SLOT_ENV = SLOT_ENV  # in a worker: its slot among the extra processes (supervisor)
+WORKERS = Workers("sluice.balancer.main", WORKER_ENV, WORKERS_ENV, "balancer worker")
 
 
 async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
@@ -138,7 +140,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
                     RoutingCollector(pool, budget, service.planner),
                 ),
                 settings.host,
-                metrics_ports(settings.metrics_port, is_worker),
+                WORKERS.metrics_ports(settings.metrics_port, is_worker),
             )
         except OSError as exc:
             log.error("--metrics-port %d: %s", settings.metrics_port, exc)
@@ -161,7 +163,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         loop.add_signal_handler(sig, stop.set)
     if is_worker:
         attach_to_parent(loop, stop.set)  # a worker does not outlive the first process
-    workers = start_workers(settings, argv, port)
+    workers = WORKERS.start(settings.workers, argv, port)
     log.info(
         "%s balancing %d backends, listening on %s:%d",
         settings.node_id,
@@ -187,44 +189,6 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         exporter.close()
     log.info("stopped after %d calls", service.stats.requests)
     return 0
-
-
-def metrics_ports(first: int, is_worker: bool) -> list[int]:
-    """The metrics port(s) this process may take: `first` for the first process, first + i
-    for worker i (1 to N-1). A worker whose slot the supervisor does not say takes the first
-    free port of the workers' range."""
-    if not is_worker:
-        return [first]
-    slot = os.environ.get(WORKER_SLOT_ENV, "")
-    if slot.isdigit():
-        return [first + 1 + int(slot)]
-    total = int(os.environ.get(WORKERS_ENV, "") or 2)
-    return [first + i for i in range(1, max(total, 2))]
-
-
-def start_workers(settings: BalancerSettings, argv: Sequence[str], port: int) -> Supervisor | None:
-    """The extra processes of --workers N, on the port this one bound (SO_REUSEPORT),
-    supervised: respawned with backoff when one dies, stopped with this one."""
-    if settings.workers <= 1 or os.environ.get(WORKER_ENV):
-        return None
-    args = [
-        sys.executable,
-        "-m",
-        "sluice.balancer.main",
-        *argv,
-        "--workers",
-        "1",
-        "--port",
-        str(port),
-    ]
-    workers = Supervisor(
-        args,
-        settings.workers - 1,
-        env={**os.environ, WORKER_ENV: "1", WORKERS_ENV: str(settings.workers)},
-        name="balancer worker",
-    )
-    workers.start()
-    return workers
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,9 +15,12 @@ from grpc_health.v1 import health_pb2
 from sluice.core.errors import SluiceError
 from sluice.runtime import config, metrics, refusals, tracing
 from sluice.runtime.health import HealthService
-from sluice.runtime.listener import bind, new_server
+from sluice.runtime.listener import bind, check_port_free, new_server
 from sluice.runtime.process import event_loop, return_large_blocks, setup_logging
+from sluice.runtime.supervise import attach_to_parent
+from sluice.runtime.workers import Workers
 from sluice.server.dataplane.cache import LRUCache
+from sluice.server.dataplane.engine import CUDA, choose_providers
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Dataplane
 from sluice.server.dataplane.repository import Config, Defaults, Repository, load_model
@@ -59,7 +62,10 @@ class Readiness:
     installed = removed = _changed
 
 
-async def serve(settings: ServerSettings) -> int:
+WORKERS = Workers("sluice.server.main", "SLUICE_SERVER_WORKER", "SLUICE_SERVER_WORKERS", "worker")
+
+
+async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
     tracing.setup("sluice-server")  # on only if OTEL_TRACES_EXPORTER asks for it
     defaults = Defaults(
         device=settings.device,
@@ -108,17 +114,22 @@ async def serve(settings: ServerSettings) -> int:
                     DataplaneCollector(models, plane.cache),
                 ),
                 settings.host,
-                [settings.metrics_port],
+                WORKERS.metrics_ports(settings.metrics_port, WORKERS.is_worker()),
             )
         except OSError as exc:
             log.error("--metrics-port %d: %s", settings.metrics_port, exc)
             return 1
+    is_worker = WORKERS.is_worker()
+    count = settings.worker_count(gpu=CUDA in choose_providers(settings.device))
+    reuseport = count > 1 or is_worker
     server, health_servicer = new_server(
         {SERVICE: service.methods(), KSERVE: kserve.methods()},
         max_message_bytes=settings.max_message_bytes,
-        reuseport=False,
+        reuseport=reuseport,
         max_pending_calls=settings.max_pending_calls,
     )
+    if reuseport and not is_worker:
+        check_port_free(settings.host, settings.port)  # its workers join it; no one else
     port = bind(server, settings.host, settings.port)
     await server.start()
     ready = Readiness(health_servicer, ("", SERVICE, KSERVE), models)
@@ -131,6 +142,9 @@ async def serve(settings: ServerSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if is_worker:
+        attach_to_parent(loop, stop.set)  # a worker does not outlive the first process
+    workers = WORKERS.start(count, argv, port)
     log.info(
         "node %s serving %s (max batch %d, cache %d entries), listening on %s:%d",
         settings.node_id,
@@ -145,6 +159,8 @@ async def serve(settings: ServerSettings) -> int:
     # Tell health watchers first so balancers stop sending, then refuse new calls and
     # give in-flight ones the grace period.
     log.info("shutting down: draining for up to %.1fs", settings.drain_delay_s + settings.grace_s)
+    if workers is not None:
+        workers.forward(signal.SIGTERM)  # they drain as this one does
     service.serving = False
     ready.draining = True
     await health_servicer.shut_down()
@@ -157,6 +173,8 @@ async def serve(settings: ServerSettings) -> int:
         await repository.close()  # versions being retired finish unloading
     refusal_log.cancel()
     await plane.close()  # each model: its running batches, then its engine
+    if workers is not None:
+        await workers.stop(settings.drain_delay_s + settings.grace_s + 5.0)
     if exporter is not None:
         exporter.close()
     log.info("stopped after %d calls", service.stats.requests)
@@ -164,6 +182,7 @@ async def serve(settings: ServerSettings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         settings = config.parse(
             ServerSettings, argv, "sluice-server", "Serve an ONNX model over gRPC."
@@ -175,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return_large_blocks()
     try:
         with asyncio.Runner(loop_factory=event_loop) as runner:
-            return runner.run(serve(settings))
+            return runner.run(serve(settings, argv))
     except (SluiceError, FileNotFoundError) as exc:
         log.error("%s", exc)
         return 1

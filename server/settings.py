@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass, field
 
@@ -55,6 +56,14 @@ class ServerSettings:
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     intra_op_threads: int = field(
         default=1, metadata={"help": "ONNX Runtime threads inside one run (0: its default)"}
+    )
+    workers: str = field(
+        default="1",
+        metadata={
+            "help": "server processes sharing the port (SO_REUSEPORT), each with its own "
+            "models, cache and event loop: N, or auto (one per core on the CPU; 1 on a GPU, "
+            "where each process would hold its own CUDA context and copy of the model)"
+        },
     )
     instances: int = field(
         default=1, metadata={"help": "model instances (sessions), each runs one batch at a time"}
@@ -140,6 +149,13 @@ class ServerSettings:
             raise ValueError("--default-timeout-s must not be negative")
         if not self.node_id:
             object.__setattr__(self, "node_id", socket.gethostname())
+        if self.workers != "auto" and not (self.workers.isdigit() and int(self.workers) >= 1):
+            raise ValueError(
+                f"--workers must be a number of processes or auto, not {self.workers!r}"
+            )
+        processes = int(self.workers) if self.workers.isdigit() else os.cpu_count() or 1
+        if self.metrics_port and self.metrics_port + processes - 1 > 65535:
+            raise ValueError("--metrics-port + --workers - 1 must be at most 65535")
         if self.repository_poll_s <= 0:
             raise ValueError("--repository-poll-s must be more than 0")
         if self.repository_api and not self.model_repository:
@@ -149,6 +165,12 @@ class ServerSettings:
             raise ValueError("two --model entries have one name")
         if not self.model and not self.model_repository:
             object.__setattr__(self, "model", [str(DIGITS)])
+
+    def worker_count(self, gpu: bool) -> int:
+        """How many processes `--workers` asks for; `gpu`: the models would run on CUDA."""
+        if self.workers != "auto":
+            return int(self.workers)
+        return 1 if gpu else os.cpu_count() or 1
 
     def models(self) -> list[tuple[str, str]]:
         """The --model entries as (name, path); an empty name: the model's own."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from sluice.runtime import config
@@ -63,3 +65,12 @@ def test_model_entries_and_repository_flags() -> None:
         parse(["--model", "=x"])
     with pytest.raises(ValueError, match="two --model entries have one name"):
         parse(["--model", "a=/x", "--model", "a=/y"])
+
+
+def test_workers_auto_is_one_per_core_on_the_cpu_and_one_on_a_gpu() -> None:
+    auto = parse(["--workers", "auto"])
+    assert auto.worker_count(gpu=False) == (os.cpu_count() or 1)
+    assert auto.worker_count(gpu=True) == 1
+    assert parse(["--workers", "3"]).worker_count(gpu=True) == 3
+    with pytest.raises(ValueError, match="--workers must be a number of processes or auto"):
+        parse(["--workers", "many"])

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from sluice.balancer.main import WORKER_SLOT_ENV, WORKERS_ENV, metrics_ports
+from sluice.balancer.main import WORKER_SLOT_ENV, WORKERS, WORKERS_ENV
 from sluice.balancer.metrics import RoutingCollector
 from sluice.balancer.settings import BalancerSettings
 from sluice.core.stats import Histogram, ServingStats
@@ -369,11 +369,11 @@ async def test_a_worker_takes_the_first_free_port_of_its_range(
 def test_metrics_ports_of_the_balancers_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(WORKER_SLOT_ENV, raising=False)
     monkeypatch.delenv(WORKERS_ENV, raising=False)
-    assert metrics_ports(9100, is_worker=False) == [9100]
+    assert WORKERS.metrics_ports(9100, is_worker=False) == [9100]
     monkeypatch.setenv(WORKERS_ENV, "4")
-    assert metrics_ports(9100, is_worker=True) == [9101, 9102, 9103]
+    assert WORKERS.metrics_ports(9100, is_worker=True) == [9101, 9102, 9103]
     monkeypatch.setenv(WORKER_SLOT_ENV, "1")  # the supervisor says which: that one only
-    assert metrics_ports(9100, is_worker=True) == [9102]
+    assert WORKERS.metrics_ports(9100, is_worker=True) == [9102]
 
 
 def test_settings_check_metrics_port_and_log_format() -> None:
