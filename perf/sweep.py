@@ -30,7 +30,7 @@ from sluice import models
 from sluice.core.datatypes import DATATYPES
 from sluice.core.keys import PREDICT
 from sluice.kserve import grpc_predict_v2_pb2 as kserve
-from sluice.perf import loadgen, report, stats
+from sluice.perf import h2engine, loadgen, report, stats
 from sluice.perf.loadgen import (
     LEVEL_STRIDE,
     PROCESS_STRIDE,
@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model", default="", help="the model to call by name (default: the target's default)"
+    )
+    p.add_argument(
+        "--engine",
+        choices=["python", "h2load"],
+        default="python",
+        help="the load generator: this Python one, or h2load (nghttp2's C client: it costs "
+        "the target's cores little; one body replayed, closed-loop levels, unary calls)",
     )
     p.add_argument(
         "--embedded",
@@ -243,6 +250,8 @@ def run_level(
     value: float,
     base: int = 0,
 ) -> Level:
+    if args.engine == "h2load":
+        return h2load_level(args, bodies, mode, value)
     procs = args.procs if mode == "rate" else min(args.procs, int(value))
     shares = split(int(value), procs) if mode == "concurrency" else [value / procs] * procs
     totals = split(args.total, procs) if args.total else [0] * procs
@@ -280,6 +289,37 @@ def run_level(
     results = [f.result() for f in futures]
     after = server_health(first, CONTROL_TIMEOUT)
     return summarize_level(mode, value, results, server_deltas(before, after, samples))
+
+
+def h2load_refusal(args: argparse.Namespace) -> str:
+    """Why these options cannot run on h2load ('' when they can)."""
+    if not h2engine.available():
+        return h2engine.MISSING
+    if args.rps:
+        return "--engine h2load runs closed-loop levels (-c) only, not --rps"
+    if args.unique:
+        return (
+            "--engine h2load replays one body: turn the target's cache off "
+            "(sluice-server --cache-entries 0) instead of --unique"
+        )
+    if args.embedded or args.call == "stream" or args.total or len(args.target.split(",")) > 1:
+        return "--engine h2load sends unary calls to one target for a time (-z), no -n"
+    return ""
+
+
+def h2load_level(args: argparse.Namespace, bodies: Bodies, mode: str, value: float) -> Level:
+    """One level driven by h2load; the target's own figures around it as usual."""
+    target, method = args.target, MODEL_INFER if args.call == "modelinfer" else PREDICT
+    body = bodies.bodies[0]
+    h2engine.check_call(target, method, body, CONTROL_TIMEOUT)
+    before = server_health(target, CONTROL_TIMEOUT)
+    if not args.quiet:
+        report.progress(mode, value, 0.0, args.warmup + args.duration)
+    result = h2engine.run_level(
+        target, method, body, int(value), args.connections, args.duration, args.warmup
+    )
+    after = server_health(target, CONTROL_TIMEOUT)
+    return summarize_level(mode, value, [result], server_deltas(before, after))
 
 
 def summarize_level(
@@ -362,6 +402,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.duration = 5.0
     if args.procs < 1 or args.connections < 1:
         parser.error("--procs and --connections must be at least 1")
+    if args.engine == "h2load":
+        refused = h2load_refusal(args)
+        if refused:
+            parser.error(refused)
     try:
         result = sweep(args, " ".join(["sluice perf", *argv]))
     except grpc.RpcError as exc:

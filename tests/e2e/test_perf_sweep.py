@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import BIN, Process, module_argv, running
+from tests.e2e.harness import BIN, Process, module_argv, running, server_argv
 
 pytestmark = pytest.mark.e2e
 
@@ -90,3 +92,47 @@ def test_sweep_streaming_and_embedded_modes(
     )  # fmt: skip
     (level,) = json.loads(out.with_suffix(".json").read_text())["levels"]
     assert level["calls"] == level["ok"] == 200, level["statuses"]
+
+
+def test_the_h2load_engine_says_what_it_needs(server: Process) -> None:
+    # Without h2load on PATH (only the venv's programs): a clear message, not a traceback.
+    missing = subprocess.run(
+        [str(BIN / "sluice"), "perf", "--target", server.address, "--engine", "h2load"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": str(BIN)},
+    )
+    assert missing.returncode == 2 and "needs h2load on PATH" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+@pytest.mark.skipif(shutil.which("h2load") is None, reason="h2load (nghttp2-client) is not here")
+def test_the_h2load_engine_sweeps_like_the_python_one(tmp_path: Path) -> None:
+    with running(server_argv("--cache-entries", "0", node_id="h2")) as target:
+        out = tmp_path / "h2"
+        done = sweep(
+            "--target", target.address, "--engine", "h2load", "-c", "1,8", "-z", "1s",
+            "--warmup", "0.2s", "--out", str(out),
+        )  # fmt: skip
+        assert "c=1" in done.stdout and "c=8" in done.stdout
+        levels = json.loads(out.with_suffix(".json").read_text())["levels"]
+        for lv in levels:
+            assert lv["calls"] > 50 and lv["ok"] == lv["calls"], lv["statuses"]
+            lat = lv["latency"]
+            assert 0 < lat["min"] <= lat["p50"] <= lat["p99"] <= lat["max"] < 10_000
+            assert lv["server"]["requests"] >= lv["calls"]  # the server saw them all
+        refused = subprocess.run(
+            [
+                str(BIN / "sluice"),
+                "perf",
+                "--target",
+                target.address,
+                "--engine=h2load",
+                "--unique",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert refused.returncode == 2 and "--cache-entries 0" in refused.stderr

@@ -1,0 +1,86 @@
+"""h2load (nghttp2's C client) as the sweep's load generator: on a small machine a Python
+generator measures itself as much as the target; h2load costs the target's cores little.
+
+It replays one gRPC-framed body (so the target's cache must be off for unique work) and
+sees HTTP statuses only: the body's gRPC status is checked once with a real call before a
+level, and every HTTP 2xx then counts as answered OK. Closed-loop levels only: h2load's
+`-r` paces connections, not calls.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import shutil
+import struct
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import grpc
+
+from sluice.perf import stats
+from sluice.perf.loadgen import LevelResult
+
+GRPC = ("-H", "content-type: application/grpc", "-H", "te: trailers")
+MISSING = (
+    "--engine h2load needs h2load on PATH (Debian/Ubuntu: apt-get install nghttp2-client); "
+    "or use --engine python"
+)
+
+
+def available() -> bool:
+    return shutil.which("h2load") is not None
+
+
+def check_call(target: str, method: str, body: bytes, timeout: float) -> None:
+    """One real gRPC call of the body: h2load would count a refusal as an answer."""
+    with grpc.insecure_channel(target) as channel:
+        call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+        try:
+            call(body, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise SystemExit(
+                f"the body h2load would replay fails at {target}: "
+                f"{exc.code().name}: {exc.details()}"
+            ) from None
+
+
+def run_level(
+    target: str,
+    method: str,
+    body: bytes,
+    concurrency: int,
+    connections: int,
+    duration: float,
+    warmup: float,
+) -> LevelResult:
+    """One closed-loop level: `concurrency` calls in flight over `connections` connections
+    for `duration` seconds after `warmup`; latencies from h2load's per-request log."""
+    connections = max(1, min(connections, concurrency))
+    streams = math.ceil(concurrency / connections)
+    with tempfile.TemporaryDirectory() as folder:
+        framed, log = Path(folder) / "body", Path(folder) / "log"
+        framed.write_bytes(b"\0" + struct.pack(">I", len(body)) + body)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        argv = ["h2load", "-c", str(connections), "-m", str(streams), *GRPC]
+        argv += ["-D", f"{round(duration * 1000)}ms", "--warm-up-time", f"{round(warmup * 1000)}ms"]
+        argv += ["-d", str(framed), "--log-file", str(log), f"http://{target}{method}"]
+        out = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            raise SystemExit(f"h2load failed ({out.returncode}): {out.stderr or out.stdout}")
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        histogram = stats.new_histogram()
+        statuses: Counter[str] = Counter()
+        for line in log.read_text().splitlines():
+            _, status, micros = line.split("\t")
+            statuses["OK" if status.startswith("2") else f"HTTP {status}"] += 1
+            stats.record(histogram, int(micros) / 1e6)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return LevelResult(
+        histogram=histogram.encode(),
+        statuses=statuses,
+        wall_s=duration,
+        cpu_s=cpu,
+    )
