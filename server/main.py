@@ -69,7 +69,7 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
     tracing.setup("sluice-server")  # on only if OTEL_TRACES_EXPORTER asks for it
     defaults = Defaults(
         device=settings.device,
-        intra_op_threads=settings.intra_op_threads,
+        intra_op_threads=settings.threads(),
         instances=settings.instances,
         max_batch=settings.max_batch,
         batch_budget_s=settings.batch_budget_ms / 1000,

@@ -54,8 +54,13 @@ class ServerSettings:
         default="", metadata={"help": "name reported in x-node-id and Health (default hostname)"}
     )
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
-    intra_op_threads: int = field(
-        default=1, metadata={"help": "ONNX Runtime threads inside one run (0: its default)"}
+    intra_op_threads: str = field(
+        default="auto",
+        metadata={
+            "help": "ONNX Runtime threads inside one run: N, 0 (its default), or auto: 1, "
+            "unless a batch of one takes 1 ms or more and more threads (up to the cores, 4) "
+            "make it faster, measured when the model loads"
+        },
     )
     workers: str = field(
         default="1",
@@ -139,8 +144,8 @@ class ServerSettings:
         for name in ("cache_entries", "cache_bytes", "buffer_pool_bytes", "batch_budget_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative")
-        if self.intra_op_threads < 0:
-            raise ValueError("--intra-op-threads must be 0 or more")
+        if self.intra_op_threads != "auto" and not self.intra_op_threads.isdigit():
+            raise ValueError("--intra-op-threads must be a number (0 or more) or auto")
         if self.max_message_bytes < 1024:
             raise ValueError("--max-message-bytes must be at least 1024")
         if self.grace_s < 0 or self.drain_delay_s < 0:
@@ -165,6 +170,10 @@ class ServerSettings:
             raise ValueError("two --model entries have one name")
         if not self.model and not self.model_repository:
             object.__setattr__(self, "model", [str(DIGITS)])
+
+    def threads(self) -> int | None:
+        """--intra-op-threads as the engine takes it: None to choose at load."""
+        return None if self.intra_op_threads == "auto" else int(self.intra_op_threads)
 
     def worker_count(self, gpu: bool) -> int:
         """How many processes `--workers` asks for; `gpu`: the models would run on CUDA."""

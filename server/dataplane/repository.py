@@ -26,6 +26,7 @@ import numpy as np
 from sluice.core.errors import LoadFailed, ModelNotFound
 from sluice.server.dataplane.batcher import Batcher
 from sluice.server.dataplane.engine import Engine
+from sluice.server.dataplane.engine import zeros as engine_zeros
 from sluice.server.dataplane.models import Model, Models
 
 CONFIG_FILE = "config.pbtxt"
@@ -41,7 +42,7 @@ class Defaults:
     """The server-wide settings, which a model's config may override."""
 
     device: str = "auto"
-    intra_op_threads: int = 1
+    intra_op_threads: int | None = None  # None: chosen at load from the model's run time
     instances: int = 1
     max_batch: int = 1
     batch_budget_s: float = 0.005
@@ -178,10 +179,7 @@ def _reason(exc: BaseException) -> str:
 
 def zeros(model: Model) -> dict[str, np.ndarray]:
     """A request of zeros that fits the model: dynamic dimensions are 1."""
-    return {
-        s.name: np.zeros(tuple(1 if d is None else d for d in s.shape), s.dtype)
-        for s in model.inputs
-    }
+    return engine_zeros(model.inputs)
 
 
 def warm_up(model: Model) -> None:

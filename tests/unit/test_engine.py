@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -13,7 +16,7 @@ from sluice.core.errors import Unavailable
 from sluice.server.dataplane import engine as engine_module
 from sluice.server.dataplane.batcher import Pending
 from sluice.server.dataplane.buffers import BufferPool
-from sluice.server.dataplane.engine import Engine, Instance, choose_providers
+from sluice.server.dataplane.engine import MAX_AUTO_THREADS, Engine, Instance, choose_providers
 from tests.conftest import SAMPLES
 
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
@@ -118,3 +121,14 @@ def test_cuda_device_without_a_cuda_build(monkeypatch: pytest.MonkeyPatch) -> No
 def test_missing_model_file() -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Engine("no/such/model.onnx")
+
+
+def test_auto_threads_stay_one_for_a_tiny_model_and_are_measured_for_a_convnet() -> None:
+    tiny = Engine(models.DIGITS, device="cpu", intra_op_threads=None)
+    assert tiny.intra_op_threads == 1  # a 13 us run: more threads would only cost
+    tiny.close()
+    convnet = Path(onnx.__file__).parent / "backend/test/data/light/light_squeezenet.onnx"
+    heavy = Engine(convnet, device="cpu", intra_op_threads=None)
+    # Chosen by measurement: more than one only where the machine has the cores for it.
+    assert heavy.intra_op_threads in (1, min(os.cpu_count() or 1, MAX_AUTO_THREADS))
+    heavy.close()
