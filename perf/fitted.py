@@ -11,7 +11,6 @@ perf/echo_server.py answering the same body. Cache off; the server and the echo 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from sluice.perf import h2engine, stats
+from sluice.perf import h2engine, paired, stats
 from sluice.perf.sweep import request_body
 from sluice.runtime.launch import module_argv, running, server_argv
 
@@ -92,10 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "server_threads": threads.strip(),
         "server_vs_ort_best_plus_echo": server_p50 / (best + echo_p50),
     }
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    print(paired.save(result, args.out))
     return 0
 
 

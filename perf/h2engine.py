@@ -10,6 +10,7 @@ level, and every HTTP 2xx then counts as answered OK. Closed-loop levels only: h
 from __future__ import annotations
 
 import math
+import re
 import resource
 import shutil
 import struct
@@ -28,6 +29,29 @@ MISSING = (
     "--engine h2load needs h2load on PATH (Debian/Ubuntu: apt-get install nghttp2-client); "
     "or use --engine python"
 )
+
+
+def frame(body: bytes, path: Path) -> Path:
+    """Write `body` as one gRPC message (uncompressed, length-prefixed) for h2load's -d."""
+    path.write_bytes(b"\0" + struct.pack(">I", len(body)) + body)
+    return path
+
+
+def calls_per_s(
+    address: str, method: str, framed: Path, calls: int, connections: int, streams: int
+) -> float:
+    """h2load's rate for `calls` calls of the framed body, `streams` in flight on each of
+    `connections`; every call must have been answered (HTTP 2xx)."""
+    load = ["-n", str(calls), "-c", str(connections), "-m", str(streams), "-d", str(framed)]
+    out = subprocess.run(
+        ["h2load", *load, *GRPC, f"http://{address}{method}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    found = re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out)
+    assert found and f"{calls} 2xx" in out, out
+    return float(found[1])
 
 
 def available() -> bool:
@@ -61,8 +85,7 @@ def run_level(
     connections = max(1, min(connections, concurrency))
     streams = math.ceil(concurrency / connections)
     with tempfile.TemporaryDirectory() as folder:
-        framed, log = Path(folder) / "body", Path(folder) / "log"
-        framed.write_bytes(b"\0" + struct.pack(">I", len(body)) + body)
+        framed, log = frame(body, Path(folder) / "body"), Path(folder) / "log"
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         argv = ["h2load", "-c", str(connections), "-m", str(streams), *GRPC]
         argv += ["-D", f"{round(duration * 1000)}ms", "--warm-up-time", f"{round(warmup * 1000)}ms"]

@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from sluice import models
-from sluice.perf import paired
+from sluice.perf import h2engine, paired
 from sluice.perf.sweep import MODEL_INFER, request_body
 from sluice.runtime.launch import BIN, running, server_argv
 from sluice.server.dataplane.batcher import Batcher
@@ -43,7 +42,6 @@ from sluice.server.kserve import KServeService
 from sluice.server.service import InferenceService
 
 MODEL = "digits"
-GRPC = ("-H", "content-type: application/grpc", "-H", "te: trailers")  # h2load's headers
 
 
 class _Context:
@@ -147,33 +145,14 @@ def h2load(address: str, rounds: int, calls: int, in_flight: int) -> dict[str, l
     paths = {"predict": "/sluice.v1.Inference/Predict", "modelinfer": MODEL_INFER}
     rates: dict[str, list[float]] = {name: [] for name in paths}
     with tempfile.TemporaryDirectory() as folder:
-        for name in paths:
-            body = request_body(x, "input", name, MODEL)
-            (Path(folder) / name).write_bytes(b"\0" + struct.pack(">I", len(body)) + body)
+        framed = {
+            name: h2engine.frame(request_body(x, "input", name, MODEL), Path(folder) / name)
+            for name in paths
+        }
         for r in range(rounds):
             for name in list(paths)[:: 1 if r % 2 == 0 else -1]:
-                data, url = str(Path(folder) / name), f"http://{address}{paths[name]}"
-                out = subprocess.run(
-                    [
-                        "h2load",
-                        "-n",
-                        str(calls),
-                        "-c",
-                        "1",
-                        "-m",
-                        str(in_flight),
-                        *GRPC,
-                        "-d",
-                        data,
-                        url,
-                    ],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                ).stdout
-                found = re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out)
-                assert found and f"{calls} 2xx" in out, out
-                rates[name].append(float(found[1]))
+                rate = h2engine.calls_per_s(address, paths[name], framed[name], calls, 1, in_flight)
+                rates[name].append(rate)
     return rates
 
 

@@ -12,12 +12,8 @@ call as what a core can give.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import statistics
-import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from sluice import models
+from sluice.perf import h2engine, paired
 from sluice.perf.sweep import request_body
 from sluice.runtime.launch import Process, children, running, server_argv
 
 PREDICT = "/sluice.v1.Inference/Predict"
-GRPC = ("-H", "content-type: application/grpc", "-H", "te: trailers")
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -54,20 +50,6 @@ def processes(server: Process, count: int, timeout: float = 60.0) -> list[int]:
     return found
 
 
-def h2load(address: str, body: Path, calls: int, connections: int, streams: int) -> float:
-    url = f"http://{address}{PREDICT}"
-    load = ["-n", str(calls), "-c", str(connections), "-m", str(streams), "-d", str(body)]
-    out = subprocess.run(
-        ["h2load", *load, *GRPC, url],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    found = re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out)
-    assert found and f"{calls} 2xx" in out, out
-    return float(found[1])
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sluice.perf.workers", description=__doc__)
     parser.add_argument("--rounds", type=int, default=4)
@@ -81,8 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpu: dict[str, list[float]] = {"1": [], "2": []}
     with ExitStack() as stack:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        framed = folder / "body"
-        framed.write_bytes(b"\0" + struct.pack(">I", len(body)) + body)
+        framed = h2engine.frame(body, folder / "body")
         servers = {
             n: stack.enter_context(
                 running(server_argv("--cache-entries", "0", "--workers", n, node_id=f"w{n}"))
@@ -93,8 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in range(args.rounds):
             for n in list(rates)[:: 1 if r % 2 == 0 else -1]:
                 before = cpu_seconds(pids[n])
-                rate = h2load(
-                    servers[n].address, framed, args.calls, args.connections, args.streams
+                rate = h2engine.calls_per_s(
+                    servers[n].address, PREDICT, framed, args.calls, args.connections, args.streams
                 )
                 rates[n].append(rate)
                 cpu[n].append((cpu_seconds(pids[n]) - before) / args.calls * 1e6)
@@ -109,10 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A worker needs `per_call` of a core a call: N free cores give N / per_call.
         "on_n_free_cores_calls_per_s": {n: n * 1e6 / per_call for n in (1, 2, 4, 8, 16)},
     }
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    print(paired.save(result, args.out))
     return 0
 
 
