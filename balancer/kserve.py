@@ -8,7 +8,6 @@ repository calls are each server's own, not the balancer's: they answer UNIMPLEM
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from importlib import metadata
 from typing import TypeVar
 
 import grpc
@@ -18,6 +17,7 @@ from sluice.balancer.service import INFER, BalancerService, Context
 from sluice.core.errors import Code
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.routing.pool import Want
+from sluice.runtime.process import package_version
 from sluice.runtime.status import grpc_code
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -26,13 +26,6 @@ MODEL_METADATA = f"/{SERVICE}/ModelMetadata"
 NAME = "sluice-balancer"
 M = TypeVar("M", bound=Message)
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
-
-
-def _version() -> str:
-    try:
-        return metadata.version("sluice")
-    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
 
 
 async def _parse(kind: type[M], body: bytes, context: Context) -> M:
@@ -48,7 +41,7 @@ async def _parse(kind: type[M], body: bytes, context: Context) -> M:
 class KServeFacade:
     def __init__(self, service: BalancerService) -> None:
         self.service = service
-        self.version = _version()
+        self.version = package_version()
 
     def methods(self) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]:
         """inference.GRPCInferenceService's handlers by method name."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from importlib import metadata
 from typing import Protocol
 
 import grpc
@@ -16,6 +15,7 @@ import numpy as np
 from sluice.core.datatypes import DATATYPES, DataType
 from sluice.core.errors import InvalidInput, ModelNotFound, Unimplemented
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
+from sluice.runtime.process import package_version
 from sluice.server.convert import parse
 from sluice.server.dataplane.batcher import Arrays
 from sluice.server.dataplane.engine import TensorSpec
@@ -244,13 +244,6 @@ class Repository(Protocol):
     async def unload(self, name: str) -> None: ...
 
 
-def _version() -> str:
-    try:
-        return metadata.version("sluice")
-    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
-
-
 class KServeService:
     """`inference.GRPCInferenceService` over an InferenceService: the same request ids,
     trailers, stats, tracing and error table. The repository calls are served only with a
@@ -260,7 +253,7 @@ class KServeService:
     def __init__(self, service: InferenceService, repository: Repository | None = None) -> None:
         self.service = service
         self.repository = repository
-        self.version = _version()
+        self.version = package_version()
         service.stream_methods[INFER] = self.model_infer
 
     def handler(self) -> grpc.GenericRpcHandler[bytes, bytes]:

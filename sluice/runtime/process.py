@@ -10,6 +10,7 @@ import datetime
 import json
 import logging
 import sys
+from importlib import metadata
 from typing import Any
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
@@ -96,3 +97,11 @@ def return_large_blocks() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+
+
+def package_version() -> str:
+    """The installed sluice package's version (what ServerMetadata reports)."""
+    try:
+        return metadata.version("sluice")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
