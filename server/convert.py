@@ -86,11 +86,17 @@ def model_info(model: Model) -> pb.ModelInfo:
 def model_statuses(models: Models) -> list[pb.ModelStatus]:
     """Every model a node serves, its ready versions newest first."""
     default = models.default
-    return [
-        pb.ModelStatus(
-            name=name,
-            versions=[m.version for m in models.versions(name)],
-            default=default is not None and default.name == name,
+    statuses = []
+    for name in models.names():
+        versions = models.versions(name)
+        newest = versions[0].engine if versions else None
+        statuses.append(
+            pb.ModelStatus(
+                name=name,
+                versions=[m.version for m in versions],
+                default=default is not None and default.name == name,
+                provider=newest.provider if newest else "",
+                fallback=newest.fallback if newest else "",
+            )
         )
-        for name in models.names()
-    ]
+    return statuses

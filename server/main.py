@@ -75,6 +75,7 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
         batch_budget_s=settings.batch_budget_ms / 1000,
         max_queue=settings.max_queue,
         pool_bytes=settings.buffer_pool_bytes,
+        pinned=settings.pinned_staging,
         inline_max_s=settings.inline_max_us / 1e6,
     )
     # --model entries: loaded, checked and warmed up once, like a repository's versions.

@@ -293,6 +293,7 @@ class InferenceService:
         if model is not None:  # the named (or default) model's own figures
             response.model.CopyFrom(model_info(model))
             response.provider = model.engine.provider
+            response.fallback = model.engine.fallback
             response.batcher.CopyFrom(_batcher_stats(model))
             response.buffers.CopyFrom(_buffer_stats(model))
         return response.SerializeToString()

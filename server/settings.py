@@ -96,6 +96,13 @@ class ServerSettings:
     buffer_pool_bytes: int = field(
         default=256 << 20, metadata={"help": "staging buffers kept for reuse, in bytes"}
     )
+    pinned_staging: bool = field(
+        default=True,
+        metadata={
+            "help": "on CUDA, stage batches in page-locked host memory (needs CuPy, in the "
+            "gpu extra), which the GPU copies asynchronously; false: pageable memory"
+        },
+    )
     inline_max_us: float = field(
         default=100.0,
         metadata={"help": "on the CPU, runs expected to take less than this run on the event loop"},

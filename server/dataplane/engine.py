@@ -7,9 +7,9 @@ Transport-free: takes and returns numpy arrays, raises `sluice.core.errors` exce
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -25,7 +25,7 @@ from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import InvalidInput, ModelFailed, Unavailable
 from sluice.server.dataplane import gpu, staging
 from sluice.server.dataplane.batcher import Pending
-from sluice.server.dataplane.buffers import BufferPool, numpy_allocator
+from sluice.server.dataplane.buffers import BufferPool, bucket, numpy_allocator
 
 log = logging.getLogger("sluice.engine")
 
@@ -75,33 +75,55 @@ def _spec(arg: ort.NodeArg) -> TensorSpec:
     return TensorSpec(arg.name, datatype, shape)
 
 
-def cuda_device_count() -> int:
-    """GPUs the CUDA driver can see, without touching ONNX Runtime (so no log noise)."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0
-    count = ctypes.c_int(0)
-    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return 0
-    return count.value
-
-
 def choose_providers(device: str) -> list[str]:
-    """Providers to ask ONNX Runtime for. `auto` asks for CUDA only if a GPU is present."""
+    """Providers to ask ONNX Runtime for. `auto` asks for CUDA only if a GPU is present;
+    `cuda` refuses to start without one."""
     if device == "cpu":
         return [CPU]
     has_cuda_build = CUDA in ort.get_available_providers()
     if device == "cuda":
         if not has_cuda_build:
-            raise Unavailable("--device cuda, but this onnxruntime build has no CUDA provider")
+            raise Unavailable(
+                "--device cuda, but this onnxruntime build has no CUDA provider "
+                "(pip install 'sluice[gpu]')"
+            )
+        if gpu.device_count() == 0:
+            raise Unavailable(
+                "--device cuda, but the CUDA driver sees no GPU (no libcuda.so.1, or no "
+                "GPU given to this process or container)"
+            )
         return [CUDA, CPU]
-    return [CUDA, CPU] if has_cuda_build and cuda_device_count() > 0 else [CPU]
+    return [CUDA, CPU] if has_cuda_build and gpu.device_count() > 0 else [CPU]
+
+
+# ONNX Runtime's words for a feed that does not fit the model. session.run raises them as
+# InvalidArgument; run_with_iobinding only as a RuntimeError with the text.
+_INPUT_ERRORS = re.compile(
+    r"invalid (dimensions|rank|input|output|feed)|unexpected input data type|"
+    r"input .* is missing|missing input",
+    re.IGNORECASE,
+)
+
+
+def _run_error(exc: Exception) -> Exception:
+    """An ONNX Runtime failure as a Sluice error: the caller's when the input did not fit."""
+    if isinstance(exc, OrtInvalidArgument):
+        return InvalidInput(f"the model rejected the input: {exc}")
+    text = str(exc).removeprefix("Error in execution: ")
+    if isinstance(exc, RuntimeError) and _INPUT_ERRORS.search(text):
+        return InvalidInput(f"the model rejected the input: {text}")
+    return ModelFailed(f"the model failed to run: {text}")  # ours, not the caller's
 
 
 class Instance:
-    """One ONNX Runtime session: runs one batch at a time through IO binding, inline on the
-    event loop when its runs are tiny (the thread hop would cost more), else in a thread."""
+    """One ONNX Runtime session: runs one batch at a time, inline on the event loop when its
+    runs are tiny (the thread hop would cost more), else in a thread.
+
+    Staged (CUDA with pinned memory, or asked for): every batch, even of one request, is
+    copied into pooled staging buffers and run through IO binding, outputs written into
+    pooled buffers too where their first dimension is the batch. Padded (staged, and every
+    input and output has the batch first): batches are zero-padded to the pool's
+    power-of-two row counts, so a GPU meets few shapes, each searched for and warmed at load."""
 
     def __init__(
         self,
@@ -112,6 +134,7 @@ class Instance:
         executor: Executor,
         output_specs: Sequence[TensorSpec],
         stage_always: bool = False,
+        batchable: bool = False,
         inline_max_s: float = 0.0,
         stream: Any = None,
     ) -> None:
@@ -119,14 +142,18 @@ class Instance:
         self.session = session
         self.pool = pool
         self.executor = executor
-        self.stage_always = stage_always  # CUDA with pinned memory: even one request is staged
+        self.stage_always = stage_always
+        self.pad = stage_always and batchable
         self.inline_max_s = inline_max_s
-        self.stream = stream  # keeps a user compute stream alive as long as the session
+        self.stream = stream  # (stream, handle): keeps a user compute stream alive with the session
+        # Where the first dimension of every input and output is the batch, outputs whose
+        # other dimensions are known are written into pooled buffers. ONNX Runtime allocates
+        # the rest: it alone knows their shapes.
+        self._batched = {s.name for s in output_specs} if batchable else set()
         self._row_shapes = {
             s.name: tuple(d for d in s.shape[1:] if d is not None)
-            if s.shape and all(d is not None for d in s.shape[1:])
-            else None
             for s in output_specs
+            if batchable and all(d is not None for d in s.shape[1:])
         }
         self._dtypes = {s.name: s.dtype for s in output_specs}
         self.runs = 0
@@ -149,7 +176,8 @@ class Instance:
         if len(batch) == 1 and not self.stage_always:
             inputs, buffers = dict(batch[0].inputs), list[np.ndarray]()
         else:
-            inputs, buffers = staging.merge([p.inputs for p in batch], self.pool)
+            padded = bucket(total) if self.pad else 0
+            inputs, buffers = staging.merge([p.inputs for p in batch], self.pool, padded)
         try:
             staged = bool(buffers)
             if self._inline(total):
@@ -162,7 +190,12 @@ class Instance:
         finally:
             for buffer in buffers:
                 self.pool.give(buffer)
-        split = staging.split(results, rows) if out_buffers or len(batch) > 1 else [results]
+        if len(batch) > 1:
+            split = staging.split(results, rows)
+        elif out_buffers:  # copies out of the pooled buffers, which go back now
+            split = [{name: array.copy() for name, array in results.items()}]
+        else:
+            split = [results]
         for buffer in out_buffers:
             self.pool.give(buffer)
         return split
@@ -179,24 +212,28 @@ class Instance:
         rows: int,
         pooled_inputs: bool = False,
     ) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
-        """Run on checked inputs; returns the outputs and the pooled buffers that hold them
-        (the caller copies out and gives them back). One request on the CPU goes through
+        """Run on checked inputs of `rows` rows (staged inputs may hold padding rows after
+        them); returns the outputs, cut to `rows`, and the pooled buffers that hold them (the
+        caller copies out and gives them back). One request on the CPU goes through
         session.run: its arrays are already in place, and IO binding's Python calls cost
         about 30 us more than the whole run of a small model."""
         if not pooled_inputs and not self.stage_always:
             started = time.perf_counter()
             try:
                 values = self.session.run(list(outputs), dict(inputs))
-            except OrtInvalidArgument as exc:
-                raise InvalidInput(f"the model rejected the input: {exc}") from None
-            except Exception as exc:  # any other ONNX Runtime failure is ours, not the caller's
-                raise ModelFailed(f"the model failed to run: {exc}") from None
+            except Exception as exc:
+                raise _run_error(exc) from None
             self._observe(time.perf_counter() - started, rows)
             return dict(zip(outputs, values, strict=True)), []
         binding = self.session.io_binding()
+        # ONNX Runtime keeps raw pointers: every bound array lives until the run ends.
+        bound: list[np.ndarray] = []
         for name, given in inputs.items():
             array = np.ascontiguousarray(given)
+            bound.append(array)
             binding.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+        # The rows bound, padding included: batchable inputs all have them first.
+        bound_rows = len(bound[0]) if self._batched else rows
         results: dict[str, np.ndarray] = {}
         pooled: list[np.ndarray] = []
         dynamic: list[str] = []
@@ -206,26 +243,25 @@ class Instance:
                 dynamic.append(name)
                 binding.bind_output(name, "cpu")
                 continue
-            if self.stage_always:
-                buffer = self.pool.take(self._dtypes[name], row_shape, rows)
-                pooled.append(buffer)
-                array = buffer[:rows]
-            else:
-                array = np.empty((rows, *row_shape), self._dtypes[name])
+            buffer = self.pool.take(self._dtypes[name], row_shape, bound_rows)
+            pooled.append(buffer)
+            array = buffer[:bound_rows]
+            bound.append(array)
             binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
-            results[name] = array
+            results[name] = array[:rows]
         started = time.perf_counter()
         try:
             self.session.run_with_iobinding(binding)
-        except OrtInvalidArgument as exc:
-            raise InvalidInput(f"the model rejected the input: {exc}") from None
-        except Exception as exc:  # any other ONNX Runtime failure is ours, not the caller's
-            raise ModelFailed(f"the model failed to run: {exc}") from None
+        except Exception as exc:
+            for buffer in pooled:
+                self.pool.give(buffer)
+            raise _run_error(exc) from None
         self._observe(time.perf_counter() - started, rows)
         if dynamic:
             for name, value in zip(outputs, binding.get_outputs(), strict=True):
                 if name in dynamic:
-                    results[name] = value.numpy()
+                    array = value.numpy()
+                    results[name] = array[:rows] if name in self._batched else array
         return {name: results[name] for name in outputs}, pooled
 
 
@@ -236,9 +272,15 @@ PARALLEL_FROM_S = 0.001
 MAX_AUTO_THREADS = 4
 
 
-def zeros(specs: Sequence[TensorSpec]) -> dict[str, np.ndarray]:
-    """Inputs of zeros that fit `specs`: dynamic dimensions are 1."""
-    return {s.name: np.zeros(tuple(1 if d is None else d for d in s.shape), s.dtype) for s in specs}
+def zeros(specs: Sequence[TensorSpec], rows: int = 1) -> dict[str, np.ndarray]:
+    """Inputs of zeros that fit `specs`: dynamic dimensions are 1, a dynamic first `rows`."""
+    return {
+        s.name: np.zeros(
+            tuple((rows if i == 0 else 1) if d is None else d for i, d in enumerate(s.shape)),
+            s.dtype,
+        )
+        for s in specs
+    }
 
 
 def run_seconds(session: ort.InferenceSession, inputs: Mapping[str, np.ndarray]) -> float:
@@ -252,8 +294,33 @@ def run_seconds(session: ort.InferenceSession, inputs: Mapping[str, np.ndarray])
     return min(times)
 
 
+def _start_cuda(path: Path, options: ort.SessionOptions) -> tuple[ort.InferenceSession, str]:
+    """A session that asked for CUDA, and "" if CUDA runs it, else why not."""
+    missing = gpu.missing_libraries()
+    session = ort.InferenceSession(str(path), options, providers=[CUDA, CPU])
+    if session.get_providers()[0] == CUDA:
+        return session, ""
+    if missing:
+        return session, (
+            "ONNX Runtime could not start its CUDA provider: missing "
+            + ", ".join(missing)
+            + " (pip install 'sluice[gpu]' brings them)"
+        )
+    return session, (
+        "ONNX Runtime could not start its CUDA provider, though its libraries load "
+        f"(this build needs a driver for CUDA {gpu.cuda_major() or '?'})"
+    )
+
+
 class Engine:
-    """A model loaded into ONNX Runtime as one or more instances (sessions)."""
+    """A model loaded into ONNX Runtime as one or more instances (sessions).
+
+    `device="auto"` asks for CUDA where a GPU is present; if ONNX Runtime cannot start it
+    there, the model serves on the CPU and `fallback` says why (logged as a WARNING and shown
+    in Health). `device="cuda"` refuses to load instead. CuPy's pinned memory and streams are
+    made only once CUDA is known to run the model; `pinned=False` keeps staging memory
+    pageable. `stage` forces the staged path on or off (default: on with CUDA and pinned
+    memory)."""
 
     def __init__(
         self,
@@ -264,6 +331,8 @@ class Engine:
         instances: int = 1,
         pool_bytes: int = 256 << 20,
         inline_max_s: float = 0.0,
+        pinned: bool = True,
+        stage: bool | None = None,
     ) -> None:
         path = Path(model_path)
         if not path.is_file():
@@ -277,15 +346,31 @@ class Engine:
         # the digits model); without it small runs were no slower here (40 us against 63).
         options.enable_cpu_mem_arena = False
         providers = choose_providers(device)
+        self.fallback = ""  # why CUDA was asked for and the CPU serves ("" if it was not)
+        probe: ort.InferenceSession | None = None
+        if CUDA in providers:
+            options.intra_op_num_threads = intra_op_threads or 1  # the GPU parallelises
+            probe, self.fallback = _start_cuda(path, options)
+            if self.fallback:
+                if device == "cuda":
+                    raise Unavailable(f"--device cuda, but {self.fallback}")
+                log.warning("%s: CUDA asked for, serving on the CPU: %s", path.name, self.fallback)
+                providers, probe = [CPU], None
+                options.intra_op_num_threads = intra_op_threads or 0
         if intra_op_threads is None:
             options.intra_op_num_threads = self._threads(path, options, providers)
         self.intra_op_threads = options.intra_op_num_threads
-        allocator = gpu.pinned_allocator() if CUDA in providers else None
+        on_cuda = CUDA in providers
+        allocator = gpu.pinned_allocator() if on_cuda and pinned else None
         self.pinned = allocator is not None
         self.pool = BufferPool(pool_bytes, allocator or numpy_allocator)
         sessions: list[tuple[ort.InferenceSession, Any]] = []
         for _ in range(instances):
-            stream = gpu.new_stream() if CUDA in providers else None
+            stream = gpu.new_stream() if on_cuda else None
+            if stream is None and probe is not None:
+                sessions.append((probe, None))  # the probe has ORT's own stream: use it
+                probe = None
+                continue
             chosen: list[Any] = list(providers)
             if stream is not None:
                 chosen[0] = (CUDA, {"user_compute_stream": str(stream[1])})
@@ -293,15 +378,12 @@ class Engine:
             sessions.append((session, stream))
         first = sessions[0][0]
         self.provider = first.get_providers()[0]
-        if device == "cuda" and self.provider != CUDA:
-            raise Unavailable(
-                "--device cuda, but ONNX Runtime could not start its CUDA provider "
-                "(check the driver and the CUDA and cuDNN libraries)"
-            )
         self.name = first.get_modelmeta().graph_name or path.stem
         self.inputs = [_spec(a) for a in first.get_inputs()]
         self.outputs = [_spec(a) for a in first.get_outputs()]
-        on_cuda = self.provider == CUDA
+        # Requests batch along the first dimension only if every input and output has it.
+        self.batchable = all(s.shape and s.shape[0] is None for s in self.inputs + self.outputs)
+        self.staged = stage if stage is not None else on_cuda and self.pinned
         # Made only once the model is known to load: a refused one leaves no threads behind.
         self.executor = ThreadPoolExecutor(instances, thread_name_prefix="sluice-run")
         self.instances = [
@@ -311,7 +393,8 @@ class Engine:
                 pool=self.pool,
                 executor=self.executor,
                 output_specs=self.outputs,
-                stage_always=on_cuda and self.pinned,
+                stage_always=self.staged,
+                batchable=self.batchable,
                 inline_max_s=0.0 if on_cuda else inline_max_s,
                 stream=stream,
             )
@@ -323,12 +406,20 @@ class Engine:
             self.name,
             self.provider,
             instances,
-            " with pinned staging buffers" if on_cuda and self.pinned else "",
+            " with pinned staging buffers" if self.pinned else "",
             ", ".join(f"{s.name} {s.describe()}" for s in self.inputs),
             ", ".join(f"{s.name} {s.describe()}" for s in self.outputs),
         )
-        if on_cuda and not self.pinned:
-            log.warning("CuPy is not installed: pageable staging memory, ORT's own streams")
+        if on_cuda and not self.pinned and pinned:
+            log.warning("no CuPy: pageable staging memory, ORT's own streams (sluice[gpu])")
+
+    def warm_rows(self, max_rows: int) -> list[int]:
+        """The batch sizes to run once per instance before serving: each padded size up to
+        `max_rows` where batches are padded (each new shape costs CUDA an algorithm search),
+        else one."""
+        if not (self.staged and self.batchable):
+            return [1]
+        return [1 << i for i in range(bucket(max(max_rows, 1)).bit_length())]
 
     @staticmethod
     def _threads(path: Path, options: ort.SessionOptions, providers: list[str]) -> int:

@@ -40,8 +40,7 @@ class Model:
         self.outputs = engine.outputs
         self._inputs_by_name = {s.name: s for s in self.inputs}
         self._output_names = [s.name for s in self.outputs]
-        # Requests batch along the first dimension only if every input and output has it.
-        self._batchable = all(s.shape and s.shape[0] is None for s in self.inputs + self.outputs)
+        self._batchable = engine.batchable
         self._batching = batcher.queue.max_rows > 1
         self._scopes: dict[str, bytes] = {}
         self.calls = 0  # calls holding this model now (`hold`)

@@ -25,7 +25,7 @@ import numpy as np
 
 from sluice.core.errors import LoadFailed, ModelNotFound
 from sluice.server.dataplane.batcher import Batcher
-from sluice.server.dataplane.engine import Engine
+from sluice.server.dataplane.engine import Engine, Instance
 from sluice.server.dataplane.engine import zeros as engine_zeros
 from sluice.server.dataplane.models import Model, Models
 
@@ -48,6 +48,7 @@ class Defaults:
     batch_budget_s: float = 0.005
     max_queue: int = 1024
     pool_bytes: int = 256 << 20
+    pinned: bool = True
     inline_max_s: float = 100e-6
 
 
@@ -128,6 +129,7 @@ async def load_model(
             intra_op_threads=defaults.intra_op_threads,
             instances=config.instances or defaults.instances,
             pool_bytes=defaults.pool_bytes,
+            pinned=defaults.pinned,
             inline_max_s=defaults.inline_max_s,
         )
     )
@@ -177,36 +179,49 @@ def _reason(exc: BaseException) -> str:
     return text.splitlines()[0] if len(text) > 300 else text
 
 
-def zeros(model: Model) -> dict[str, np.ndarray]:
-    """A request of zeros that fits the model: dynamic dimensions are 1."""
-    return engine_zeros(model.inputs)
+def zeros(model: Model, rows: int = 1) -> dict[str, np.ndarray]:
+    """A request of zeros that fits the model: dynamic dimensions are 1, a dynamic first
+    `rows`."""
+    return engine_zeros(model.inputs, rows)
 
 
 def warm_up(model: Model) -> None:
-    """Run zeros once through each instance (its first run allocates) and check the outputs
-    have the declared datatypes. Blocking: call it in a thread, before the model serves."""
-    inputs = zeros(model)
-    model.check(inputs)
+    """Run zeros through each instance (its first run allocates; on a GPU, each padded batch
+    size's first run searches for its algorithms) and check the outputs have the declared
+    datatypes. Blocking: call it in a thread, before the model serves."""
     names = [s.name for s in model.outputs]
-    for instance in model.engine.instances:
-        try:
-            results, pooled = instance.run_sync(inputs, names, 1)
-        except Exception as exc:
-            shapes = ", ".join(f"{s.name} {list(inputs[s.name].shape)}" for s in model.inputs)
-            raise LoadFailed(f"a warm-up run of zeros ({shapes}) failed: {exc}") from exc
-        try:
-            for spec in model.outputs:
-                got = results[spec.name].dtype
-                if got != spec.dtype:
-                    raise LoadFailed(
-                        f"output {spec.name!r} is declared {spec.datatype} but a run of zeros "
-                        f"gave {got}"
-                    )
-        finally:
-            for buffer in pooled:
-                instance.pool.give(buffer)
-        # The first run is slow by nature: it must not count in the instance's run time.
-        instance.runs, instance.seconds_per_row = 0, 0.0
+    for rows in model.engine.warm_rows(model.batcher.queue.max_rows):
+        inputs = zeros(model, rows)
+        model.check(inputs)
+        for instance in model.engine.instances:
+            _warm(model, instance, inputs, names, rows)
+
+
+def _warm(
+    model: Model,
+    instance: Instance,
+    inputs: dict[str, np.ndarray],
+    names: list[str],
+    rows: int,
+) -> None:
+    try:
+        results, pooled = instance.run_sync(inputs, names, rows)
+    except Exception as exc:
+        shapes = ", ".join(f"{s.name} {list(inputs[s.name].shape)}" for s in model.inputs)
+        raise LoadFailed(f"a warm-up run of zeros ({shapes}) failed: {exc}") from exc
+    try:
+        for spec in model.outputs:
+            got = results[spec.name].dtype
+            if got != spec.dtype:
+                raise LoadFailed(
+                    f"output {spec.name!r} is declared {spec.datatype} but a run of zeros "
+                    f"gave {got}"
+                )
+    finally:
+        for buffer in pooled:
+            instance.pool.give(buffer)
+    # The first run is slow by nature: it must not count in the instance's run time.
+    instance.runs, instance.seconds_per_row = 0, 0.0
 
 
 @dataclass

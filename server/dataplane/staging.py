@@ -12,22 +12,29 @@ from sluice.server.dataplane.buffers import BufferPool
 
 
 def merge(
-    requests: Sequence[Mapping[str, np.ndarray]], pool: BufferPool
+    requests: Sequence[Mapping[str, np.ndarray]], pool: BufferPool, padded: int = 0
 ) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
     """Batch inputs by name as views of pooled buffers, and the buffers to give back later.
-    Every request holds the same names with equal non-batch dimensions and dtypes."""
-    rows = [len(next(iter(r.values()))) for r in requests]
-    total = sum(rows)
+    Every request holds the same names with equal non-batch dimensions and dtypes; each
+    input's rows are its own first dimension (one request of a model without a batch
+    dimension is copied whole). `padded`: zero rows are added up to this many."""
     merged: dict[str, np.ndarray] = {}
     taken: list[np.ndarray] = []
     for name, first in requests[0].items():
-        buffer = pool.take(first.dtype, first.shape[1:], total)
+        if first.ndim == 0:  # a scalar: nothing to stage
+            merged[name] = np.array(first)
+            continue
+        parts = [request[name] for request in requests]
+        total = sum(len(part) for part in parts)
+        size = max(total, padded)
+        buffer = pool.take(first.dtype, first.shape[1:], size)
         taken.append(buffer)
-        view = buffer[:total]
+        view = buffer[:size]
         offset = 0
-        for request, n in zip(requests, rows, strict=True):
-            view[offset : offset + n] = request[name]
-            offset += n
+        for part in parts:
+            view[offset : offset + len(part)] = part
+            offset += len(part)
+        view[total:] = 0  # padding rows: never stale bytes of an earlier batch
         merged[name] = view
     return merged, taken
 

@@ -13,7 +13,7 @@ import pytest
 
 from sluice import models
 from sluice.core.errors import Unavailable
-from sluice.server.dataplane import engine as engine_module
+from sluice.server.dataplane import gpu
 from sluice.server.dataplane.batcher import Pending
 from sluice.server.dataplane.buffers import BufferPool
 from sluice.server.dataplane.engine import MAX_AUTO_THREADS, Engine, Instance, choose_providers
@@ -84,7 +84,7 @@ def test_cpu_device_never_asks_for_cuda(engine: Engine) -> None:
 
 
 def test_auto_falls_back_to_cpu_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_module, "cuda_device_count", lambda: 0)  # no GPU, here or not
+    monkeypatch.setattr(gpu, "device_count", lambda: 0)  # no GPU, here or not
     auto = Engine(models.DIGITS, device="auto")
     try:
         assert auto.provider == CPU
@@ -101,14 +101,14 @@ def test_auto_falls_back_to_cpu_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -
         ("auto", [CPU], 1, [CPU]),
         ("auto", [CUDA, CPU], 0, [CPU]),
         ("auto", [CUDA, CPU], 1, [CUDA, CPU]),
-        ("cuda", [CUDA, CPU], 0, [CUDA, CPU]),  # asked for: the session says if it starts
+        ("cuda", [CUDA, CPU], 1, [CUDA, CPU]),  # asked for: the session says if it starts
     ],
 )
 def test_choose_providers(
     monkeypatch: pytest.MonkeyPatch, device: str, built: list[str], gpus: int, want: list[str]
 ) -> None:
     monkeypatch.setattr(ort, "get_available_providers", lambda: built)
-    monkeypatch.setattr(engine_module, "cuda_device_count", lambda: gpus)
+    monkeypatch.setattr(gpu, "device_count", lambda: gpus)
     assert choose_providers(device) == want
 
 
@@ -116,6 +116,52 @@ def test_cuda_device_without_a_cuda_build(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(ort, "get_available_providers", lambda: [CPU])
     with pytest.raises(Unavailable, match="no CUDA provider"):
         choose_providers("cuda")
+
+
+def test_cuda_device_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, CPU])
+    monkeypatch.setattr(gpu, "device_count", lambda: 0)
+    with pytest.raises(Unavailable, match="sees no GPU"):
+        choose_providers("cuda")
+
+
+needs_cuda_build = pytest.mark.skipif(
+    CUDA not in ort.get_available_providers(), reason="a CPU build of onnxruntime is installed"
+)
+
+
+@needs_cuda_build
+def test_auto_that_gets_the_cpu_says_so_loudly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A GPU is claimed where ONNX Runtime cannot start CUDA (this machine has no driver or
+    CUDA libraries): the model serves on the CPU, a WARNING says why, `fallback` keeps the
+    reason for Health, and no CuPy memory or stream is made for a CPU session."""
+    if gpu.device_count():
+        pytest.skip("a real GPU is here: CUDA may well start")
+    monkeypatch.setattr(gpu, "device_count", lambda: 1)
+    with caplog.at_level("WARNING", logger="sluice.engine"):
+        auto = Engine(models.DIGITS, device="auto", instances=2)
+    try:
+        assert auto.provider == CPU
+        assert auto.fallback.startswith("ONNX Runtime could not start its CUDA provider")
+        for missing in gpu.missing_libraries():
+            assert missing in auto.fallback
+        assert any(auto.fallback in r.getMessage() for r in caplog.records)
+        assert not auto.pinned and not auto.staged
+        assert [i.stream for i in auto.instances] == [None, None]
+        assert [i.session.get_providers() for i in auto.instances] == [[CPU], [CPU]]
+    finally:
+        auto.close()
+
+
+@needs_cuda_build
+def test_cuda_device_that_cannot_start_refuses_to_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    if gpu.device_count():
+        pytest.skip("a real GPU is here: CUDA may well start")
+    monkeypatch.setattr(gpu, "device_count", lambda: 1)
+    with pytest.raises(Unavailable, match="--device cuda, but ONNX Runtime could not start"):
+        Engine(models.DIGITS, device="cuda")
 
 
 def test_missing_model_file() -> None:

@@ -123,14 +123,18 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
-    __slots__ = ("name", "versions", "default")
+    __slots__ = ("name", "versions", "default", "provider", "fallback")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
     name: str
     versions: _containers.RepeatedScalarFieldContainer[str]
     default: bool
-    def __init__(self, name: _Optional[str] = ..., versions: _Optional[_Iterable[str]] = ..., default: _Optional[bool] = ...) -> None: ...
+    provider: str
+    fallback: str
+    def __init__(self, name: _Optional[str] = ..., versions: _Optional[_Iterable[str]] = ..., default: _Optional[bool] = ..., provider: _Optional[str] = ..., fallback: _Optional[str] = ...) -> None: ...
 
 class MetadataRequest(_message.Message):
     __slots__ = ("model", "version")
@@ -173,7 +177,7 @@ class LatencySummary(_message.Message):
     def __init__(self, count: _Optional[int] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., max_ms: _Optional[float] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("node_id", "status", "model", "provider", "uptime_s", "requests", "errors", "errors_by_code", "latency", "in_flight", "batcher", "cache", "buffers", "role", "backends", "balancer", "models")
+    __slots__ = ("node_id", "status", "model", "provider", "uptime_s", "requests", "errors", "errors_by_code", "latency", "in_flight", "batcher", "cache", "buffers", "role", "backends", "balancer", "models", "fallback")
     class ErrorsByCodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +202,7 @@ class HealthResponse(_message.Message):
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     BALANCER_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     status: str
     model: ModelInfo
@@ -215,7 +220,8 @@ class HealthResponse(_message.Message):
     backends: _containers.RepeatedCompositeFieldContainer[BackendStatus]
     balancer: BalancerStats
     models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
-    def __init__(self, node_id: _Optional[str] = ..., status: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., provider: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., errors_by_code: _Optional[_Mapping[str, int]] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., in_flight: _Optional[int] = ..., batcher: _Optional[_Union[BatcherStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., buffers: _Optional[_Union[BufferPoolStats, _Mapping]] = ..., role: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., balancer: _Optional[_Union[BalancerStats, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ...) -> None: ...
+    fallback: str
+    def __init__(self, node_id: _Optional[str] = ..., status: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., provider: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., errors_by_code: _Optional[_Mapping[str, int]] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., in_flight: _Optional[int] = ..., batcher: _Optional[_Union[BatcherStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., buffers: _Optional[_Union[BufferPoolStats, _Mapping]] = ..., role: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., balancer: _Optional[_Union[BalancerStats, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., fallback: _Optional[str] = ...) -> None: ...
 
 class BackendStatus(_message.Message):
     __slots__ = ("address", "health", "breaker", "in_flight", "calls", "failures", "ewma_ms", "share", "limit", "models")

@@ -1,0 +1,174 @@
+"""The staged path, which CUDA with pinned memory always takes (pooled staging buffers, IO
+binding, batches padded to the pool's power-of-two row counts), forced on the CPU so that CI
+covers it without a GPU: models with and without a batch dimension, errors, padding."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from sluice import models
+from sluice.core.errors import InvalidInput
+from sluice.server.dataplane.batcher import Pending
+from sluice.server.dataplane.engine import Engine
+from tests.conftest import SAMPLES
+
+
+def _model(path: Path, nodes: list[onnx.NodeProto], inputs: list, outputs: list) -> Path:
+    graph = helper.make_graph(nodes, path.stem, inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def _fp32(name: str, shape: list[int | str]) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("staged")
+
+
+@pytest.fixture(scope="module")
+def fixed(folder: Path) -> Path:
+    """No batch dimension anywhere: FP32[4] in, y = 2x FP32[4] and its sum FP32[1] out."""
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    return _model(
+        folder / "fixed.onnx",
+        [
+            helper.make_node("Constant", [], ["k"], value=two),
+            helper.make_node("Mul", ["x", "k"], ["y"]),
+            helper.make_node("ReduceSum", ["x"], ["total"], keepdims=1),
+        ],
+        [_fp32("x", [4])],
+        [_fp32("y", [4]), _fp32("total", [1])],
+    )
+
+
+@pytest.fixture(scope="module")
+def reduced(folder: Path) -> Path:
+    """A batch dimension in, none out: FP32[N, 4] summed over the rows to FP32[4]."""
+    axes = helper.make_tensor("axes", TensorProto.INT64, [1], [0])
+    return _model(
+        folder / "reduced.onnx",
+        [
+            helper.make_node("Constant", [], ["axes"], value=axes),
+            helper.make_node("ReduceSum", ["x", "axes"], ["total"], keepdims=0),
+        ],
+        [_fp32("x", ["N", 4])],
+        [_fp32("total", [4])],
+    )
+
+
+@pytest.fixture(scope="module")
+def pair(folder: Path) -> Path:
+    """Two batched inputs: FP32[N, 4] a + b."""
+    return _model(
+        folder / "pair.onnx",
+        [helper.make_node("Add", ["a", "b"], ["sum"])],
+        [_fp32("a", ["N", 4]), _fp32("b", ["N", 4])],
+        [_fp32("sum", ["N", 4])],
+    )
+
+
+def staged(path: Path) -> Iterator[Engine]:
+    engine = Engine(path, device="cpu", stage=True)
+    yield engine
+    engine.close()
+
+
+async def _run(engine: Engine, requests: list[dict[str, np.ndarray]]) -> list[dict]:
+    outputs = tuple(s.name for s in engine.outputs)
+    batch = [Pending(r, outputs, len(next(iter(r.values()))), "g", 0.0) for r in requests]
+    return await engine.instances[0].run(batch)
+
+
+def _expect(path: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, inputs), strict=True))
+
+
+async def test_batches_are_padded_to_the_pools_sizes_and_split_back_exactly(
+    reference: ort.InferenceSession,
+) -> None:
+    engine = Engine(models.DIGITS, device="cpu", stage=True, instances=1)
+    try:
+        assert engine.staged and engine.batchable and engine.instances[0].pad
+        assert engine.warm_rows(64) == [1, 2, 4, 8, 16, 32, 64]
+        assert engine.warm_rows(5) == [1, 2, 4, 8]
+        rows = np.concatenate([s.input for s in SAMPLES])
+        parts = [rows[0:1], rows[1:4], rows[4:6]]  # 6 rows, run as 8
+        for _ in range(2):  # the second time from pooled buffers, padding rows reused
+            results = await _run(engine, [{"input": p} for p in parts])
+            for part, result in zip(parts, results, strict=True):
+                label, probabilities = reference.run(None, {"input": part})
+                np.testing.assert_array_equal(result["label"], label)
+                np.testing.assert_array_equal(result["probabilities"], probabilities)
+        stats = engine.pool.stats()
+        assert stats.reused >= 1
+        assert stats.buffers >= 1  # given back, every one
+        alone = await _run(engine, [{"input": parts[1]}])  # 3 rows, run as 4
+        np.testing.assert_array_equal(
+            alone[0]["label"], reference.run(["label"], {"input": parts[1]})[0]
+        )
+        assert alone[0]["probabilities"].base is None  # a copy: the pooled buffer went back
+    finally:
+        engine.close()
+
+
+async def test_a_model_without_a_batch_dimension(fixed: Path) -> None:
+    for engine in staged(fixed):
+        assert engine.staged and not engine.batchable
+        assert engine.warm_rows(64) == [1]
+        x = np.arange(4, dtype=np.float32)
+        for _ in range(2):
+            (result,) = await _run(engine, [{"x": x}])
+            np.testing.assert_array_equal(result["y"], 2 * x)
+            np.testing.assert_array_equal(result["total"], [6.0])
+
+
+async def test_a_batch_in_and_none_out(reduced: Path) -> None:
+    for engine in staged(reduced):
+        assert not engine.batchable  # the output has no batch: requests never share a run
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        (result,) = await _run(engine, [{"x": x}])
+        np.testing.assert_array_equal(result["total"], _expect(reduced, {"x": x})["total"])
+        assert result["total"].shape == (4,)
+
+
+async def test_every_input_is_staged_and_bound_alive(pair: Path) -> None:
+    """Two inputs given as strided views: each is staged (or made contiguous) and stays
+    alive while ONNX Runtime reads it."""
+    for engine in staged(pair):
+        base = np.arange(48, dtype=np.float32).reshape(6, 8)
+        a, b = base[:, ::2], base[:, 1::2]  # not contiguous
+        want = a + b
+        results = await _run(engine, [{"a": a[:2], "b": b[:2]}, {"a": a[2:], "b": b[2:]}])
+        np.testing.assert_array_equal(np.concatenate([r["sum"] for r in results]), want)
+        got, pooled = engine.instances[0].run_sync({"a": a, "b": b}, ["sum"], 6)
+        np.testing.assert_array_equal(got["sum"], want)
+        for buffer in pooled:
+            engine.pool.give(buffer)
+
+
+def test_io_binding_errors_map_like_session_runs() -> None:
+    """run_with_iobinding reports a misfit input as a bare RuntimeError; it is still the
+    caller's INVALID_ARGUMENT, as session.run's InvalidArgument is."""
+    engine = Engine(models.DIGITS, device="cpu", stage=True)
+    try:
+        wrong = np.zeros((2, 63), np.float32)
+        with pytest.raises(InvalidInput, match="Got invalid dimensions for input"):
+            engine.instances[0].run_sync({"input": wrong}, ["label"], 2, pooled_inputs=True)
+        assert engine.pool.stats().buffers >= 1  # its output buffer went back
+    finally:
+        engine.close()
