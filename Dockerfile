@@ -19,15 +19,21 @@ RUN pip wheel --no-cache-dir --no-deps -w /wheels .
 
 # The image holds the installed wheel and no source tree, so it runs what a user's
 # `pip install sluice` runs: the model and its samples come from the package.
+# The GPU image: `docker build --build-arg EXTRAS=gpu -t sluice:gpu .` adds the CUDA 13 and
+# cuDNN libraries from pip and CuPy (about 3 GB); the host needs NVIDIA's driver (release 580
+# or later) and container toolkit (`docker run --gpus all`, or a Kubernetes GPU request).
 FROM python:3.11-slim
+ARG EXTRAS=""
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
+RUN whl=$(ls /wheels/*.whl) && pip install --no-cache-dir "${whl}${EXTRAS:+[$EXTRAS]}" \
+ && rm -rf /wheels \
  && python -c "from sluice.models import DIGITS, samples; assert DIGITS.is_file() and len(samples()) == 10" \
  && sluice perf --help >/dev/null
 WORKDIR /app
 # In a container the server must listen beyond loopback; the node id defaults to the
 # hostname, which Kubernetes sets to the pod name.
-ENV SLUICE_HOST=0.0.0.0 SLUICE_PORT=8001
+ENV SLUICE_HOST=0.0.0.0 SLUICE_PORT=8001 \
+    NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
 EXPOSE 8001 9100
 STOPSIGNAL SIGTERM
 CMD ["sluice-server"]

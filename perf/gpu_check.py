@@ -1,14 +1,22 @@
-"""GPU check, for a machine with an NVIDIA GPU (scripts/gpu-check wraps it):
+"""GPU check, for a machine with an NVIDIA GPU (scripts/gpu-check installs what it needs and
+runs it). Asserts, on a ResNet-50 (perf/make_resnet.py, dynamic batch) and a wide MLP:
 
-1. the CUDA execution provider really runs the model (not a silent CPU fallback);
-2. each instance has its own CUDA stream, and staging buffers are pinned host memory
-   (both need CuPy: pip install 'sluice[gpu]');
-3. batches through IO binding on CUDA equal ONNX Runtime on the CPU, for the bundled digits
-   model and a compute-heavy MLP;
-4. latency and throughput of a real server on the GPU, batch-of-one against the
-   micro-batcher, from the sweep.
+1. every node runs on CUDA (ONNX Runtime's CPU fallback disabled for the check);
+2. `--device cuda` loads on CUDA with no fallback; each instance's `user_compute_stream` is
+   registered with its session; staging memory is page-locked (a pageable array, checked the
+   same way, is not);
+3. two instances run at once, and batches through the staged, padded path equal ONNX Runtime
+   on the CPU.
 
-Exits 1 when a check fails; prints a JSON summary last.
+Then measures, one run: ONNX Runtime alone at batch 1 (session.run; IO binding with
+pageable memory; IO binding with pinned memory); the per-call overhead of a server on the
+CPU (a model as cheap as possible with the same 602 KB input: server p50 - ORT p50); the
+server on the GPU at concurrency 1 (a plain client loop) and 32 (the sweep), 1 against 2
+instances, pinned against pageable staging, and the micro-batcher. Exits 1 when a check
+fails; prints and writes (--out) a JSON summary.
+
+`--device cpu` runs the same script on the CPU (checks of CUDA skipped, small images), to
+try it where there is no GPU.
 """
 
 from __future__ import annotations
@@ -16,95 +24,414 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
-from collections.abc import Sequence
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import onnxruntime as ort
 
-from sluice.models import DIGITS
-from sluice.perf import paired
-from sluice.perf.make_mlp import cached
-from sluice.runtime.launch import running, server_argv
+from sluice.perf import make_mlp, make_resnet, paired
+from sluice.perf.sweep import request_body
+from sluice.runtime.launch import module_argv, running
+from sluice.server.dataplane import gpu
 from sluice.server.dataplane.batcher import Pending
-from sluice.server.dataplane.engine import CUDA, Engine
+from sluice.server.dataplane.engine import CPU, CUDA, Engine, zeros
+
+PREDICT = "/sluice.v1.Inference/Predict"
+NHWC = {"prefer_nhwc": "1"}  # cuDNN's channels-last kernels: an option worth measuring
 
 
-def check(condition: bool, what: str, failures: list[str]) -> None:
-    print(("ok    " if condition else "FAIL  ") + what, flush=True)
-    if not condition:
-        failures.append(what)
+class Checks:
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+
+    def __call__(self, condition: bool, what: str) -> bool:
+        print(("ok    " if condition else "FAIL  ") + what, flush=True)
+        if not condition:
+            self.failures.append(what)
+        return condition
 
 
-async def compare(model: Path, rows: Sequence[int], tolerance: float, failures: list[str]) -> None:
-    engine = Engine(model, device="cuda", instances=2)
-    cpu = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    check(engine.provider == CUDA, f"{model.name}: CUDA provider active", failures)
-    check(engine.pinned, f"{model.name}: pinned staging buffers (CuPy present)", failures)
-    streams = {inst.stream[1] for inst in engine.instances if inst.stream is not None}
-    check(
-        len(streams) == len(engine.instances),
-        f"{model.name}: one CUDA stream per instance",
-        failures,
-    )
-    name = engine.inputs[0].name
-    outputs = tuple(s.name for s in engine.outputs)
-    rng = np.random.default_rng(0)
-    parts = [rng.uniform(0, 16, (n, 64)).astype(np.float32) for n in rows]
-    batch = [Pending({name: p}, outputs, len(p), "g", 0.0) for p in parts]
-    for instance in engine.instances:
-        results = await instance.run(batch)
-        for part, result in zip(parts, results, strict=True):
-            want = cpu.run(list(outputs), {name: part})
-            for out, expected in zip(outputs, want, strict=True):
-                ok = np.allclose(result[out], expected, rtol=tolerance, atol=tolerance)
-                if expected.dtype.kind in "iu":
-                    ok = np.mean(result[out] == expected) > 0.99  # ties may flip an argmax
-                check(
-                    ok, f"{model.name}: instance {instance.index} {out} rows={len(part)}", failures
-                )
-    engine.close()
+def environment() -> dict[str, Any]:
+    try:
+        import cupy
 
-
-def serve(duration: str, rounds: int) -> dict[str, Any]:
-    heavy = cached(width=4096, depth=2)
-    common = ["--device", "cuda", "--cache-entries", "0", "--instances", "2"]
-    with (
-        running(server_argv(*common, model=heavy, node_id="one")) as one,
-        running(server_argv(*common, "--max-batch", "64", model=heavy, node_id="batched")) as b,
-    ):
-        runs = paired.rounds(
-            {"batch_of_one": one.address, "batched": b.address},
-            ["-c", "1,64", "-z", duration, "--warmup", "1s", "--unique", "--procs", "2"],
-            rounds,
-            "gpu",
-        )
+        cupy_version = str(cupy.__version__)
+    except Exception as exc:
+        cupy_version = f"unavailable: {exc}"
     return {
-        name: {
-            f"c{c}": {k: paired.median(r, i, k) for k in ("throughput", "p50", "p99")}
-            for i, c in enumerate((1, 64))
-        }
-        for name, r in runs.items()
+        "onnxruntime": ort.__version__,
+        "built_for_cuda": gpu.cuda_major(),
+        "providers": ort.get_available_providers(),
+        "gpus": gpu.device_count(),
+        "missing_libraries": list(gpu.missing_libraries()),
+        "cupy": cupy_version,
     }
+
+
+def pool_model(folder: Path, image: int) -> Path:
+    """The cheapest model that takes the ResNet's input: a global average pool to FP32[N, 3].
+    Its server p50 minus its own run time is the per-call cost of the server itself."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("GlobalAveragePool", ["input"], ["pooled"]),
+            helper.make_node("Flatten", ["pooled"], ["output"]),
+        ],
+        "pool",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, image, image])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = folder / f"pool{image}.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+
+def all_nodes_on_cuda(model: Path, check: Checks) -> None:
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    try:
+        ort.InferenceSession(str(model), options, providers=[CUDA])
+        placed = ""
+    except Exception as exc:
+        placed = str(exc).splitlines()[0]
+    check(not placed, f"{model.name}: every node on CUDA (CPU fallback disabled) {placed}")
+
+
+def streams_and_memory(engine: Engine, check: Checks) -> None:
+    name = engine.name
+    check(engine.provider == CUDA and not engine.fallback, f"{name}: on CUDA, no fallback")
+    check(engine.staged and engine.pinned, f"{name}: staged through pinned buffers")
+    handles = []
+    for instance in engine.instances:
+        options = instance.session.get_provider_options().get(CUDA, {})
+        handle = instance.stream[1] if instance.stream else None
+        handles.append(handle)
+        check(
+            handle is not None
+            and options.get("has_user_compute_stream") == "1"
+            and options.get("user_compute_stream") == str(handle),
+            f"{name}: instance {instance.index} runs on its own stream {handle} "
+            f"(session says {options.get('user_compute_stream')})",
+        )
+    check(len(set(handles)) == len(handles), f"{name}: one stream per instance")
+    buffer = engine.pool.take(np.dtype(np.float32), (3, 8, 8), 1)
+    check(gpu.is_pinned(buffer), f"{name}: staging buffers are page-locked")
+    engine.pool.give(buffer)
+    check(not gpu.is_pinned(np.empty(4096, np.uint8)), "a pageable array is seen as pageable")
+
+
+def concurrent_and_equal(
+    engine: Engine, model: Path, shape: tuple[int, ...], tolerance: float, check: Checks
+) -> None:
+    """Both instances at once on their own inputs, then the staged, padded batch path; each
+    against ONNX Runtime on the CPU."""
+    cpu = ort.InferenceSession(str(model), providers=[CPU])
+    name = engine.inputs[0].name
+    outputs = [s.name for s in engine.outputs]
+    rng = np.random.default_rng(0)
+
+    def close(got: np.ndarray, want: np.ndarray) -> bool:
+        scale = float(np.abs(want).max()) or 1.0
+        return bool(np.allclose(got, want, rtol=tolerance, atol=tolerance * scale))
+
+    def timed(instance: Any, x: np.ndarray) -> tuple[float, float, dict[str, np.ndarray]]:
+        started = time.perf_counter()
+        results, pooled = instance.run_sync({name: x}, outputs, len(x))
+        ended = time.perf_counter()
+        owned = {k: v.copy() for k, v in results.items()}
+        for buffer in pooled:
+            engine.pool.give(buffer)
+        return started, ended, owned
+
+    overlapped = False
+    for attempt in range(10):
+        xs = [rng.uniform(0, 1, (8, *shape)).astype(np.float32) for _ in engine.instances]
+        futures: list[Future[Any]] = [
+            engine.executor.submit(timed, instance, x)
+            for instance, x in zip(engine.instances, xs, strict=True)
+        ]
+        done = [f.result() for f in futures]
+        overlapped = overlapped or max(d[0] for d in done) < min(d[1] for d in done)
+        if attempt == 0:
+            for i, (x, (_, _, got)) in enumerate(zip(xs, done, strict=True)):
+                want = cpu.run(outputs, {name: x})
+                ok = all(close(got[o], w) for o, w in zip(outputs, want, strict=True))
+                check(ok, f"{model.name}: instance {i}, run at once with the other, equals CPU")
+    check(overlapped, f"{model.name}: the {len(engine.instances)} instances' runs overlapped")
+
+    async def batched() -> None:
+        parts = [rng.uniform(0, 1, (n, *shape)).astype(np.float32) for n in (1, 3, 2)]
+        batch = [Pending({name: p}, tuple(outputs), len(p), "g", 0.0) for p in parts]
+        for instance in engine.instances:
+            results = await instance.run(batch)  # 6 rows, padded to 8
+            for part, result in zip(parts, results, strict=True):
+                want = cpu.run(outputs, {name: part})
+                ok = all(close(result[o], w) for o, w in zip(outputs, want, strict=True))
+                check(ok, f"{model.name}: instance {instance.index} batch rows={len(part)}")
+
+    asyncio.run(batched())
+
+
+# -- measurements -----------------------------------------------------------------------------
+
+
+def first_runs(engine: Engine, max_rows: int) -> dict[int, list[float]]:
+    """Per padded batch size, instance 0's first run (where cuDNN searches its algorithms:
+    what warming each size at load spares a request) and its next run, in ms."""
+    instance = engine.instances[0]
+    names = [s.name for s in engine.outputs]
+    found = {}
+    for rows in engine.warm_rows(max_rows):
+        inputs = zeros(engine.inputs, rows)
+        times = []
+        for _ in range(2):
+            started = time.perf_counter()
+            _, pooled = instance.run_sync(inputs, names, rows)
+            times.append((time.perf_counter() - started) * 1e3)
+            for buffer in pooled:
+                engine.pool.give(buffer)
+        found[rows] = times
+    return found
+
+
+def timings(run: Callable[[], object], count: int) -> dict[str, float]:
+    for _ in range(max(count // 10, 5)):
+        run()
+    times = []
+    for _ in range(count):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    times.sort()
+    return {
+        "p50_ms": times[len(times) // 2] * 1e3,
+        "p99_ms": times[min(len(times) - 1, int(len(times) * 0.99))] * 1e3,
+        "mean_ms": statistics.fmean(times) * 1e3,
+    }
+
+
+def ort_alone(
+    model: Path, x: np.ndarray, device: str, count: int, cuda_options: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """ONNX Runtime by itself at batch 1, three ways (two without CUDA)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    providers: list[Any] = [(CUDA, cuda_options or {}), CPU] if device == "cuda" else [CPU]
+    session = ort.InferenceSession(str(model), options, providers=providers)
+    name, output = session.get_inputs()[0].name, session.get_outputs()[0].name
+    out_shape = (len(x), *session.get_outputs()[0].shape[1:])
+    found: dict[str, Any] = {
+        "session_run": timings(lambda: session.run([output], {name: x}), count)
+    }
+
+    def bound(inp: np.ndarray, out: np.ndarray) -> Callable[[], object]:
+        binding = session.io_binding()
+        binding.bind_input(name, "cpu", 0, inp.dtype, inp.shape, inp.ctypes.data)
+        binding.bind_output(output, "cpu", 0, out.dtype, out.shape, out.ctypes.data)
+        return lambda: session.run_with_iobinding(binding)
+
+    pageable_out = np.empty(out_shape, np.float32)
+    found["iobinding_pageable"] = timings(bound(x, pageable_out), count)
+    allocate = gpu.pinned_allocator() if device == "cuda" else None
+    if allocate is not None:
+        pinned_in = allocate(x.nbytes).view(np.float32).reshape(x.shape)
+        pinned_in[...] = x
+        pinned_out = allocate(pageable_out.nbytes).view(np.float32).reshape(out_shape)
+        found["iobinding_pinned"] = timings(bound(pinned_in, pinned_out), count)
+    found["best_p50_ms"] = min(v["p50_ms"] for v in found.values())
+    return found
+
+
+def client_loop(address: str, body: bytes, count: int) -> dict[str, float]:
+    """Concurrency 1 with the least client work: one channel, the body pre-serialized."""
+    with grpc.insecure_channel(
+        address,
+        options=[("grpc.max_receive_message_length", 64 << 20)],
+    ) as channel:
+        call = channel.unary_unary(PREDICT, request_serializer=None, response_deserializer=None)
+        return timings(lambda: call(body, timeout=30), count)
+
+
+def server_argv(model: Path, node: str, *extra: str) -> list[str]:
+    return module_argv(
+        "sluice.server.main",
+        *("--model", str(model), "--port", "0", "--node-id", node, "--cache-entries", "0"),
+        *extra,
+    )
+
+
+def serve(
+    model: Path,
+    configs: dict[str, list[str]],
+    npy: Path,
+    body: bytes,
+    count: int,
+    duration: str,
+    concurrency: int = 32,
+) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    with ExitStack() as stack:
+        targets = {
+            # A GPU server warms each padded batch size per instance before it listens.
+            label: stack.enter_context(
+                running(server_argv(model, label, *extra), start_s=180)
+            ).address
+            for label, extra in configs.items()
+        }
+        for label, address in targets.items():
+            found[label] = {"c1": client_loop(address, body, count)}
+        runs = paired.rounds(
+            targets,
+            ["-c", str(concurrency), "-z", duration, "--warmup", "1s", "--procs", "4",
+             "--data", str(npy)],
+            1,
+            "gpu-check",
+        )  # fmt: skip
+        for label, r in runs.items():
+            level = r[0]["levels"][0]
+            found[label][f"c{concurrency}"] = {
+                "throughput": level["throughput"],
+                "p50_ms": level["latency"]["p50"],
+                "p99_ms": level["latency"]["p99"],
+                "errors": level["calls"] - level["ok"],
+            }
+    return found
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sluice.perf.gpu_check", description=__doc__)
-    parser.add_argument("--duration", default="5s")
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--image", type=int, default=0, help="ResNet input size (224; cpu 64)")
+    parser.add_argument("--duration", default="5s", help="time per concurrency-32 level")
+    parser.add_argument("--count", type=int, default=500, help="timed calls at concurrency 1")
+    parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    failures: list[str] = []
-    if CUDA not in ort.get_available_providers():
-        print("FAIL  this onnxruntime build has no CUDA provider")
+    check = Checks()
+    device = args.device
+    image = args.image or (224 if device == "cuda" else 64)
+    result: dict[str, Any] = {"environment": environment(), "device": device, "image": image}
+    print(json.dumps(result["environment"]), flush=True)
+
+    def section(name: str, step: Callable[[], object]) -> bool:
+        """One part of the check: a failure is recorded and the rest still runs; what is
+        known so far is saved after each, so a run cut short still leaves its figures."""
+        started = time.perf_counter()
+        try:
+            step()
+            ok = True
+        except Exception as exc:
+            check(False, f"{name}: {type(exc).__name__}: {exc}")
+            ok = False
+        result.setdefault("section_s", {})[name] = time.perf_counter() - started
+        result["failures"] = check.failures
+        if args.out:
+            paired.save(result, args.out)
+        return ok
+
+    if device == "cuda" and not check(
+        CUDA in ort.get_available_providers() and gpu.device_count() > 0,
+        "a CUDA build of onnxruntime and a GPU",
+    ):
+        print(paired.save({**result, "failures": check.failures}, args.out))
         return 1
-    heavy = cached(width=4096, depth=2)
-    asyncio.run(compare(DIGITS, [1, 3, 7], 1e-4, failures))
-    asyncio.run(compare(heavy, [1, 5, 32], 2e-2, failures))  # TF32 matmuls on recent GPUs
-    figures = serve(args.duration, args.rounds) if not failures else {}
-    print(json.dumps({"failures": failures, "figures": figures}, indent=1))
-    return 1 if failures else 0
+    resnet = make_resnet.cached(image)
+    mlp = make_mlp.cached(width=4096 if device == "cuda" else 256, depth=2)
+    folder = Path(tempfile.mkdtemp(prefix="sluice-gpu-check-"))
+    x = np.random.default_rng(1).uniform(0, 1, (1, 3, image, image)).astype(np.float32)
+    npy = folder / "input.npy"
+    np.save(npy, x)
+    body = request_body(x, "input", "predict", "")
+
+    def placement() -> None:
+        for model in (resnet, mlp):
+            all_nodes_on_cuda(model, check)
+
+    def instances() -> None:
+        started = time.perf_counter()
+        engine = Engine(resnet, device=device, instances=2, stage=True)
+        result["resnet_load_s"] = time.perf_counter() - started
+        try:
+            if device == "cuda":
+                streams_and_memory(engine, check)
+            result["resnet_first_and_next_run_ms_by_rows"] = first_runs(engine, 32)
+            concurrent_and_equal(engine, resnet, (3, image, image), 2e-2, check)
+        finally:
+            engine.close()
+        heavy = Engine(mlp, device=device, instances=2, stage=True)
+        try:
+            concurrent_and_equal(heavy, mlp, (64,), 2e-2, check)  # TF32 matmuls on recent GPUs
+        finally:
+            heavy.close()
+
+    def alone() -> None:
+        result["ort_alone_batch1"] = ort_alone(resnet, x, device, args.count)
+        if device == "cuda":
+            result["ort_alone_batch1_nhwc"] = ort_alone(resnet, x, device, args.count, NHWC)
+
+    def overhead() -> None:
+        pool = pool_model(folder, image)
+        ort_p50 = ort_alone(pool, x, "cpu", args.count)["session_run"]["p50_ms"]
+        served = serve(pool, {"cpu": ["--device", "cpu"]}, npy, body, args.count, args.duration)
+        result["cpu_overhead"] = {
+            "ort_p50_ms": ort_p50,
+            "server": served["cpu"],
+            "overhead_p50_ms": served["cpu"]["c1"]["p50_ms"] - ort_p50,
+        }
+
+    def servers() -> None:
+        pageable = ["--pinned-staging", "false"]
+        configs = {
+            "i1_pinned": ["--instances", "1"],
+            "i2_pinned": ["--instances", "2"],
+            "i1_pageable": ["--instances", "1", *pageable],
+            "i2_pageable": ["--instances", "2", *pageable],
+            "i2_batched32": ["--instances", "2", "--max-batch", "32"],
+            "i1_pinned_nhwc": ["--instances", "1", "--cuda-options", "prefer_nhwc=1"],
+        }
+        flag = ["--device", device]
+        result["server"] = serve(
+            resnet, {k: [*flag, *v] for k, v in configs.items()}, npy, body, args.count,
+            args.duration,
+        )  # fmt: skip
+        errors = sum(v["c32"]["errors"] for v in result["server"].values())
+        check(errors == 0, f"server runs: {errors} failed calls")
+
+    if device == "cuda":
+        section("placement", placement)
+    if not section("instances", instances):
+        print(paired.save(result, args.out))
+        return 1
+    section("ort_alone", alone)
+    section("cpu_overhead", overhead)
+    section("servers", servers)
+    if "server" in result and "cpu_overhead" in result and "ort_alone_batch1" in result:
+        best = result["ort_alone_batch1"]["best_p50_ms"]
+        cost = result["cpu_overhead"]["overhead_p50_ms"]
+        p50 = min(v["c1"]["p50_ms"] for v in result["server"].values())
+        result["goal"] = {
+            "server_c1_p50_ms_best_config": p50,
+            "ort_best_p50_ms": best,
+            "cpu_overhead_p50_ms": cost,
+            "met": p50 <= 2.0 and p50 <= best + cost,
+        }
+    result["failures"] = check.failures
+    print(paired.save(result, args.out))
+    return 1 if check.failures else 0
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
         max_queue=settings.max_queue,
         pool_bytes=settings.buffer_pool_bytes,
         pinned=settings.pinned_staging,
+        cuda_options=settings.provider_options(),
         inline_max_s=settings.inline_max_us / 1e6,
     )
     # --model entries: loaded, checked and warmed up once, like a repository's versions.

@@ -96,6 +96,13 @@ class ServerSettings:
     buffer_pool_bytes: int = field(
         default=256 << 20, metadata={"help": "staging buffers kept for reuse, in bytes"}
     )
+    cuda_options: str = field(
+        default="",
+        metadata={
+            "help": "options for ONNX Runtime's CUDA execution provider, KEY=VALUE,... "
+            "(e.g. prefer_nhwc=1,cudnn_conv_algo_search=HEURISTIC)"
+        },
+    )
     pinned_staging: bool = field(
         default=True,
         metadata={
@@ -136,7 +143,19 @@ class ServerSettings:
         },
     )
 
+    def provider_options(self) -> dict[str, str]:
+        """--cuda-options as a mapping."""
+        pairs = [p.strip() for p in self.cuda_options.split(",") if p.strip()]
+        found = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"--cuda-options takes KEY=VALUE,..., not {pair!r}")
+            found[key.strip()] = value.strip()
+        return found
+
     def __post_init__(self) -> None:
+        self.provider_options()  # refuse a malformed --cuda-options at start
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, not {self.device!r}")
         if not 0 <= self.port <= 65535:

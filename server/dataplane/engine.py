@@ -294,10 +294,12 @@ def run_seconds(session: ort.InferenceSession, inputs: Mapping[str, np.ndarray])
     return min(times)
 
 
-def _start_cuda(path: Path, options: ort.SessionOptions) -> tuple[ort.InferenceSession, str]:
+def _start_cuda(
+    path: Path, options: ort.SessionOptions, cuda_options: Mapping[str, str]
+) -> tuple[ort.InferenceSession, str]:
     """A session that asked for CUDA, and "" if CUDA runs it, else why not."""
     missing = gpu.missing_libraries()
-    session = ort.InferenceSession(str(path), options, providers=[CUDA, CPU])
+    session = ort.InferenceSession(str(path), options, providers=[(CUDA, dict(cuda_options)), CPU])
     if session.get_providers()[0] == CUDA:
         return session, ""
     if missing:
@@ -320,7 +322,7 @@ class Engine:
     in Health). `device="cuda"` refuses to load instead. CuPy's pinned memory and streams are
     made only once CUDA is known to run the model; `pinned=False` keeps staging memory
     pageable. `stage` forces the staged path on or off (default: on with CUDA and pinned
-    memory)."""
+    memory). `cuda_options`: CUDA execution provider options (e.g. prefer_nhwc=1)."""
 
     def __init__(
         self,
@@ -333,6 +335,7 @@ class Engine:
         inline_max_s: float = 0.0,
         pinned: bool = True,
         stage: bool | None = None,
+        cuda_options: Mapping[str, str] | None = None,
     ) -> None:
         path = Path(model_path)
         if not path.is_file():
@@ -350,7 +353,7 @@ class Engine:
         probe: ort.InferenceSession | None = None
         if CUDA in providers:
             options.intra_op_num_threads = intra_op_threads or 1  # the GPU parallelises
-            probe, self.fallback = _start_cuda(path, options)
+            probe, self.fallback = _start_cuda(path, options, cuda_options or {})
             if self.fallback:
                 if device == "cuda":
                     raise Unavailable(f"--device cuda, but {self.fallback}")
@@ -372,8 +375,9 @@ class Engine:
                 probe = None
                 continue
             chosen: list[Any] = list(providers)
-            if stream is not None:
-                chosen[0] = (CUDA, {"user_compute_stream": str(stream[1])})
+            if on_cuda:
+                handle = {"user_compute_stream": str(stream[1])} if stream else {}
+                chosen[0] = (CUDA, {**(cuda_options or {}), **handle})
             session = ort.InferenceSession(str(path), options, providers=chosen)
             sessions.append((session, stream))
         first = sessions[0][0]

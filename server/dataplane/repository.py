@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -49,6 +49,7 @@ class Defaults:
     max_queue: int = 1024
     pool_bytes: int = 256 << 20
     pinned: bool = True
+    cuda_options: Mapping[str, str] = field(default_factory=dict)
     inline_max_s: float = 100e-6
 
 
@@ -130,6 +131,7 @@ async def load_model(
             instances=config.instances or defaults.instances,
             pool_bytes=defaults.pool_bytes,
             pinned=defaults.pinned,
+            cuda_options=defaults.cuda_options,
             inline_max_s=defaults.inline_max_s,
         )
     )

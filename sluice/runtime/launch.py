@@ -37,7 +37,9 @@ def wait_serving(address: str, timeout: float = 30.0, *, require: bool = True) -
 class Process:
     """A started Sluice process; its stderr is kept in `lines` for failure messages."""
 
-    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, argv: Sequence[str], env: dict[str, str] | None = None, start_s: float = 30.0
+    ) -> None:
         self.argv = list(argv)
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
@@ -53,7 +55,7 @@ class Process:
         self._announced: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self.address = self._wait_for_address(timeout=30.0)
+        self.address = self._wait_for_address(timeout=start_s)
 
     @property
     def pid(self) -> int:
@@ -126,10 +128,13 @@ def server_argv(*extra: str, node_id: str = "node", model: Path | None = None) -
 
 
 @contextmanager
-def running(argv: Sequence[str], *, serving: bool = True) -> Iterator[Process]:
+def running(
+    argv: Sequence[str], *, serving: bool = True, start_s: float = 30.0
+) -> Iterator[Process]:
     """A process for the length of the block, from the moment its health check says SERVING
-    (or, with `serving=False`, from the moment it answers health checks at all)."""
-    proc = Process(argv)
+    (or, with `serving=False`, from the moment it answers health checks at all); `start_s`:
+    how long it may take to announce its address (a server loads its models first)."""
+    proc = Process(argv, start_s=start_s)
     try:
         proc.wait_serving(require=serving)
         yield proc

@@ -113,15 +113,21 @@ def test_ctrl_c_leaves_the_live_view_with_exit_0(pair: Pair) -> None:
             if select.select([controller], [], [], 0.5)[0]:
                 seen += os.read(controller, 65536)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
-        while select.select([controller], [], [], 0.2)[0]:
-            try:
-                chunk = os.read(controller, 65536)
-            except OSError:  # the terminal closed with the process
-                break
-            if not chunk:
-                break
+        # Read the terminal while it exits: a full pty buffer would block its last redraw.
+        deadline = time.monotonic() + 30
+        while True:
+            ready = select.select([controller], [], [], 0.2)[0]
+            chunk = b""
+            if ready:
+                try:
+                    chunk = os.read(controller, 65536)
+                except OSError:  # the terminal closed with the process
+                    chunk = b""
             seen += chunk
+            if proc.poll() is not None and not chunk:
+                break
+            assert time.monotonic() < deadline, "sluice top did not exit on SIGINT"
+        assert proc.returncode == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -74,3 +74,16 @@ def test_workers_auto_is_one_per_core_on_the_cpu_and_one_on_a_gpu() -> None:
     assert parse(["--workers", "3"]).worker_count(gpu=True) == 3
     with pytest.raises(ValueError, match="--workers must be a number of processes or auto"):
         parse(["--workers", "many"])
+
+
+def test_cuda_options_and_pinned_staging() -> None:
+    settings = parse(["--cuda-options", "prefer_nhwc=1, cudnn_conv_algo_search=HEURISTIC"])
+    assert settings.provider_options() == {
+        "prefer_nhwc": "1",
+        "cudnn_conv_algo_search": "HEURISTIC",
+    }
+    assert parse([]).provider_options() == {}
+    assert parse([]).pinned_staging
+    assert not parse([], {"SLUICE_PINNED_STAGING": "false"}).pinned_staging
+    with pytest.raises(ValueError, match="--cuda-options takes KEY=VALUE"):
+        parse(["--cuda-options", "prefer_nhwc"])

@@ -13,10 +13,12 @@ import pytest
 
 from sluice import models
 from sluice.core.errors import Unavailable
+from sluice.server.convert import model_statuses
 from sluice.server.dataplane import gpu
-from sluice.server.dataplane.batcher import Pending
+from sluice.server.dataplane.batcher import Batcher, Pending
 from sluice.server.dataplane.buffers import BufferPool
 from sluice.server.dataplane.engine import MAX_AUTO_THREADS, Engine, Instance, choose_providers
+from sluice.server.dataplane.models import Model, Models
 from tests.conftest import SAMPLES
 
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
@@ -151,6 +153,10 @@ def test_auto_that_gets_the_cpu_says_so_loudly(
         assert not auto.pinned and not auto.staged
         assert [i.stream for i in auto.instances] == [None, None]
         assert [i.session.get_providers() for i in auto.instances] == [[CPU], [CPU]]
+        # Health and Metadata list it with each model.
+        model = Model(auto, Batcher(auto.instances, max_rows=1, budget_s=0.0))
+        (status,) = model_statuses(Models([model]))
+        assert (status.provider, status.fallback) == (CPU, auto.fallback)
     finally:
         auto.close()
 
