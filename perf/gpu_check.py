@@ -44,9 +44,13 @@ from sluice.runtime.launch import module_argv, running
 from sluice.server.dataplane import gpu
 from sluice.server.dataplane.batcher import Pending
 from sluice.server.dataplane.engine import CPU, CUDA, Engine, zeros
+from sluice.v1 import inference_pb2 as pb
 
 PREDICT = "/sluice.v1.Inference/Predict"
 NHWC = {"prefer_nhwc": "1"}  # cuDNN's channels-last kernels: an option worth measuring
+# glibc keeps up to 128 MiB of freed heap instead of its default 128 KiB: a 602 KB request's
+# blocks are then reused rather than faulted in afresh each call (README, "On a GPU").
+KEEP_HEAP = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=134217728"}
 
 
 class Checks:
@@ -257,6 +261,24 @@ def ort_alone(
     return found
 
 
+def engine_batch1(engine: Engine, x: np.ndarray, count: int) -> dict[str, float]:
+    """One request at a time through instance 0 as the server runs it (staged, from the
+    event loop to a runner thread), without gRPC: the engine's share of a call."""
+    outputs = tuple(s.name for s in engine.outputs)
+    name = engine.inputs[0].name
+    loop = asyncio.new_event_loop()
+    try:
+        instance = engine.instances[0]
+        return timings(
+            lambda: loop.run_until_complete(
+                instance.run([Pending({name: x}, outputs, 1, "g", 0.0)])
+            ),
+            count,
+        )
+    finally:
+        loop.close()
+
+
 def client_loop(address: str, body: bytes, count: int) -> dict[str, float]:
     """Concurrency 1 with the least client work: one channel, the body pre-serialized."""
     with grpc.insecure_channel(
@@ -277,7 +299,7 @@ def server_argv(model: Path, node: str, *extra: str) -> list[str]:
 
 def serve(
     model: Path,
-    configs: dict[str, list[str]],
+    configs: dict[str, tuple[list[str], dict[str, str]]],
     npy: Path,
     body: bytes,
     count: int,
@@ -286,15 +308,16 @@ def serve(
 ) -> dict[str, Any]:
     found: dict[str, Any] = {}
     with ExitStack() as stack:
-        targets = {
+        targets = {}
+        for label, (extra, env) in configs.items():
+            started = time.perf_counter()
             # A GPU server warms each padded batch size per instance before it listens.
-            label: stack.enter_context(
-                running(server_argv(model, label, *extra), start_s=180)
-            ).address
-            for label, extra in configs.items()
-        }
+            argv = server_argv(model, label, *extra)
+            proc = stack.enter_context(running(argv, start_s=180, env=env))
+            targets[label] = proc.address
+            found[label] = {"start_s": time.perf_counter() - started}
         for label, address in targets.items():
-            found[label] = {"c1": client_loop(address, body, count)}
+            found[label]["c1"] = client_loop(address, body, count)
         runs = paired.rounds(
             targets,
             ["-c", str(concurrency), "-z", duration, "--warmup", "1s", "--procs", "4",
@@ -310,7 +333,27 @@ def serve(
                 "p99_ms": level["latency"]["p99"],
                 "errors": level["calls"] - level["ok"],
             }
+            found[label]["health"] = health(targets[label])
     return found
+
+
+def health(address: str) -> dict[str, Any]:
+    """What the server says of its batches and staging buffers after the runs."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(
+            "/sluice.v1.Inference/Health", request_serializer=None, response_deserializer=None
+        )
+        reply = pb.HealthResponse.FromString(call(pb.HealthRequest().SerializeToString()))
+    return {
+        "provider": reply.provider,
+        "fallback": reply.fallback,
+        "mean_batch": reply.batcher.mean_batch_size,
+        "batches": reply.batcher.batches,
+        "pinned": reply.buffers.pinned,
+        "buffers_allocated": reply.buffers.allocated,
+        "buffers_reused": reply.buffers.reused,
+        "buffers_dropped": reply.buffers.dropped,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -369,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if device == "cuda":
                 streams_and_memory(engine, check)
             result["resnet_first_and_next_run_ms_by_rows"] = first_runs(engine, 32)
+            result["engine_batch1"] = engine_batch1(engine, x, args.count)
             concurrent_and_equal(engine, resnet, (3, image, image), 2e-2, check)
         finally:
             engine.close()
@@ -386,27 +430,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     def overhead() -> None:
         pool = pool_model(folder, image)
         ort_p50 = ort_alone(pool, x, "cpu", args.count)["session_run"]["p50_ms"]
-        served = serve(pool, {"cpu": ["--device", "cpu"]}, npy, body, args.count, args.duration)
+        cpu = ["--device", "cpu"]
+        served = serve(
+            pool, {"cpu": (cpu, {}), "cpu_keepheap": (cpu, KEEP_HEAP)}, npy, body, args.count,
+            args.duration,
+        )  # fmt: skip
+        with running(module_argv("sluice.perf.echo_server", "--port", "0")) as echo:
+            floor = client_loop(echo.address, body, args.count)
         result["cpu_overhead"] = {
+            "echo_floor_c1": floor,
             "ort_p50_ms": ort_p50,
             "server": served["cpu"],
+            "server_keepheap": served["cpu_keepheap"],
             "overhead_p50_ms": served["cpu"]["c1"]["p50_ms"] - ort_p50,
+            "overhead_keepheap_p50_ms": served["cpu_keepheap"]["c1"]["p50_ms"] - ort_p50,
         }
 
     def servers() -> None:
         pageable = ["--pinned-staging", "false"]
         configs = {
-            "i1_pinned": ["--instances", "1"],
-            "i2_pinned": ["--instances", "2"],
-            "i1_pageable": ["--instances", "1", *pageable],
-            "i2_pageable": ["--instances", "2", *pageable],
-            "i2_batched32": ["--instances", "2", "--max-batch", "32"],
-            "i1_pinned_nhwc": ["--instances", "1", "--cuda-options", "prefer_nhwc=1"],
+            "i1_pinned": (["--instances", "1"], {}),
+            "i2_pinned": (["--instances", "2"], {}),
+            "i1_pageable": (["--instances", "1", *pageable], {}),
+            "i2_pageable": (["--instances", "2", *pageable], {}),
+            "i2_batched32": (["--instances", "2", "--max-batch", "32"], {}),
+            "i1_pinned_keepheap": (["--instances", "1"], KEEP_HEAP),
+            "i2_pinned_keepheap": (["--instances", "2"], KEEP_HEAP),
         }
         flag = ["--device", device]
         result["server"] = serve(
-            resnet, {k: [*flag, *v] for k, v in configs.items()}, npy, body, args.count,
-            args.duration,
+            resnet, {k: ([*flag, *v], env) for k, (v, env) in configs.items()}, npy, body,
+            args.count, args.duration,
         )  # fmt: skip
         errors = sum(v["c32"]["errors"] for v in result["server"].values())
         check(errors == 0, f"server runs: {errors} failed calls")
@@ -421,14 +475,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     section("servers", servers)
     if "server" in result and "cpu_overhead" in result and "ort_alone_batch1" in result:
         best = result["ort_alone_batch1"]["best_p50_ms"]
-        cost = result["cpu_overhead"]["overhead_p50_ms"]
-        p50 = min(v["c1"]["p50_ms"] for v in result["server"].values())
-        result["goal"] = {
-            "server_c1_p50_ms_best_config": p50,
-            "ort_best_p50_ms": best,
-            "cpu_overhead_p50_ms": cost,
-            "met": p50 <= 2.0 and p50 <= best + cost,
-        }
+        result["goal"] = {}
+        for heap, suffix in (("default", ""), ("keepheap", "_keepheap")):
+            cost = result["cpu_overhead"][f"overhead{suffix}_p50_ms"]
+            p50 = result["server"][f"i1_pinned{suffix}"]["c1"]["p50_ms"]
+            result["goal"][heap] = {
+                "server_c1_p50_ms": p50,
+                "ort_best_p50_ms": best,
+                "cpu_overhead_p50_ms": cost,
+                "bound_ms": min(2.0, best + cost),
+                "met": p50 <= 2.0 and p50 <= best + cost,
+            }
     result["failures"] = check.failures
     print(paired.save(result, args.out))
     return 1 if check.failures else 0

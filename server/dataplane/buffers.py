@@ -48,9 +48,16 @@ class BufferPool:
     """Thread-safe: buffers are taken on the event loop and may be returned from a runner.
     Keeps at most `max_bytes`, none larger than `max_bytes // LARGEST_SHARE`."""
 
-    def __init__(self, max_bytes: int = 256 << 20, allocate: Allocator = numpy_allocator) -> None:
+    def __init__(
+        self,
+        max_bytes: int = 256 << 20,
+        allocate: Allocator = numpy_allocator,
+        keep_bytes: int = 0,
+    ) -> None:
         self.max_bytes = max_bytes
-        self.max_buffer_bytes = max_bytes // LARGEST_SHARE
+        # `keep_bytes`: buffers this large are kept too (up to half the budget): a full
+        # batch's, which would otherwise be allocated anew for every full batch.
+        self.max_buffer_bytes = max(max_bytes // LARGEST_SHARE, min(keep_bytes, max_bytes // 2))
         self._allocate = allocate
         self._free: defaultdict[Key, list[np.ndarray]] = defaultdict(list)
         self._bytes = 0

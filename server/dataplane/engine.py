@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import re
 import time
@@ -336,6 +337,7 @@ class Engine:
         pinned: bool = True,
         stage: bool | None = None,
         cuda_options: Mapping[str, str] | None = None,
+        max_batch: int = 1,
     ) -> None:
         path = Path(model_path)
         if not path.is_file():
@@ -366,7 +368,7 @@ class Engine:
         on_cuda = CUDA in providers
         allocator = gpu.pinned_allocator() if on_cuda and pinned else None
         self.pinned = allocator is not None
-        self.pool = BufferPool(pool_bytes, allocator or numpy_allocator)
+        self.max_batch = max(max_batch, 1)
         sessions: list[tuple[ort.InferenceSession, Any]] = []
         for _ in range(instances):
             stream = gpu.new_stream() if on_cuda else None
@@ -388,6 +390,9 @@ class Engine:
         # Requests batch along the first dimension only if every input and output has it.
         self.batchable = all(s.shape and s.shape[0] is None for s in self.inputs + self.outputs)
         self.staged = stage if stage is not None else on_cuda and self.pinned
+        self.pool = BufferPool(
+            pool_bytes, allocator or numpy_allocator, keep_bytes=self._full_batch_bytes()
+        )
         # Made only once the model is known to load: a refused one leaves no threads behind.
         self.executor = ThreadPoolExecutor(instances, thread_name_prefix="sluice-run")
         self.instances = [
@@ -417,13 +422,27 @@ class Engine:
         if on_cuda and not self.pinned and pinned:
             log.warning("no CuPy: pageable staging memory, ORT's own streams (sluice[gpu])")
 
-    def warm_rows(self, max_rows: int) -> list[int]:
+    def warm_rows(self, max_rows: int | None = None) -> list[int]:
         """The batch sizes to run once per instance before serving: each padded size up to
-        `max_rows` where batches are padded (each new shape costs CUDA an algorithm search),
-        else one."""
+        `max_rows` (default: max_batch) where batches are padded (each new shape costs CUDA
+        an algorithm search, and the pool a pinned allocation), else one."""
         if not (self.staged and self.batchable):
             return [1]
-        return [1 << i for i in range(bucket(max(max_rows, 1)).bit_length())]
+        return [1 << i for i in range(bucket(max(max_rows or self.max_batch, 1)).bit_length())]
+
+    def _full_batch_bytes(self) -> int:
+        """The largest staging buffer a full padded batch takes (0 when not staged)."""
+        if not (self.staged and self.batchable):
+            return 0
+        rows = bucket(self.max_batch)
+        return max(
+            (
+                rows * math.prod(d or 1 for d in s.shape[1:]) * s.dtype.itemsize
+                for s in self.inputs + self.outputs
+                if all(d is not None for d in s.shape[1:])
+            ),
+            default=0,
+        )
 
     @staticmethod
     def _threads(path: Path, options: ort.SessionOptions, providers: list[str]) -> int:

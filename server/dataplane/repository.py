@@ -24,6 +24,7 @@ from typing import Literal
 import numpy as np
 
 from sluice.core.errors import LoadFailed, ModelNotFound
+from sluice.server.dataplane import staging
 from sluice.server.dataplane.batcher import Batcher
 from sluice.server.dataplane.engine import Engine, Instance
 from sluice.server.dataplane.engine import zeros as engine_zeros
@@ -122,6 +123,7 @@ async def load_model(
     run of zeros; raises LoadFailed naming the file and why. Serving goes on meanwhile: the
     sessions are built in a thread."""
     before = _stat(path)  # the file's identity, in the cache key (see below)
+    max_batch = config.max_batch if config.max_batch is not None else defaults.max_batch
     building = asyncio.ensure_future(
         asyncio.to_thread(
             Engine,
@@ -132,6 +134,7 @@ async def load_model(
             pool_bytes=defaults.pool_bytes,
             pinned=defaults.pinned,
             cuda_options=defaults.cuda_options,
+            max_batch=max_batch,
             inline_max_s=defaults.inline_max_s,
         )
     )
@@ -143,7 +146,6 @@ async def load_model(
         raise
     except Exception as exc:
         raise LoadFailed(f"{path}: {_reason(exc)}") from exc
-    max_batch = config.max_batch if config.max_batch is not None else defaults.max_batch
     budget_s = (
         config.batch_budget_s if config.batch_budget_s is not None else defaults.batch_budget_s
     )
@@ -189,14 +191,21 @@ def zeros(model: Model, rows: int = 1) -> dict[str, np.ndarray]:
 
 def warm_up(model: Model) -> None:
     """Run zeros through each instance (its first run allocates; on a GPU, each padded batch
-    size's first run searches for its algorithms) and check the outputs have the declared
+    size's first run searches for its algorithms, and takes its pinned staging buffers, one
+    set per instance, which then wait in the pool) and check the outputs have the declared
     datatypes. Blocking: call it in a thread, before the model serves."""
     names = [s.name for s in model.outputs]
-    for rows in model.engine.warm_rows(model.batcher.queue.max_rows):
+    engine = model.engine
+    for rows in engine.warm_rows():
         inputs = zeros(model, rows)
         model.check(inputs)
-        for instance in model.engine.instances:
-            _warm(model, instance, inputs, names, rows)
+        held: list[np.ndarray] = []
+        try:
+            for instance in engine.instances:
+                held += _warm(model, instance, inputs, names, rows)
+        finally:
+            for buffer in held:
+                engine.pool.give(buffer)
 
 
 def _warm(
@@ -205,11 +214,18 @@ def _warm(
     inputs: dict[str, np.ndarray],
     names: list[str],
     rows: int,
-) -> None:
+) -> list[np.ndarray]:
+    """One warm-up run, staged as requests are; the pooled buffers it took."""
+    held: list[np.ndarray] = []
     try:
-        results, pooled = instance.run_sync(inputs, names, rows)
+        if instance.stage_always:
+            inputs, held = staging.merge([inputs], instance.pool, rows if instance.pad else 0)
+        results, pooled = instance.run_sync(inputs, names, rows, bool(held))
+        held += pooled
     except Exception as exc:
         shapes = ", ".join(f"{s.name} {list(inputs[s.name].shape)}" for s in model.inputs)
+        for buffer in held:
+            instance.pool.give(buffer)
         raise LoadFailed(f"a warm-up run of zeros ({shapes}) failed: {exc}") from exc
     try:
         for spec in model.outputs:
@@ -219,11 +235,13 @@ def _warm(
                     f"output {spec.name!r} is declared {spec.datatype} but a run of zeros "
                     f"gave {got}"
                 )
-    finally:
-        for buffer in pooled:
+    except LoadFailed:
+        for buffer in held:
             instance.pool.give(buffer)
+        raise
     # The first run is slow by nature: it must not count in the instance's run time.
     instance.runs, instance.seconds_per_row = 0, 0.0
+    return held
 
 
 @dataclass

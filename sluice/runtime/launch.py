@@ -129,12 +129,16 @@ def server_argv(*extra: str, node_id: str = "node", model: Path | None = None) -
 
 @contextmanager
 def running(
-    argv: Sequence[str], *, serving: bool = True, start_s: float = 30.0
+    argv: Sequence[str],
+    *,
+    serving: bool = True,
+    start_s: float = 30.0,
+    env: dict[str, str] | None = None,
 ) -> Iterator[Process]:
     """A process for the length of the block, from the moment its health check says SERVING
     (or, with `serving=False`, from the moment it answers health checks at all); `start_s`:
     how long it may take to announce its address (a server loads its models first)."""
-    proc = Process(argv, start_s=start_s)
+    proc = Process(argv, env, start_s=start_s)
     try:
         proc.wait_serving(require=serving)
         yield proc

@@ -15,8 +15,10 @@ from onnx import TensorProto, helper
 
 from sluice import models
 from sluice.core.errors import InvalidInput
-from sluice.server.dataplane.batcher import Pending
+from sluice.server.dataplane.batcher import Batcher, Pending
 from sluice.server.dataplane.engine import Engine
+from sluice.server.dataplane.models import Model
+from sluice.server.dataplane.repository import warm_up
 from tests.conftest import SAMPLES
 
 
@@ -170,5 +172,29 @@ def test_io_binding_errors_map_like_session_runs() -> None:
         with pytest.raises(InvalidInput, match="Got invalid dimensions for input"):
             engine.instances[0].run_sync({"input": wrong}, ["label"], 2, pooled_inputs=True)
         assert engine.pool.stats().buffers >= 1  # its output buffer went back
+    finally:
+        engine.close()
+
+
+async def test_warm_up_takes_each_instances_staging_buffers_once_and_pools_full_batches() -> None:
+    """Warm-up runs every padded size through each instance as requests run, so the buffers
+    (pinned, on a GPU: slow to allocate) wait in the pool; a full batch's buffers are kept
+    even where they exceed the pool's usual largest share."""
+    engine = Engine(
+        models.DIGITS, device="cpu", stage=True, instances=2, max_batch=8, pool_bytes=16 << 10
+    )
+    try:
+        assert engine.pool.max_buffer_bytes == 8 * 64 * 4  # a full batch's input, not 1 KiB
+        model = Model(engine, Batcher(engine.instances, max_rows=8, budget_s=0.0))
+        warm_up(model)
+        warmed = engine.pool.stats()
+        # 4 sizes x 2 instances x (input, label, probabilities), all back in the pool.
+        assert (warmed.allocated, warmed.buffers, warmed.dropped) == (24, 24, 0)
+        rows = np.concatenate([s.input for s in SAMPLES])[:8]
+        results = await _run(engine, [{"input": rows[:5]}, {"input": rows[5:]}])
+        assert [len(r["label"]) for r in results] == [5, 3]
+        after = engine.pool.stats()
+        assert after.allocated == warmed.allocated  # served from the warmed buffers
+        assert after.reused == 3
     finally:
         engine.close()
