@@ -138,9 +138,11 @@ class Instance:
         batchable: bool = False,
         inline_max_s: float = 0.0,
         stream: Any = None,
+        by_rows: Mapping[int, ort.InferenceSession] | None = None,
     ) -> None:
         self.index = index
         self.session = session
+        self.by_rows = dict(by_rows or {})  # padded batch sizes with a session of their own
         self.pool = pool
         self.executor = executor
         self.stage_always = stage_always
@@ -226,15 +228,14 @@ class Instance:
                 raise _run_error(exc) from None
             self._observe(time.perf_counter() - started, rows)
             return dict(zip(outputs, values, strict=True)), []
-        binding = self.session.io_binding()
         # ONNX Runtime keeps raw pointers: every bound array lives until the run ends.
-        bound: list[np.ndarray] = []
-        for name, given in inputs.items():
-            array = np.ascontiguousarray(given)
-            bound.append(array)
-            binding.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+        bound = [np.ascontiguousarray(given) for given in inputs.values()]
         # The rows bound, padding included: batchable inputs all have them first.
         bound_rows = len(bound[0]) if self._batched else rows
+        session = self.by_rows.get(bound_rows, self.session)
+        binding = session.io_binding()
+        for name, array in zip(inputs, bound, strict=True):
+            binding.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
         results: dict[str, np.ndarray] = {}
         pooled: list[np.ndarray] = []
         dynamic: list[str] = []
@@ -252,7 +253,7 @@ class Instance:
             results[name] = array[:rows]
         started = time.perf_counter()
         try:
-            self.session.run_with_iobinding(binding)
+            session.run_with_iobinding(binding)
         except Exception as exc:
             for buffer in pooled:
                 self.pool.give(buffer)
@@ -295,21 +296,19 @@ def run_seconds(session: ort.InferenceSession, inputs: Mapping[str, np.ndarray])
     return min(times)
 
 
-def _start_cuda(
-    path: Path, options: ort.SessionOptions, cuda_options: Mapping[str, str]
-) -> tuple[ort.InferenceSession, str]:
-    """A session that asked for CUDA, and "" if CUDA runs it, else why not."""
+def _start_cuda(path: Path, options: ort.SessionOptions, cuda_options: Mapping[str, str]) -> str:
+    """ "" if ONNX Runtime's CUDA provider runs the model, else why not (a probe session)."""
     missing = gpu.missing_libraries()
-    session = ort.InferenceSession(str(path), options, providers=[(CUDA, dict(cuda_options)), CPU])
-    if session.get_providers()[0] == CUDA:
-        return session, ""
+    probe = ort.InferenceSession(str(path), options, providers=[(CUDA, dict(cuda_options)), CPU])
+    if probe.get_providers()[0] == CUDA:
+        return ""
     if missing:
-        return session, (
+        return (
             "ONNX Runtime could not start its CUDA provider: missing "
             + ", ".join(missing)
             + " (pip install 'sluice[gpu]' brings them)"
         )
-    return session, (
+    return (
         "ONNX Runtime could not start its CUDA provider, though its libraries load "
         f"(this build needs a driver for CUDA {gpu.cuda_major() or '?'})"
     )
@@ -352,36 +351,35 @@ class Engine:
         options.enable_cpu_mem_arena = False
         providers = choose_providers(device)
         self.fallback = ""  # why CUDA was asked for and the CPU serves ("" if it was not)
-        probe: ort.InferenceSession | None = None
         if CUDA in providers:
             options.intra_op_num_threads = intra_op_threads or 1  # the GPU parallelises
-            probe, self.fallback = _start_cuda(path, options, cuda_options or {})
+            self.fallback = _start_cuda(path, options, cuda_options or {})
             if self.fallback:
                 if device == "cuda":
                     raise Unavailable(f"--device cuda, but {self.fallback}")
                 log.warning("%s: CUDA asked for, serving on the CPU: %s", path.name, self.fallback)
-                providers, probe = [CPU], None
+                providers = [CPU]
                 options.intra_op_num_threads = intra_op_threads or 0
         if intra_op_threads is None:
             options.intra_op_num_threads = self._threads(path, options, providers)
         self.intra_op_threads = options.intra_op_num_threads
         on_cuda = CUDA in providers
+        # On CUDA the CPU arena holds only small host-side buffers, and without it each run
+        # of a ResNet-50 took 0.5 ms longer on an H200 (docs/BENCHMARKS.md, section 11).
+        options.enable_cpu_mem_arena = on_cuda
         allocator = gpu.pinned_allocator() if on_cuda and pinned else None
         self.pinned = allocator is not None
         self.max_batch = max(max_batch, 1)
-        sessions: list[tuple[ort.InferenceSession, Any]] = []
-        for _ in range(instances):
-            stream = gpu.new_stream() if on_cuda else None
-            if stream is None and probe is not None:
-                sessions.append((probe, None))  # the probe has ORT's own stream: use it
-                probe = None
-                continue
+
+        def session_on(stream: Any) -> ort.InferenceSession:
             chosen: list[Any] = list(providers)
             if on_cuda:
                 handle = {"user_compute_stream": str(stream[1])} if stream else {}
                 chosen[0] = (CUDA, {**(cuda_options or {}), **handle})
-            session = ort.InferenceSession(str(path), options, providers=chosen)
-            sessions.append((session, stream))
+            return ort.InferenceSession(str(path), options, providers=chosen)
+
+        streams = [gpu.new_stream() if on_cuda else None for _ in range(instances)]
+        sessions = [(session_on(stream), stream) for stream in streams]
         first = sessions[0][0]
         self.provider = first.get_providers()[0]
         self.name = first.get_modelmeta().graph_name or path.stem
@@ -393,6 +391,11 @@ class Engine:
         self.pool = BufferPool(
             pool_bytes, allocator or numpy_allocator, keep_bytes=self._full_batch_bytes()
         )
+        # On CUDA, ONNX Runtime re-plans a session whenever its input shape changes: ~110 ms
+        # a change for a ResNet-50 on an H200, whatever the cuDNN search mode, so batches of
+        # changing sizes ran at 55 calls/s where single requests ran at 610. Each padded
+        # batch size above 1 gets a session of its own, which only ever sees that shape.
+        sizes = self.warm_rows()[1:] if on_cuda and self.staged and self.batchable else []
         # Made only once the model is known to load: a refused one leaves no threads behind.
         self.executor = ThreadPoolExecutor(instances, thread_name_prefix="sluice-run")
         self.instances = [
@@ -406,6 +409,7 @@ class Engine:
                 batchable=self.batchable,
                 inline_max_s=0.0 if on_cuda else inline_max_s,
                 stream=stream,
+                by_rows={rows: session_on(stream) for rows in sizes},
             )
             for i, (session, stream) in enumerate(sessions)
         ]
@@ -415,7 +419,8 @@ class Engine:
             self.name,
             self.provider,
             instances,
-            " with pinned staging buffers" if self.pinned else "",
+            (" with pinned staging buffers" if self.pinned else "")
+            + (f", a session per batch size {sizes}" if sizes else ""),
             ", ".join(f"{s.name} {s.describe()}" for s in self.inputs),
             ", ".join(f"{s.name} {s.describe()}" for s in self.outputs),
         )

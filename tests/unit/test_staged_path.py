@@ -16,10 +16,10 @@ from onnx import TensorProto, helper
 from sluice import models
 from sluice.core.errors import InvalidInput
 from sluice.server.dataplane.batcher import Batcher, Pending
-from sluice.server.dataplane.engine import Engine
+from sluice.server.dataplane.engine import Engine, Instance
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.repository import warm_up
-from tests.conftest import SAMPLES
+from tests.conftest import SAMPLES, scale_model
 
 
 def _model(path: Path, nodes: list[onnx.NodeProto], inputs: list, outputs: list) -> Path:
@@ -196,5 +196,37 @@ async def test_warm_up_takes_each_instances_staging_buffers_once_and_pools_full_
         after = engine.pool.stats()
         assert after.allocated == warmed.allocated  # served from the warmed buffers
         assert after.reused == 3
+    finally:
+        engine.close()
+
+
+async def test_each_padded_size_runs_on_its_own_session_where_given(folder: Path) -> None:
+    """On CUDA a session re-plans whenever its input shape changes, so each padded batch size
+    has a session of its own (Engine gives them on CUDA only; here they are handed in). The
+    sessions scale by different factors, so the answers tell which one ran."""
+    paths = {}
+    for factor in (2.0, 3.0):
+        paths[factor] = folder / f"scale{factor:g}.onnx"
+        paths[factor].write_bytes(scale_model(factor))
+    engine = Engine(paths[2.0], device="cpu", stage=True, max_batch=4)
+    try:
+        three = ort.InferenceSession(str(paths[3.0]), providers=["CPUExecutionProvider"])
+        base = engine.instances[0]
+        instance = Instance(
+            0,
+            base.session,
+            pool=engine.pool,
+            executor=engine.executor,
+            output_specs=engine.outputs,
+            stage_always=True,
+            batchable=True,
+            by_rows={4: three},
+        )
+        x = np.ones((1, 4), np.float32)
+        (alone,) = await instance.run([Pending({"x": x}, ("y",), 1, "g", 0.0)])
+        np.testing.assert_array_equal(alone["y"], 2 * x)  # size 1: the instance's session
+        batch = [Pending({"x": x}, ("y",), 1, "g", 0.0) for _ in range(3)]  # padded to 4
+        for result in await instance.run(batch):
+            np.testing.assert_array_equal(result["y"], 3 * x)
     finally:
         engine.close()
