@@ -32,8 +32,7 @@ RUN whl=$(ls /wheels/*.whl) && pip install --no-cache-dir "${whl}${EXTRAS:+[$EXT
 WORKDIR /app
 # In a container the server must listen beyond loopback; the node id defaults to the
 # hostname, which Kubernetes sets to the pod name.
-ENV SLUICE_HOST=0.0.0.0 SLUICE_PORT=8001 \
-    NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
+ENV SLUICE_HOST=0.0.0.0 SLUICE_PORT=8001
 EXPOSE 8001 9100
 STOPSIGNAL SIGTERM
 CMD ["sluice-server"]

@@ -122,16 +122,19 @@ def streams_and_memory(engine: Engine, check: Checks) -> None:
     check(engine.staged and engine.pinned, f"{name}: staged through pinned buffers")
     handles = []
     for instance in engine.instances:
-        options = instance.session.get_provider_options().get(CUDA, {})
         handle = instance.stream[1] if instance.stream else None
         handles.append(handle)
-        check(
-            handle is not None
-            and options.get("has_user_compute_stream") == "1"
-            and options.get("user_compute_stream") == str(handle),
-            f"{name}: instance {instance.index} runs on its own stream {handle} "
-            f"(session says {options.get('user_compute_stream')})",
-        )
+        sessions = {1: instance.session, **instance.by_rows}
+        for rows, session in sessions.items():
+            options = session.get_provider_options().get(CUDA, {})
+            check(
+                handle is not None
+                and session.get_providers()[0] == CUDA
+                and options.get("has_user_compute_stream") == "1"
+                and options.get("user_compute_stream") == str(handle),
+                f"{name}: instance {instance.index}, batch size {rows}: on CUDA, on the "
+                f"instance's stream {handle} (session says {options.get('user_compute_stream')})",
+            )
     check(len(set(handles)) == len(handles), f"{name}: one stream per instance")
     buffer = engine.pool.take(np.dtype(np.float32), (3, 8, 8), 1)
     check(gpu.is_pinned(buffer), f"{name}: staging buffers are page-locked")
@@ -195,8 +198,9 @@ def concurrent_and_equal(
 
 
 def first_runs(engine: Engine, max_rows: int) -> dict[int, list[float]]:
-    """Per padded batch size, instance 0's first run (where cuDNN searches its algorithms:
-    what warming each size at load spares a request) and its next run, in ms."""
+    """Per padded batch size, instance 0's first run on that size's session (planning and
+    cuDNN's algorithm search: what warming each size at load spares a request) and its next
+    run, in ms."""
     instance = engine.instances[0]
     names = [s.name for s in engine.outputs]
     found = {}
@@ -406,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def instances() -> None:
         started = time.perf_counter()
-        engine = Engine(resnet, device=device, instances=2, stage=True)
+        engine = Engine(resnet, device=device, instances=2, stage=True, max_batch=32)
         result["resnet_load_s"] = time.perf_counter() - started
         try:
             if device == "cuda":

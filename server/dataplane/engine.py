@@ -7,12 +7,14 @@ Transport-free: takes and returns numpy arrays, raises `sluice.core.errors` exce
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
 import re
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,12 +99,12 @@ def choose_providers(device: str) -> list[str]:
     return [CUDA, CPU] if has_cuda_build and gpu.device_count() > 0 else [CPU]
 
 
-# ONNX Runtime's words for a feed that does not fit the model. session.run raises them as
-# InvalidArgument; run_with_iobinding only as a RuntimeError with the text.
+# How ONNX Runtime's checks of a feed against the model begin (inference_session.cc).
+# session.run raises them as InvalidArgument; run_with_iobinding only as a RuntimeError
+# with the text.
 _INPUT_ERRORS = re.compile(
-    r"invalid (dimensions|rank|input|output|feed)|unexpected input data type|"
-    r"input .* is missing|missing input",
-    re.IGNORECASE,
+    r"(Invalid Feed Input Name|Unexpected input data type|Invalid rank for input"
+    r"|Got invalid dimensions for input|Missing Input)"
 )
 
 
@@ -111,20 +113,22 @@ def _run_error(exc: Exception) -> Exception:
     if isinstance(exc, OrtInvalidArgument):
         return InvalidInput(f"the model rejected the input: {exc}")
     text = str(exc).removeprefix("Error in execution: ")
-    if isinstance(exc, RuntimeError) and _INPUT_ERRORS.search(text):
+    if isinstance(exc, RuntimeError) and _INPUT_ERRORS.match(text):
         return InvalidInput(f"the model rejected the input: {text}")
     return ModelFailed(f"the model failed to run: {text}")  # ours, not the caller's
 
 
 class Instance:
-    """One ONNX Runtime session: runs one batch at a time, inline on the event loop when its
-    runs are tiny (the thread hop would cost more), else in a thread.
+    """One model instance: runs one batch at a time, inline on the event loop when its runs
+    are tiny (the thread hop would cost more), else in a thread.
 
-    Staged (CUDA with pinned memory, or asked for): every batch, even of one request, is
-    copied into pooled staging buffers and run through IO binding, outputs written into
-    pooled buffers too where their first dimension is the batch. Padded (staged, and every
-    input and output has the batch first): batches are zero-padded to the pool's
-    power-of-two row counts, so a GPU meets few shapes, each searched for and warmed at load."""
+    Staged (CUDA, or asked for): every batch, even of one request, is copied into pooled
+    staging buffers and run through IO binding, outputs written into pooled buffers too
+    where their first dimension is the batch. Padded (staged, and every input and output
+    has the batch first): batches are zero-padded to the pool's power-of-two row counts. On
+    CUDA a session re-plans whenever its input shape changes, so `session` runs batches of
+    one row, `by_rows` the padded sizes up to the batcher's largest, and `spill` (made on
+    first need) any larger one."""
 
     def __init__(
         self,
@@ -139,10 +143,14 @@ class Instance:
         inline_max_s: float = 0.0,
         stream: Any = None,
         by_rows: Mapping[int, ort.InferenceSession] | None = None,
+        spill: Callable[[], ort.InferenceSession] | None = None,
     ) -> None:
         self.index = index
         self.session = session
         self.by_rows = dict(by_rows or {})  # padded batch sizes with a session of their own
+        self._make_spill = spill
+        self._spill: ort.InferenceSession | None = None
+        self._spill_lock = threading.Lock()
         self.pool = pool
         self.executor = executor
         self.stage_always = stage_always
@@ -232,7 +240,7 @@ class Instance:
         bound = [np.ascontiguousarray(given) for given in inputs.values()]
         # The rows bound, padding included: batchable inputs all have them first.
         bound_rows = len(bound[0]) if self._batched else rows
-        session = self.by_rows.get(bound_rows, self.session)
+        session = self._session_for(bound_rows)
         binding = session.io_binding()
         for name, array in zip(inputs, bound, strict=True):
             binding.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
@@ -261,10 +269,28 @@ class Instance:
         self._observe(time.perf_counter() - started, rows)
         if dynamic:
             for name, value in zip(outputs, binding.get_outputs(), strict=True):
-                if name in dynamic:
-                    array = value.numpy()
-                    results[name] = array[:rows] if name in self._batched else array
+                if name not in dynamic:
+                    continue
+                array = value.numpy()
+                if name in self._batched and len(array) != bound_rows:
+                    for buffer in pooled:
+                        self.pool.give(buffer)
+                    raise ModelFailed(
+                        f"output {name!r} has {len(array)} rows for a batch of {bound_rows}: "
+                        "the model's first dimension is not the batch"
+                    )
+                results[name] = array[:rows] if name in self._batched else array
         return {name: results[name] for name in outputs}, pooled
+
+    def _session_for(self, rows: int) -> ort.InferenceSession:
+        """The session that runs `rows` bound rows (see the class's doc)."""
+        found = self.by_rows.get(rows)
+        if found is not None or rows == 1 or self._make_spill is None:
+            return found or self.session
+        with self._spill_lock:
+            if self._spill is None:
+                self._spill = self._make_spill()
+            return self._spill
 
 
 # `intra_op_threads=None`: chosen at load. A batch-of-one run this slow gains from running
@@ -299,19 +325,25 @@ def run_seconds(session: ort.InferenceSession, inputs: Mapping[str, np.ndarray])
 def _start_cuda(path: Path, options: ort.SessionOptions, cuda_options: Mapping[str, str]) -> str:
     """ "" if ONNX Runtime's CUDA provider runs the model, else why not (a probe session)."""
     missing = gpu.missing_libraries()
-    probe = ort.InferenceSession(str(path), options, providers=[(CUDA, dict(cuda_options)), CPU])
+    if missing:
+        why = f"missing {', '.join(missing)} (pip install 'sluice[gpu]' brings them)"
+    else:
+        why = f"(this build needs a driver for CUDA {gpu.cuda_major() or '?'})"
+    try:
+        probe = _session(path, options, [(CUDA, dict(cuda_options)), CPU])
+    except Exception as exc:  # ORT's own fallback is off: its reason, in its words
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"ONNX Runtime could not start its CUDA provider: {first} {why}"
     if probe.get_providers()[0] == CUDA:
         return ""
-    if missing:
-        return (
-            "ONNX Runtime could not start its CUDA provider: missing "
-            + ", ".join(missing)
-            + " (pip install 'sluice[gpu]' brings them)"
-        )
-    return (
-        "ONNX Runtime could not start its CUDA provider, though its libraries load "
-        f"(this build needs a driver for CUDA {gpu.cuda_major() or '?'})"
-    )
+    return f"ONNX Runtime could not start its CUDA provider: {why}"
+
+
+def _session(path: Path, options: ort.SessionOptions, providers: list[Any]) -> ort.InferenceSession:
+    """A session that fails rather than quietly rebuilding itself on the CPU (onnxruntime's
+    Python fallback, on by default, would also move a session to the CPU for good after one
+    failed run)."""
+    return ort.InferenceSession(str(path), options, providers=providers, enable_fallback=0)
 
 
 class Engine:
@@ -373,10 +405,22 @@ class Engine:
 
         def session_on(stream: Any) -> ort.InferenceSession:
             chosen: list[Any] = list(providers)
-            if on_cuda:
-                handle = {"user_compute_stream": str(stream[1])} if stream else {}
-                chosen[0] = (CUDA, {**(cuda_options or {}), **handle})
-            return ort.InferenceSession(str(path), options, providers=chosen)
+            if not on_cuda:
+                return _session(path, options, chosen)
+            handle = {"user_compute_stream": str(stream[1])} if stream else {}
+            chosen[0] = (CUDA, {**(cuda_options or {}), **handle})
+            try:
+                session = _session(path, options, chosen)
+            except Exception as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise Unavailable(
+                    f"a CUDA session of {path.name} failed to start: {first} (each instance "
+                    "holds a copy of the model per padded batch size: lower --instances or "
+                    "--max-batch if the GPU's memory ran out)"
+                ) from None
+            if session.get_providers()[0] != CUDA:
+                raise Unavailable(f"ONNX Runtime put a session of {path.name} on the CPU")
+            return session
 
         streams = [gpu.new_stream() if on_cuda else None for _ in range(instances)]
         sessions = [(session_on(stream), stream) for stream in streams]
@@ -387,7 +431,8 @@ class Engine:
         self.outputs = [_spec(a) for a in first.get_outputs()]
         # Requests batch along the first dimension only if every input and output has it.
         self.batchable = all(s.shape and s.shape[0] is None for s in self.inputs + self.outputs)
-        self.staged = stage if stage is not None else on_cuda and self.pinned
+        self.staged = stage if stage is not None else on_cuda
+        self.padded = self.staged and self.batchable
         self.pool = BufferPool(
             pool_bytes, allocator or numpy_allocator, keep_bytes=self._full_batch_bytes()
         )
@@ -395,7 +440,7 @@ class Engine:
         # a change for a ResNet-50 on an H200, whatever the cuDNN search mode, so batches of
         # changing sizes ran at 55 calls/s where single requests ran at 610. Each padded
         # batch size above 1 gets a session of its own, which only ever sees that shape.
-        sizes = self.warm_rows()[1:] if on_cuda and self.staged and self.batchable else []
+        sizes = self.warm_rows()[1:] if on_cuda else []
         # Made only once the model is known to load: a refused one leaves no threads behind.
         self.executor = ThreadPoolExecutor(instances, thread_name_prefix="sluice-run")
         self.instances = [
@@ -410,6 +455,7 @@ class Engine:
                 inline_max_s=0.0 if on_cuda else inline_max_s,
                 stream=stream,
                 by_rows={rows: session_on(stream) for rows in sizes},
+                spill=functools.partial(session_on, stream) if on_cuda and self.padded else None,
             )
             for i, (session, stream) in enumerate(sessions)
         ]
@@ -430,19 +476,19 @@ class Engine:
     def warm_rows(self, max_rows: int | None = None) -> list[int]:
         """The batch sizes to run once per instance before serving: each padded size up to
         `max_rows` (default: max_batch) where batches are padded (each new shape costs CUDA
-        an algorithm search, and the pool a pinned allocation), else one."""
-        if not (self.staged and self.batchable):
+        a re-plan and cuDNN's algorithm search, and the pool a staging buffer), else one."""
+        if not self.padded:
             return [1]
         return [1 << i for i in range(bucket(max(max_rows or self.max_batch, 1)).bit_length())]
 
     def _full_batch_bytes(self) -> int:
-        """The largest staging buffer a full padded batch takes (0 when not staged)."""
-        if not (self.staged and self.batchable):
+        """The largest staging buffer a full padded batch takes (0 when not padded)."""
+        if not self.padded:
             return 0
         rows = bucket(self.max_batch)
         return max(
             (
-                rows * math.prod(d or 1 for d in s.shape[1:]) * s.dtype.itemsize
+                rows * math.prod(d for d in s.shape[1:] if d is not None) * s.dtype.itemsize
                 for s in self.inputs + self.outputs
                 if all(d is not None for d in s.shape[1:])
             ),

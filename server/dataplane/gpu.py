@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import io
 import logging
 from typing import Any
 
@@ -55,8 +54,7 @@ def missing_libraries() -> tuple[str, ...]:
     paths; name those that could not be loaded. Once per process."""
     preload = getattr(ort, "preload_dlls", None)
     if preload is not None:
-        # It prints its own findings; they are named below, in one log line.
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # what it could not load is named below
             preload()
     missing = []
     for name in LIBRARIES.get(cuda_major(), ()):

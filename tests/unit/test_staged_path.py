@@ -14,9 +14,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from sluice import models
-from sluice.core.errors import InvalidInput
+from sluice.core.errors import InvalidInput, ModelFailed
 from sluice.server.dataplane.batcher import Batcher, Pending
-from sluice.server.dataplane.engine import Engine, Instance
+from sluice.server.dataplane.engine import Engine, Instance, _run_error
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.repository import warm_up
 from tests.conftest import SAMPLES, scale_model
@@ -205,12 +205,18 @@ async def test_each_padded_size_runs_on_its_own_session_where_given(folder: Path
     has a session of its own (Engine gives them on CUDA only; here they are handed in). The
     sessions scale by different factors, so the answers tell which one ran."""
     paths = {}
-    for factor in (2.0, 3.0):
+    for factor in (2.0, 3.0, 5.0):
         paths[factor] = folder / f"scale{factor:g}.onnx"
         paths[factor].write_bytes(scale_model(factor))
     engine = Engine(paths[2.0], device="cpu", stage=True, max_batch=4)
     try:
         three = ort.InferenceSession(str(paths[3.0]), providers=["CPUExecutionProvider"])
+        made: list[int] = []
+
+        def spill() -> ort.InferenceSession:
+            made.append(1)
+            return ort.InferenceSession(str(paths[5.0]), providers=["CPUExecutionProvider"])
+
         base = engine.instances[0]
         instance = Instance(
             0,
@@ -221,12 +227,56 @@ async def test_each_padded_size_runs_on_its_own_session_where_given(folder: Path
             stage_always=True,
             batchable=True,
             by_rows={4: three},
+            spill=spill,
         )
         x = np.ones((1, 4), np.float32)
         (alone,) = await instance.run([Pending({"x": x}, ("y",), 1, "g", 0.0)])
         np.testing.assert_array_equal(alone["y"], 2 * x)  # size 1: the instance's session
+        assert made == []  # the spill session is made only when first needed
         batch = [Pending({"x": x}, ("y",), 1, "g", 0.0) for _ in range(3)]  # padded to 4
         for result in await instance.run(batch):
             np.testing.assert_array_equal(result["y"], 3 * x)
+        for _ in range(2):  # 6 rows, padded to 8: larger than any size with a session
+            large = [Pending({"x": x}, ("y",), 1, "g", 0.0) for _ in range(6)]
+            for result in await instance.run(large):
+                np.testing.assert_array_equal(result["y"], 5 * x)
+        assert made == [1]
     finally:
         engine.close()
+
+
+async def test_an_output_whose_first_dimension_is_not_the_batch_is_refused(folder: Path) -> None:
+    """x FP32[N, 4] reshaped to [-1, max(x)]: its shape depends on the data, so ONNX Runtime
+    declares it [M, K] (the model looks batchable), yet it has 4N rows for a batch of N. Cut
+    to the request's rows it would be wrong: the run fails instead."""
+    minus_one = helper.make_tensor("minus_one", TensorProto.INT64, [1], [-1])
+    zero = helper.make_tensor("zero", TensorProto.INT64, [1], [0])
+    path = _model(
+        folder / "flattened.onnx",
+        [
+            helper.make_node("Constant", [], ["minus_one"], value=minus_one),
+            helper.make_node("Constant", [], ["zero"], value=zero),
+            helper.make_node("ReduceMax", ["x"], ["top"], keepdims=0),
+            helper.make_node("Cast", ["top"], ["k"], to=TensorProto.INT64),
+            helper.make_node("Unsqueeze", ["k", "zero"], ["k1"]),
+            helper.make_node("Concat", ["minus_one", "k1"], ["shape"], axis=0),
+            helper.make_node("Reshape", ["x", "shape"], ["y"]),
+        ],
+        [_fp32("x", ["N", 4])],
+        [_fp32("y", ["M", "K"])],
+    )
+    for engine in staged(path):
+        assert engine.padded
+        x = np.ones((3, 4), np.float32)
+        with pytest.raises(ModelFailed, match="'y' has 16 rows for a batch of 4"):
+            await _run(engine, [{"x": x}])
+
+
+def test_only_onnx_runtimes_input_checks_are_the_callers_fault() -> None:
+    misfit = RuntimeError("Error in execution: Got invalid dimensions for input: x ...")
+    assert isinstance(_run_error(misfit), InvalidInput)
+    kernel = RuntimeError(
+        "Error in execution: Non-zero status code returned while running Reshape node. "
+        "Invalid input shape"
+    )
+    assert isinstance(_run_error(kernel), ModelFailed)
