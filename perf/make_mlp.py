@@ -11,19 +11,27 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 
-def build(width: int, depth: int, inputs: int = 64, outputs: int = 10, seed: int = 0) -> bytes:
+def require_onnx(what: str) -> Any:
+    """The onnx package, or SystemExit saying how to get it: only the benchmark models
+    need it, so it is in the perf extra."""
     try:
         import onnx
-        from onnx import TensorProto, helper, numpy_helper
-    except ImportError as exc:  # only the benchmark model needs onnx: it is in the perf extra
+    except ImportError as exc:
         raise SystemExit(
-            f"the benchmark MLP is written with onnx, which is not installed ({exc}); "
+            f"the benchmark {what} is written with onnx, which is not installed ({exc}); "
             "pip install 'sluice[perf]'"
         ) from exc
+    return onnx
+
+
+def build(width: int, depth: int, inputs: int = 64, outputs: int = 10, seed: int = 0) -> bytes:
+    onnx = require_onnx("MLP")
+    from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
     nodes, initializers = [], []

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from sluice.perf.make_mlp import require_onnx
+
 STAGES = ((64, 3), (128, 4), (256, 6), (512, 3))  # (bottleneck width, blocks) per stage
 EXPANSION = 4
 BRANCH_SCALE = 0.2  # on each residual branch's last conv: keeps 16 unnormalized adds finite
@@ -23,14 +25,8 @@ BIAS_STD = 0.01
 
 
 def build(image: int = 224, classes: int = 1000, seed: int = 0) -> bytes:
-    try:
-        import onnx
-        from onnx import TensorProto, helper, numpy_helper
-    except ImportError as exc:  # only the benchmark model needs onnx: it is in the perf extra
-        raise SystemExit(
-            f"the benchmark ResNet is written with onnx, which is not installed ({exc}); "
-            "pip install 'sluice[perf]'"
-        ) from exc
+    onnx = require_onnx("ResNet")
+    from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
     nodes: list[Any] = []

@@ -2,6 +2,7 @@
 
 1. batching: a compute-heavy MLP (perf/make_mlp.py, 4096 wide) saturated with unique inputs,
    micro-batcher on against batch-of-one; p99 against the budget plus one batch's compute;
+   the batcher's calls/s against ONNX Runtime's own rows/s at the mean batch it ran;
 2. idle cost: at concurrency 1 on the digits model, the batcher on against the fast path;
 3. cache: hits of the digits model's server against the bare echo floor.
 
@@ -70,6 +71,12 @@ def batching(args: argparse.Namespace) -> dict[str, Any]:
             row[name]["mean_batch"] = paired.median_server(r, i, "mean_batch")
             row[name]["errors"] = paired.median(r, i, "calls") - paired.median(r, i, "ok")
         row["throughput_ratio"] = row["batched"]["throughput"] / row["batch_of_one"]["throughput"]
+        # ONNX Runtime alone at the batch size the batcher ran (one session, as the server
+        # has one instance): the rows per second no server could beat at that batch size.
+        size = max(round(row["batched"]["mean_batch"]), 1)
+        ort_rows = size / batch_compute_ms(heavy, size, 2, runs=20) * 1e3
+        row["ort_rows_per_s_at_mean_batch"] = ort_rows
+        row["batched_vs_ort"] = row["batched"]["throughput"] / ort_rows
         levels.append(row)
     return {
         "levels": levels,
