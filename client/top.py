@@ -13,15 +13,27 @@ tested alone. The loop keeps going when the target does not answer (it shows "un
 <status>" and polls again) and exits 0 on Ctrl-C or after `--iterations`. `--once` prints one
 snapshot, without rates (one poll has nothing to take a difference from), and exits 0; when
 the target does not answer it prints one line to stderr and exits 1 (2 for bad arguments).
+
+Ctrl-C is a flag, not an exception: while the view runs, SIGINT's handler (`CtrlC`) only records
+it and wakes the wait between polls, and the loop checks it. A KeyboardInterrupt raised wherever
+the main thread happened to be (inside grpc's blocking call and its locks, inside rich's
+redraw) could leave their state half-changed on the way out; the flag never does, and the
+longest Ctrl-C can wait is the poll under way (`--timeout`, at most 2 s by default).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import select
+import signal
+import socket
 import sys
+import threading
 import time
 from collections.abc import Iterable, Sequence
+from types import FrameType, TracebackType
+from typing import Self
 
 import grpc
 from rich import box
@@ -381,6 +393,60 @@ def poll(client: SluiceClient, timeout: float) -> pb.HealthResponse | str:
         return describe(exc)
 
 
+class CtrlC:
+    """SIGINT as a flag, while in its `with` block (on the main thread): the handler only sets
+    `pressed`, and the signal's byte on a wakeup socket ends `wait` at once. The previous
+    handler and wakeup fd come back on exit."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._old_handler: object = None
+        self._old_fd = -1
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.pressed = True
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread may take signals: Ctrl-C stays an exception
+        reader, writer = socket.socketpair()
+        reader.setblocking(False)
+        writer.setblocking(False)
+        self._wakeup = (reader, writer)
+        self._old_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self._old_handler = signal.signal(signal.SIGINT, self._on_signal)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._wakeup is None:
+            return
+        signal.signal(signal.SIGINT, self._old_handler)  # type: ignore[arg-type]
+        signal.set_wakeup_fd(self._old_fd)
+        for sock in self._wakeup:
+            sock.close()
+        self._wakeup = None
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to `seconds`, less when Ctrl-C comes; whether it has come."""
+        if self._wakeup is None:  # not entered: a plain sleep
+            time.sleep(max(0.0, seconds))
+            return self.pressed
+        reader = self._wakeup[0]
+        deadline = time.monotonic() + seconds
+        while not self.pressed and (left := deadline - time.monotonic()) > 0:
+            # A signal's byte arrives before its Python handler runs: drain it, then look again.
+            if select.select([reader], [], [], left)[0]:
+                try:
+                    while reader.recv(512):
+                        pass
+                except BlockingIOError:
+                    pass
+        return self.pressed
+
+
 def watch(
     client: SluiceClient,
     console: Console,
@@ -388,9 +454,12 @@ def watch(
     interval: float,
     timeout: float,
     iterations: int | None,
+    ctrl_c: CtrlC | None = None,
 ) -> int:
     """Redraw until Ctrl-C (exit 0) or `iterations` polls (exit 0 if the last one answered,
-    else 1)."""
+    else 1). With `ctrl_c` entered, Ctrl-C is checked between steps (never raised inside
+    them); without, it ends the loop as a KeyboardInterrupt."""
+    ctrl_c = ctrl_c if ctrl_c is not None else CtrlC()
     previous: pb.HealthResponse | None = None
     previous_at = 0.0
     down_since: float | None = None
@@ -401,6 +470,8 @@ def watch(
             started = time.monotonic()
             result = poll(client, timeout)
             now = time.monotonic()
+            if ctrl_c.pressed:
+                return 0
             if isinstance(result, str):
                 answered = False
                 down_since = now if down_since is None else down_since
@@ -415,7 +486,8 @@ def watch(
             polls += 1
             if iterations is not None and polls >= iterations:
                 return 0 if answered else 1
-            time.sleep(max(0.0, started + interval - time.monotonic()))
+            if ctrl_c.wait(started + interval - time.monotonic()):
+                return 0
 
 
 def positive(text: str) -> float:
@@ -472,16 +544,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     timeout: float = args.timeout if args.timeout is not None else min(args.interval, 2.0)
     console = console_for()
     try:
-        with SluiceClient(args.target, timeout=timeout, options=CHANNEL_OPTIONS) as client:
+        with (
+            CtrlC() as ctrl_c,
+            SluiceClient(args.target, timeout=timeout, options=CHANNEL_OPTIONS) as client,
+        ):
             if args.once:
                 result = poll(client, timeout)
+                if ctrl_c.pressed:
+                    return 0
                 if isinstance(result, str):
                     print(f"sluice top: {args.target} unreachable: {result}", file=sys.stderr)
                     return 1
                 console.print(render(None, result, 0.0, target=args.target))
                 return 0
-            return watch(client, console, args.target, args.interval, timeout, args.iterations)
-    except KeyboardInterrupt:
+            return watch(
+                client, console, args.target, args.interval, timeout, args.iterations, ctrl_c
+            )
+    except KeyboardInterrupt:  # Ctrl-C before CtrlC took SIGINT over
         return 0
     except (OSError, ValueError) as exc:
         print(f"sluice top: {exc}", file=sys.stderr)

@@ -7,11 +7,14 @@ import select
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 import pytest
 
@@ -94,17 +97,42 @@ def test_iterations_poll_again_and_show_a_rate(pair: Pair) -> None:
     assert "Traceback" not in done.stderr
 
 
-def test_ctrl_c_leaves_the_live_view_with_exit_0(pair: Pair) -> None:
-    """On a terminal (a pty) the live view draws; SIGINT, as Ctrl-C sends, ends it cleanly."""
+def live_top(*args: str) -> tuple[subprocess.Popen[bytes], int]:
+    """`sluice top ARGS` on a terminal (a pty): the process and the pty's controller side."""
     controller, terminal = os.openpty()
     proc = subprocess.Popen(
-        [str(BIN / "sluice"), "top", "--target", pair.balancer.address, "--interval", "0.2"],
+        [str(BIN / "sluice"), "top", *args],
         stdin=terminal,
         stdout=terminal,
         stderr=terminal,
         env={**os.environ, "COLUMNS": "160", "TERM": "xterm-256color"},
     )
     os.close(terminal)
+    return proc, controller
+
+
+def read_until_exit(proc: subprocess.Popen[bytes], controller: int, within: float) -> bytes:
+    """What the terminal shows until the process exits (bounded by `within` seconds). Reading
+    while it exits matters: a full pty buffer would block its last redraw."""
+    seen = b""
+    deadline = time.monotonic() + within
+    while True:
+        ready = select.select([controller], [], [], 0.2)[0]
+        chunk = b""
+        if ready:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # the terminal closed with the process
+                chunk = b""
+        seen += chunk
+        if proc.poll() is not None and not chunk:
+            return seen
+        assert time.monotonic() < deadline, "sluice top did not exit on SIGINT"
+
+
+def test_ctrl_c_leaves_the_live_view_with_exit_0(pair: Pair) -> None:
+    """On a terminal (a pty) the live view draws; SIGINT, as Ctrl-C sends, ends it cleanly."""
+    proc, controller = live_top("--target", pair.balancer.address, "--interval", "0.2")
     seen = b""
     try:
         deadline = time.monotonic() + 60
@@ -113,20 +141,53 @@ def test_ctrl_c_leaves_the_live_view_with_exit_0(pair: Pair) -> None:
             if select.select([controller], [], [], 0.5)[0]:
                 seen += os.read(controller, 65536)
         proc.send_signal(signal.SIGINT)
-        # Read the terminal while it exits: a full pty buffer would block its last redraw.
-        deadline = time.monotonic() + 30
-        while True:
-            ready = select.select([controller], [], [], 0.2)[0]
-            chunk = b""
-            if ready:
-                try:
-                    chunk = os.read(controller, 65536)
-                except OSError:  # the terminal closed with the process
-                    chunk = b""
-            seen += chunk
-            if proc.poll() is not None and not chunk:
-                break
-            assert time.monotonic() < deadline, "sluice top did not exit on SIGINT"
+        seen += read_until_exit(proc, controller, 30)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(controller)
+    assert b"Traceback" not in seen
+    assert b"KeyboardInterrupt" not in seen
+
+
+@pytest.fixture
+def mute() -> Iterator[tuple[str, threading.Event]]:
+    """A gRPC server whose Health never answers (until the test ends): its address, and an
+    event set when a call has arrived."""
+    arrived, release = threading.Event(), threading.Event()
+
+    def health(request: bytes, context: grpc.ServicerContext) -> bytes:
+        arrived.set()
+        release.wait(60)
+        return b""
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    handler = grpc.unary_unary_rpc_method_handler(health)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("sluice.v1.Inference", {"Health": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", arrived
+    finally:
+        release.set()
+        server.stop(None)
+
+
+def test_ctrl_c_during_a_poll_without_answer_exits_0(mute: tuple[str, threading.Event]) -> None:
+    """SIGINT while the Health call is under way is taken when the call ends (at its --timeout):
+    it is never raised inside grpc's call, and the view still exits 0, without a traceback."""
+    target, arrived = mute
+    proc, controller = live_top("--target", target, "--interval", "0.2", "--timeout", "2")
+    seen = b""
+    try:
+        assert arrived.wait(60), "sluice top never called Health"
+        time.sleep(0.3)  # past grpc's first check for signals in the call (every 0.2 s)
+        proc.send_signal(signal.SIGINT)
+        seen = read_until_exit(proc, controller, 30)
         assert proc.returncode == 0
     finally:
         if proc.poll() is None:
