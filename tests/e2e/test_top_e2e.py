@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -97,8 +97,10 @@ def test_iterations_poll_again_and_show_a_rate(pair: Pair) -> None:
     assert "Traceback" not in done.stderr
 
 
-def live_top(*args: str) -> tuple[subprocess.Popen[bytes], int]:
-    """`sluice top ARGS` on a terminal (a pty): the process and the pty's controller side."""
+@contextmanager
+def live_top(*args: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """`sluice top ARGS` on a terminal (a pty): the process and the pty's controller side;
+    killed if still running at the end, the pty closed."""
     controller, terminal = os.openpty()
     proc = subprocess.Popen(
         [str(BIN / "sluice"), "top", *args],
@@ -108,7 +110,19 @@ def live_top(*args: str) -> tuple[subprocess.Popen[bytes], int]:
         env={**os.environ, "COLUMNS": "160", "TERM": "xterm-256color"},
     )
     os.close(terminal)
-    return proc, controller
+    try:
+        yield proc, controller
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(controller)
+
+
+def exited_cleanly(proc: subprocess.Popen[bytes], seen: bytes) -> None:
+    assert proc.returncode == 0
+    assert b"Traceback" not in seen
+    assert b"KeyboardInterrupt" not in seen
 
 
 def read_until_exit(proc: subprocess.Popen[bytes], controller: int, within: float) -> bytes:
@@ -132,9 +146,8 @@ def read_until_exit(proc: subprocess.Popen[bytes], controller: int, within: floa
 
 def test_ctrl_c_leaves_the_live_view_with_exit_0(pair: Pair) -> None:
     """On a terminal (a pty) the live view draws; SIGINT, as Ctrl-C sends, ends it cleanly."""
-    proc, controller = live_top("--target", pair.balancer.address, "--interval", "0.2")
-    seen = b""
-    try:
+    with live_top("--target", pair.balancer.address, "--interval", "0.2") as (proc, controller):
+        seen = b""
         deadline = time.monotonic() + 60
         while seen.count(b"test-balancer") < 2:  # drawn, then redrawn: the loop is running
             assert time.monotonic() < deadline, f"no live view: {seen.decode(errors='replace')}"
@@ -142,14 +155,7 @@ def test_ctrl_c_leaves_the_live_view_with_exit_0(pair: Pair) -> None:
                 seen += os.read(controller, 65536)
         proc.send_signal(signal.SIGINT)
         seen += read_until_exit(proc, controller, 30)
-        assert proc.returncode == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        os.close(controller)
-    assert b"Traceback" not in seen
-    assert b"KeyboardInterrupt" not in seen
+    exited_cleanly(proc, seen)
 
 
 @pytest.fixture
@@ -181,21 +187,13 @@ def test_ctrl_c_during_a_poll_without_answer_exits_0(mute: tuple[str, threading.
     """SIGINT while the Health call is under way is taken when the call ends (at its --timeout):
     it is never raised inside grpc's call, and the view still exits 0, without a traceback."""
     target, arrived = mute
-    proc, controller = live_top("--target", target, "--interval", "0.2", "--timeout", "2")
-    seen = b""
-    try:
+    args = ("--target", target, "--interval", "0.2", "--timeout", "2")
+    with live_top(*args) as (proc, controller):
         assert arrived.wait(60), "sluice top never called Health"
         time.sleep(0.3)  # past grpc's first check for signals in the call (every 0.2 s)
         proc.send_signal(signal.SIGINT)
         seen = read_until_exit(proc, controller, 30)
-        assert proc.returncode == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        os.close(controller)
-    assert b"Traceback" not in seen
-    assert b"KeyboardInterrupt" not in seen
+    exited_cleanly(proc, seen)
 
 
 def closed_port() -> int:
