@@ -27,6 +27,11 @@ def parse(kind: type[M], body: bytes) -> M:
         ) from None
 
 
+# Bodies from this size are read straight off the wire (codec.decode_predict): a 602 KB
+# image's parse and raw_data copies cost 1.1 ms a call in fresh memory; below it the full
+# parser is the faster (8.8 us against 10.2 for the digits model's 300 bytes).
+WIRE_READ_FROM = 16 << 10
+
 # PredictRequest's `model` and `version` fields.
 _ROUTE = (4, 5)
 
@@ -46,6 +51,13 @@ class SluiceV1:
             ) from None
 
     def decode(self, body: bytes) -> Request[bool]:
+        if len(body) >= WIRE_READ_FROM:  # straight off the wire, where it can
+            try:
+                read = codec.decode_predict(body)
+            except codec.TensorError as exc:
+                raise InvalidInput(str(exc)) from None
+            if read is not None:
+                return Request(*read)
         request = parse(pb.PredictRequest, body)
         try:
             inputs = codec.decode_all(request.inputs)

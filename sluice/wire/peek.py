@@ -4,7 +4,7 @@ balancer route by model without decoding tensors. Pure Python on the wire format
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 
 Span = tuple[int, int, int]  # the field's tag start, its value's start and end
 # Real Predict and ModelInfer bodies have a handful of top-level fields (one per input or
@@ -73,3 +73,56 @@ def text(body: bytes, span: Span | None) -> str:
         return body[span[1] : span[2]].decode()
     except UnicodeDecodeError:
         raise Malformed("a string field is not UTF-8") from None
+
+
+Field = tuple[int, int, int, int]  # number, wire type, and the value: (start, end) or (v, 0)
+
+
+def fields(body: bytes, start: int, end: int) -> Iterator[Field]:
+    """Every field of the message in body[start:end], in order: a length-delimited or
+    fixed-width one's value as its (start, end), a varint's as (value, 0). Raises Malformed
+    on bytes no parser would take, or past MAX_FIELDS fields."""
+    at, count = start, 0
+    while at < end:
+        count += 1
+        if count > MAX_FIELDS:
+            raise Malformed(f"more than {MAX_FIELDS} fields")
+        key, at = _varint(body, at)
+        number, wire = key >> 3, key & 7
+        if number == 0:
+            raise Malformed("field number 0")
+        if wire == 2:
+            length, at = _varint(body, at)
+            if at + length > end:
+                raise Malformed("a field runs past the end")
+            yield number, wire, at, at + length
+            at += length
+        elif wire == 0:
+            value, at = _varint(body, at)
+            yield number, wire, value, 0
+        elif wire in (1, 5):
+            width = 8 if wire == 1 else 4
+            if at + width > end:
+                raise Malformed("a field runs past the end")
+            yield number, wire, at, at + width
+            at += width
+        else:
+            raise Malformed(f"wire type {wire}")
+    if at > end:  # a last varint ran past the message's end
+        raise Malformed("a field runs past the end")
+
+
+def int64(value: int) -> int:
+    """A varint read as int64 (two's complement)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def varints(body: bytes, start: int, end: int) -> list[int]:
+    """A packed repeated varint field's values, as int64 (two's complement)."""
+    values, at = [], start
+    while at < end:
+        value, at = _varint(body, at)
+        values.append(int64(value))
+    if at > end:
+        raise Malformed("a packed field runs past its end")
+    return values

@@ -1,0 +1,166 @@
+"""PredictRequest read straight off the wire (codec.decode_predict) against the full parser
+(parse + codec.decode_all): the same arrays, outputs and options, the same TensorError
+messages, and the full parser wherever the wire reader steps aside."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice.server.convert import V1, WIRE_READ_FROM
+from sluice.v1 import inference_pb2 as pb
+from sluice.wire import codec
+
+
+def slow(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool]:
+    request = pb.PredictRequest.FromString(body)
+    return codec.decode_all(request.inputs), list(request.outputs), request.typed_outputs
+
+
+def outcome(read: object) -> object:
+    try:
+        got = read()  # type: ignore[operator]
+    except codec.TensorError as exc:
+        return ("error", str(exc))
+    assert got is not None, "the wire reader stepped aside"
+    arrays, outputs, typed = got
+    return (
+        {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in arrays.items()},
+        list(outputs),
+        typed,
+    )
+
+
+def same(body: bytes) -> None:
+    assert outcome(lambda: codec.decode_predict(body)) == outcome(lambda: slow(body))
+
+
+def tensor(name: str, array: np.ndarray) -> pb.Tensor:
+    return codec.encode(name, array)
+
+
+def test_a_typical_request_and_its_options() -> None:
+    x = np.random.default_rng(0).random((2, 64), np.float32)
+    body = pb.PredictRequest(
+        inputs=[tensor("input", x)],
+        outputs=["label"],
+        typed_outputs=True,
+        model="digits",
+        version="3",
+    ).SerializeToString()
+    same(body)
+    arrays, outputs, typed = codec.decode_predict(body)  # type: ignore[misc]
+    np.testing.assert_array_equal(arrays["input"], x)
+    assert (outputs, typed) == (["label"], True)
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        [pb.Tensor(name="x", datatype="FP32", shape=[1, 3], raw_data=b"\0" * 11)],  # short
+        [pb.Tensor(name="x", datatype="FP99", shape=[1], raw_data=b"\0" * 4)],
+        [pb.Tensor(name="x", datatype="FP32", shape=[-1, 2], raw_data=b"")],
+        [pb.Tensor(name="x", datatype="FP32", shape=[1] * 65, raw_data=b"\0" * 4)],
+        [pb.Tensor(name="x", datatype="FP32", shape=[2**30, 2**30], raw_data=b"")],
+        [pb.Tensor(name="b", datatype="BOOL", shape=[2], raw_data=b"\x01\x02")],
+        [pb.Tensor(datatype="INT64", shape=[1], raw_data=b"\0" * 8)],  # no name
+        [pb.Tensor(name="x", datatype="INT8", shape=[0, 3])],  # empty
+        [
+            pb.Tensor(name="x", datatype="UINT8", shape=[1], raw_data=b"\x07"),
+            pb.Tensor(name="x", datatype="UINT8", shape=[1], raw_data=b"\x08"),
+        ],
+        [],
+    ],
+    ids=[
+        "short",
+        "datatype",
+        "negative",
+        "rank",
+        "huge",
+        "bool",
+        "noname",
+        "empty",
+        "twice",
+        "none",
+    ],
+)
+def test_faults_and_edges_match_the_full_parser(tensors: list[pb.Tensor]) -> None:
+    same(pb.PredictRequest(inputs=tensors).SerializeToString())
+
+
+def test_an_unpacked_shape_and_unknown_fields_are_read_as_the_parser_reads_them() -> None:
+    raw = np.arange(6, dtype=np.int32).tobytes()
+    # Tensor: name "x", datatype "INT32", shape 2 and 3 as two unpacked varints, an unknown
+    # field 20 (varint), raw_data; the request adds an unknown field 9 (bytes).
+    inner = b"\x0a\x01x" + b"\x12\x05INT32" + b"\x18\x02\x18\x03" + b"\xa0\x01\x05"
+    inner += b"\x22" + bytes([len(raw)]) + raw
+    body = b"\x0a" + bytes([len(inner)]) + inner + b"\x4a\x02hi"
+    same(body)
+    arrays, _, _ = codec.decode_predict(body)  # type: ignore[misc]
+    np.testing.assert_array_equal(arrays["x"], np.arange(6, dtype=np.int32).reshape(2, 3))
+
+
+def test_the_arrays_are_views_of_the_body_where_aligned() -> None:
+    x = np.arange(64, dtype=np.float32).reshape(1, 64)
+    views = 0
+    for name in ("i", "in", "inp", "input"):  # shifts raw_data's offset in the body
+        body = pb.PredictRequest(inputs=[tensor(name, x)]).SerializeToString()
+        arrays, _, _ = codec.decode_predict(body)  # type: ignore[misc]
+        got = arrays[name]
+        np.testing.assert_array_equal(got, x)
+        assert got.flags.aligned
+        whole = np.frombuffer(body, np.uint8)
+        assert np.shares_memory(got, whole) == (not got.flags.writeable)
+        views += np.shares_memory(got, whole)
+    assert views >= 1  # one offset in four is a multiple of 4
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pb.PredictRequest(
+            inputs=[pb.Tensor(name="x", datatype="FP32", shape=[1], fp32_data=[1.5])]
+        ).SerializeToString(),  # typed values
+        b"\x0a\x05\x0a\x03abc\xff",  # a tensor that runs past the end
+        b"\x08\x01",  # inputs as a varint: a wire type the parser judges
+        b"\x22\x02\xff\xfe",  # a model name that is not UTF-8
+        b"\x0a\x04\x0a\x02\xc3\x28",  # a tensor name that is not UTF-8
+    ],
+    ids=["typed", "truncated", "wiretype", "model-utf8", "name-utf8"],
+)
+def test_the_full_parser_judges_what_the_wire_reader_leaves(body: bytes) -> None:
+    assert codec.decode_predict(body) is None
+
+
+names = st.text(alphabet="abcxyz_", max_size=4)
+dtypes = st.sampled_from(["FP32", "INT64", "UINT8", "FP16", "BOOL", "INT8", "FP64", "INT32"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    specs=st.lists(
+        st.tuples(names, dtypes, st.lists(st.integers(0, 3), max_size=3), st.binary(max_size=40)),
+        max_size=3,
+    ),
+    outputs=st.lists(names, max_size=2),
+    typed=st.booleans(),
+)
+def test_any_raw_request_reads_as_the_parser_reads_it(
+    specs: list[tuple[str, str, list[int], bytes]], outputs: list[str], typed: bool
+) -> None:
+    tensors = [pb.Tensor(name=n, datatype=d, shape=s, raw_data=r) for n, d, s, r in specs]
+    body = pb.PredictRequest(
+        inputs=tensors, outputs=outputs, typed_outputs=typed
+    ).SerializeToString()
+    same(body)
+
+
+def test_the_server_reads_large_bodies_off_the_wire_and_small_ones_parsed() -> None:
+    for rows in (1, WIRE_READ_FROM // 256 + 1):  # 256 bytes a row of 64 FP32
+        x = np.random.default_rng(rows).random((rows, 64), np.float32)
+        body = pb.PredictRequest(inputs=[tensor("input", x)], outputs=["label"]).SerializeToString()
+        request = V1.decode(body)
+        np.testing.assert_array_equal(request.inputs["input"], x)
+        assert list(request.outputs) == ["label"]
