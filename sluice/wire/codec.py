@@ -139,6 +139,10 @@ def decode_predict(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool]
         return None
 
 
+# A packed shape of MAX_RANK dimensions takes at most 10 bytes each.
+_MAX_SHAPE_BYTES = 10 * MAX_RANK
+
+
 class _FullParse(Exception):
     """What this reader leaves to the full parser."""
 
@@ -148,7 +152,11 @@ def _predict(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool]:
     tensors: list[tuple[int, int]] = []
     outputs: list[str] = []
     typed = False
-    for number, wire, a, b in peek.fields(body, 0, len(body)):
+    # One budget of fields for the whole body, tensors' fields included: what a crafted body
+    # of millions of tiny fields would cost this Python walk goes to the parser instead.
+    budget = peek.MAX_FIELDS
+    for number, wire, a, b in peek.fields(body, 0, len(body), budget):
+        budget -= 1
         expected = 0 if number == 3 else 2
         if number <= 5 and wire != expected:
             raise _FullParse
@@ -165,7 +173,8 @@ def _predict(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool]:
     found: list[tuple[str, str, list[int], tuple[int, int]]] = []
     for start, end in tensors:
         name, datatype, shape, raw = "", "", [], (0, 0)
-        for number, wire, a, b in peek.fields(body, start, end):
+        for number, wire, a, b in peek.fields(body, start, end, budget):
+            budget -= 1
             if (number in (1, 2, 4) and wire != 2) or (number == 3 and wire not in (0, 2)):
                 raise _FullParse  # a wire type the parser would judge
             if 5 <= number <= 11:
@@ -175,6 +184,8 @@ def _predict(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool]:
             elif number == 2:
                 datatype = body[a:b].decode()
             elif number == 3:
+                if wire == 2 and b - a > _MAX_SHAPE_BYTES:
+                    raise _FullParse  # surely over MAX_RANK: the parser counts, in C
                 shape += peek.varints(body, a, b) if wire == 2 else [peek.int64(a)]
             elif number == 4:
                 raw = (a, b)

@@ -78,15 +78,15 @@ def text(body: bytes, span: Span | None) -> str:
 Field = tuple[int, int, int, int]  # number, wire type, and the value: (start, end) or (v, 0)
 
 
-def fields(body: bytes, start: int, end: int) -> Iterator[Field]:
+def fields(body: bytes, start: int, end: int, limit: int = MAX_FIELDS) -> Iterator[Field]:
     """Every field of the message in body[start:end], in order: a length-delimited or
     fixed-width one's value as its (start, end), a varint's as (value, 0). Raises Malformed
-    on bytes no parser would take, or past MAX_FIELDS fields."""
+    on bytes no parser would take, or past `limit` fields."""
     at, count = start, 0
     while at < end:
         count += 1
-        if count > MAX_FIELDS:
-            raise Malformed(f"more than {MAX_FIELDS} fields")
+        if count > limit:
+            raise Malformed(f"more than {limit} fields")
         key, at = _varint(body, at)
         number, wire = key >> 3, key & 7
         if number == 0:

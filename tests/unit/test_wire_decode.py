@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sluice.core.errors import InvalidInput
 from sluice.server.convert import V1, WIRE_READ_FROM
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
@@ -164,3 +165,32 @@ def test_the_server_reads_large_bodies_off_the_wire_and_small_ones_parsed() -> N
         request = V1.decode(body)
         np.testing.assert_array_equal(request.inputs["input"], x)
         assert list(request.outputs) == ["label"]
+
+
+def test_a_crafted_body_of_many_fields_goes_to_the_parser() -> None:
+    """The walk is Python: its fields are budgeted over the whole body (tensors included),
+    and a packed shape longer than MAX_RANK dimensions could take is not walked at all."""
+    many_top = b"\x4a\x00" * 5000  # unknown field 9, empty, 5000 times
+    assert codec.decode_predict(many_top) is None
+    inner = b"\x0a\x01x" + b"\xa0\x01\x00" * 5000  # one tensor of 5000 unknown varints
+    many_inner = b"\x0a" + _varint(len(inner)) + inner
+    assert codec.decode_predict(many_inner) is None
+    split = b"".join(  # 3 tensors of 2,000 fields each: each alone under the budget
+        b"\x0a" + _varint(len(t)) + t
+        for t in [b"\x0a\x01" + bytes([97 + i]) + b"\xa0\x01\x00" * 2000 for i in range(3)]
+    )
+    assert codec.decode_predict(split) is None
+    shape = pb.Tensor(name="x", datatype="FP32", shape=[1] * 700)
+    long_shape = pb.PredictRequest(inputs=[shape]).SerializeToString()
+    assert codec.decode_predict(long_shape) is None
+    with pytest.raises(InvalidInput, match="700 dimensions; at most 64"):
+        V1.decode(long_shape + b"\x4a" + _varint(WIRE_READ_FROM) + bytes(WIRE_READ_FROM))
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
