@@ -251,7 +251,10 @@ async def test_sigkill_a_server_under_load_loses_no_call_and_it_comes_back(
         await until(lambda: load.ok > 200, "load to flow")
         victim.kill()  # SIGKILL
         await until(lambda: cluster.backend(victim.address).health == "NOT_SERVING", "drain")
-        await until(lambda: cluster.backend(victim.address).breaker == "OPEN", "breaker opens")
+        # Out of routing now. Its breaker opens only if two calls failed on it before the
+        # health watch saw it go: which comes first is a race, so the test waits for neither
+        # the breaker nor a count, only for its last calls to end.
+        await until(lambda: cluster.backend(victim.address).in_flight == 0, "its calls to end")
         calls_while_down = cluster.backend(victim.address).calls
         served_before = load.ok
         await until(lambda: load.ok > served_before + 300, "traffic on the survivors")
