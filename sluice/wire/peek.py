@@ -33,36 +33,11 @@ def _varint(body: bytes, at: int) -> tuple[int, int]:
 def spans(body: bytes, wanted: Collection[int]) -> dict[int, Span]:
     """The last occurrence of each wanted length-delimited top-level field (the one a parser
     keeps), by field number. Raises Malformed on bytes no parser would take."""
-    found: dict[int, Span] = {}
-    at, size, fields = 0, len(body), 0
-    while at < size:
-        fields += 1
-        if fields > MAX_FIELDS:
-            raise Malformed(f"more than {MAX_FIELDS} top-level fields")
-        start = at
-        key, at = _varint(body, at)
-        number, wire = key >> 3, key & 7
-        if number == 0:
-            raise Malformed("field number 0")
-        if wire == 2:
-            length, at = _varint(body, at)
-            end = at + length
-            if end > size:
-                raise Malformed("a field runs past the end")
-            if number in wanted:
-                found[number] = (start, at, end)
-            at = end
-        elif wire == 0:
-            _, at = _varint(body, at)
-        elif wire == 1:
-            at += 8
-        elif wire == 5:
-            at += 4
-        else:
-            raise Malformed(f"wire type {wire}")
-    if at > size:
-        raise Malformed("a field runs past the end")
-    return found
+    return {
+        number: (tag, a, b)
+        for tag, number, wire, a, b in _walk(body, 0, len(body), MAX_FIELDS)
+        if wire == 2 and number in wanted
+    }
 
 
 def text(body: bytes, span: Span | None) -> str:
@@ -82,11 +57,21 @@ def fields(body: bytes, start: int, end: int, limit: int = MAX_FIELDS) -> Iterat
     """Every field of the message in body[start:end], in order: a length-delimited or
     fixed-width one's value as its (start, end), a varint's as (value, 0). Raises Malformed
     on bytes no parser would take, or past `limit` fields."""
+    for _, number, wire, a, b in _walk(body, start, end, limit):
+        yield number, wire, a, b
+
+
+def _walk(
+    body: bytes, start: int, end: int, limit: int
+) -> Iterator[tuple[int, int, int, int, int]]:
+    """The one walk of a message's fields: each one's tag start, number, wire type and value
+    (as `fields` gives it)."""
     at, count = start, 0
     while at < end:
         count += 1
         if count > limit:
             raise Malformed(f"more than {limit} fields")
+        tag = at
         key, at = _varint(body, at)
         number, wire = key >> 3, key & 7
         if number == 0:
@@ -95,16 +80,16 @@ def fields(body: bytes, start: int, end: int, limit: int = MAX_FIELDS) -> Iterat
             length, at = _varint(body, at)
             if at + length > end:
                 raise Malformed("a field runs past the end")
-            yield number, wire, at, at + length
+            yield tag, number, wire, at, at + length
             at += length
         elif wire == 0:
             value, at = _varint(body, at)
-            yield number, wire, value, 0
+            yield tag, number, wire, value, 0
         elif wire in (1, 5):
             width = 8 if wire == 1 else 4
             if at + width > end:
                 raise Malformed("a field runs past the end")
-            yield number, wire, at, at + width
+            yield tag, number, wire, at, at + width
             at += width
         else:
             raise Malformed(f"wire type {wire}")
