@@ -122,6 +122,40 @@ def kill_strays(pids: Iterable[int], marker: bytes) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+def listening(proc: Process) -> int:
+    """How many processes have announced `proc`'s port (its workers share its stderr)."""
+    line = f"listening on {proc.address}"
+    return sum(line in text for text in list(proc.lines))
+
+
+def workers(proc: Process, count: int) -> list[int]:
+    """`proc`'s `count` live workers, once there are that many."""
+
+    def probe() -> list[int] | None:
+        found = sorted(pid for pid in children(proc.pid) if alive(pid))
+        return found if len(found) == count else None
+
+    return wait_for(probe, f"{count} workers")
+
+
+@contextmanager
+def with_workers(argv: list[str], count: int, marker: bytes) -> Iterator[Process]:
+    """A program started with `count` processes in all, each listening; any worker (its
+    command line holds `marker`) still running at the end is killed: a stray holds the
+    stderr pipe."""
+    seen: set[int] = set()
+    with running(argv) as proc:
+        try:
+            wait_for(lambda: listening(proc) == count, "every worker to listen")
+            seen.update(workers(proc, count - 1))
+            yield proc
+        finally:
+            seen.update(children(proc.pid))
+            if proc.proc.poll() is not None:
+                kill_strays(seen, marker)
+    kill_strays(seen, marker)
+
+
 def rows(count: int, seed: int) -> list[np.ndarray]:
     """`count` one-row inputs for the 64-wide models (digits, the MLPs)."""
     rng = np.random.default_rng(seed)

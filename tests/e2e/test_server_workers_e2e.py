@@ -5,45 +5,29 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import pytest
 
 from sluice import models
 from sluice.client import SluiceClient
-from tests.e2e.harness import Process, alive, children, kill_strays, running, server_argv, wait_for
+from tests.e2e.harness import (
+    Process,
+    alive,
+    listening,
+    server_argv,
+    wait_for,
+    with_workers,
+    workers,
+)
 
 pytestmark = pytest.mark.e2e
 
 WORKER = b"sluice.server.main"
-LISTENING = "listening on "
 
 
-def listening(server: Process) -> int:
-    """How many processes announced the port (the workers share the first one's stderr)."""
-    return sum(f"{LISTENING}{server.address}" in line for line in list(server.lines))
-
-
-def workers(server: Process, count: int) -> list[int]:
-    def probe() -> list[int] | None:
-        found = sorted(pid for pid in children(server.pid) if alive(pid))
-        return found if len(found) == count else None
-
-    return wait_for(probe, f"{count} workers")
-
-
-@contextmanager
-def server_with_workers(count: int) -> Iterator[Process]:
-    seen: set[int] = set()
-    with running(server_argv("--workers", str(count), node_id="w")) as server:
-        try:
-            wait_for(lambda: listening(server) == count, "every worker to listen")
-            seen.update(workers(server, count - 1))
-            yield server
-        finally:
-            seen.update(children(server.pid))
-    kill_strays(seen, WORKER)
+def server_with_workers(count: int) -> AbstractContextManager[Process]:
+    return with_workers(server_argv("--workers", str(count), node_id="w"), count, WORKER)
 
 
 def test_workers_share_the_port_are_respawned_and_stop_with_the_first() -> None:

@@ -7,13 +7,21 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack
 
 import pytest
 
 from sluice.client import SluiceClient
-from tests.e2e.harness import Process, alive, children, kill_strays, running, wait_for
+from tests.e2e.harness import (
+    Process,
+    alive,
+    children,
+    listening,
+    running,
+    wait_for,
+    with_workers,
+    workers,
+)
 from tests.e2e.test_balancer_e2e import balancer_argv, digit
 
 pytestmark = pytest.mark.e2e
@@ -21,37 +29,8 @@ pytestmark = pytest.mark.e2e
 WORKER = b"sluice.balancer.main"
 
 
-def listening(balancer: Process) -> int:
-    """How many processes have announced the balancer's port (they share its stderr)."""
-    line = f"listening on {balancer.address}"
-    return sum(line in text for text in list(balancer.lines))
-
-
-def workers(balancer: Process, count: int) -> list[int]:
-    """The balancer's `count` live workers, once there are that many."""
-
-    def probe() -> list[int] | None:
-        found = sorted(pid for pid in children(balancer.pid) if alive(pid))
-        return found if len(found) == count else None
-
-    return wait_for(probe, f"{count} workers")
-
-
-@contextmanager
-def balancer_with_workers(backend: str, count: int) -> Iterator[Process]:
-    """A balancer with `count` processes in all, each listening; any worker still running at
-    the end is killed (a stray holds the stderr pipe)."""
-    seen: set[int] = set()
-    with running(balancer_argv(backend, extra=("--workers", str(count)))) as balancer:
-        try:
-            wait_for(lambda: listening(balancer) == count, "every worker to listen")
-            seen.update(workers(balancer, count - 1))
-            yield balancer
-        finally:
-            seen.update(children(balancer.pid))
-            if balancer.proc.poll() is not None:
-                kill_strays(seen, WORKER)
-    kill_strays(seen, WORKER)
+def balancer_with_workers(backend: str, count: int) -> AbstractContextManager[Process]:
+    return with_workers(balancer_argv(backend, extra=("--workers", str(count))), count, WORKER)
 
 
 def test_a_killed_worker_is_respawned_and_the_port_keeps_answering(server: Process) -> None:
