@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
 import signal
 import sys
@@ -114,7 +113,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
             log.info("backend %s removed", backend.address)
         spawn(publish_health())
 
-    is_worker = bool(os.environ.get(WORKER_ENV))
+    is_worker = WORKERS.is_worker()
     reuseport = settings.workers > 1 or is_worker
     server, health_servicer = new_server(
         {SERVICE: service.methods(), KSERVE: KServeFacade(service).methods()},

@@ -107,6 +107,7 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
     )
     # KServe v2 beside sluice.v1; its repository calls answer UNIMPLEMENTED unless asked for.
     kserve = KServeService(service, repository=repository if settings.repository_api else None)
+    is_worker = WORKERS.is_worker()
     exporter = None
     if settings.metrics_port:
         try:
@@ -116,12 +117,11 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
                     DataplaneCollector(models, plane.cache),
                 ),
                 settings.host,
-                WORKERS.metrics_ports(settings.metrics_port, WORKERS.is_worker()),
+                WORKERS.metrics_ports(settings.metrics_port, is_worker),
             )
         except OSError as exc:
             log.error("--metrics-port %d: %s", settings.metrics_port, exc)
             return 1
-    is_worker = WORKERS.is_worker()
     count = settings.worker_count(gpu=CUDA in choose_providers(settings.device))
     reuseport = count > 1 or is_worker
     server, health_servicer = new_server(

@@ -26,8 +26,7 @@ import numpy as np
 from sluice.core.errors import LoadFailed, ModelNotFound
 from sluice.server.dataplane import staging
 from sluice.server.dataplane.batcher import Batcher
-from sluice.server.dataplane.engine import Engine, Instance
-from sluice.server.dataplane.engine import zeros as engine_zeros
+from sluice.server.dataplane.engine import Engine, Instance, zeros
 from sluice.server.dataplane.models import Model, Models
 
 CONFIG_FILE = "config.pbtxt"
@@ -183,26 +182,20 @@ def _reason(exc: BaseException) -> str:
     return text.splitlines()[0] if len(text) > 300 else text
 
 
-def zeros(model: Model, rows: int = 1) -> dict[str, np.ndarray]:
-    """A request of zeros that fits the model: dynamic dimensions are 1, a dynamic first
-    `rows`."""
-    return engine_zeros(model.inputs, rows)
-
-
 def warm_up(model: Model) -> None:
     """Run zeros through each instance (its first run allocates; on a GPU, each padded batch
-    size's first run searches for its algorithms, and takes its pinned staging buffers, one
-    set per instance, which then wait in the pool) and check the outputs have the declared
-    datatypes. Blocking: call it in a thread, before the model serves."""
+    size's first run plans and searches for its algorithms, and takes its pinned staging
+    buffers, one set per instance, which then wait in the pool) and check the outputs have
+    the declared datatypes. Blocking: call it in a thread, before the model serves."""
     names = [s.name for s in model.outputs]
     engine = model.engine
     for rows in engine.warm_rows():
-        inputs = zeros(model, rows)
+        inputs = zeros(model.inputs, rows)
         model.check(inputs)
-        held: list[np.ndarray] = []
+        held: list[np.ndarray] = []  # given back once every instance ran this size
         try:
             for instance in engine.instances:
-                held += _warm(model, instance, inputs, names, rows)
+                _warm(model, instance, inputs, names, rows, held)
         finally:
             for buffer in held:
                 engine.pool.give(buffer)
@@ -214,34 +207,27 @@ def _warm(
     inputs: dict[str, np.ndarray],
     names: list[str],
     rows: int,
-) -> list[np.ndarray]:
-    """One warm-up run, staged as requests are; the pooled buffers it took."""
-    held: list[np.ndarray] = []
+    held: list[np.ndarray],
+) -> None:
+    """One warm-up run, staged as requests are; the pooled buffers it takes go to `held`."""
     try:
+        staged = inputs
         if instance.stage_always:
-            inputs, held = staging.merge([inputs], instance.pool, rows if instance.pad else 0)
-        results, pooled = instance.run_sync(inputs, names, rows, bool(held))
+            staged, taken = staging.merge([inputs], instance.pool, rows if instance.pad else 0)
+            held += taken
+        results, pooled = instance.run_sync(staged, names, rows, instance.stage_always)
         held += pooled
     except Exception as exc:
         shapes = ", ".join(f"{s.name} {list(inputs[s.name].shape)}" for s in model.inputs)
-        for buffer in held:
-            instance.pool.give(buffer)
         raise LoadFailed(f"a warm-up run of zeros ({shapes}) failed: {exc}") from exc
-    try:
-        for spec in model.outputs:
-            got = results[spec.name].dtype
-            if got != spec.dtype:
-                raise LoadFailed(
-                    f"output {spec.name!r} is declared {spec.datatype} but a run of zeros "
-                    f"gave {got}"
-                )
-    except LoadFailed:
-        for buffer in held:
-            instance.pool.give(buffer)
-        raise
+    for spec in model.outputs:
+        got = results[spec.name].dtype
+        if got != spec.dtype:
+            raise LoadFailed(
+                f"output {spec.name!r} is declared {spec.datatype} but a run of zeros gave {got}"
+            )
     # The first run is slow by nature: it must not count in the instance's run time.
     instance.runs, instance.seconds_per_row = 0, 0.0
-    return held
 
 
 @dataclass
