@@ -36,8 +36,8 @@ log = logging.getLogger("sluice.balancer")
 SERVICE = "sluice.v1.Inference"
 METADATA = f"/{SERVICE}/Metadata"
 INFER = "ModelInfer"  # StreamRequest.method of a KServe v2 ModelInferRequest body
-# Where each kind of body names its model and version: (field numbers, message name).
-# A call's model, version and per-call id (0: none) fields, by method, and its message.
+# Where each kind of body names its model, version and per-call id (0: none), by method,
+# and the message's name.
 ROUTE_FIELDS = {
     "": ((4, 5, 0), "sluice.v1.PredictRequest"),
     INFER: ((1, 2, 3), "inference.ModelInferRequest"),
