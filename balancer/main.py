@@ -53,7 +53,11 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
     )
     budget = RetryBudget(settings.retry_ratio, settings.retry_min_per_s)
     service = BalancerService(
-        pool, budget, node_id=settings.node_id, default_timeout_s=settings.default_timeout_s or None
+        pool,
+        budget,
+        node_id=settings.node_id,
+        default_timeout_s=settings.default_timeout_s or None,
+        fanout_rows=settings.fanout_rows,
     )
     background: set[asyncio.Task[None]] = set()
 

@@ -95,8 +95,10 @@ class BalancerService:
         node_id: str,
         clock: Callable[[], float] = time.monotonic,
         default_timeout_s: float | None = None,
+        fanout_rows: int = 0,
     ) -> None:
         self.pool = pool
+        self.fanout_rows = fanout_rows  # a Predict with more rows is split (0: never)
         self.budget = budget
         self.node_id = node_id
         self.default_timeout_s = default_timeout_s  # for calls that carry no deadline

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 from sluice.runtime.listener import MAX_PENDING_CALLS
 from sluice.runtime.process import LOG_FORMATS
+from sluice.runtime.security import SecuritySettings
 
 
 @dataclass(frozen=True)
-class BalancerSettings:
+class BalancerSettings(SecuritySettings):
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on; 0 picks a free one"})
     backend: list[str] = field(
@@ -109,6 +110,34 @@ class BalancerSettings:
             "request_id and trace_id when known)"
         },
     )
+    upstream_tls_ca: str = field(
+        default="",
+        metadata={
+            "help": "talk TLS to the servers, trusting these CAs (PEM bundle); without it: "
+            "plaintext"
+        },
+    )
+    upstream_server_name: str = field(
+        default="",
+        metadata={
+            "help": "the name the servers' certificates are checked against (DNS discovery "
+            "yields IP addresses); default: the backend's host"
+        },
+    )
+    upstream_tls_cert: str = field(
+        default="",
+        metadata={"help": "client certificate (PEM) shown to servers that require one"},
+    )
+    upstream_tls_key: str = field(
+        default="", metadata={"help": "the private key (PEM) of --upstream-tls-cert"}
+    )
+    fanout_rows: int = field(
+        default=0,
+        metadata={
+            "help": "a Predict with more rows than this is split into chunks of at most this "
+            "many rows, sent in parallel to several servers and merged in order (0: off)"
+        },
+    )
     metrics_port: int = field(
         default=0,
         metadata={
@@ -119,6 +148,15 @@ class BalancerSettings:
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if bool(self.upstream_tls_cert) != bool(self.upstream_tls_key):
+            raise ValueError("--upstream-tls-cert and --upstream-tls-key go together")
+        if (self.upstream_tls_cert or self.upstream_server_name) and not self.upstream_tls_ca:
+            raise ValueError(
+                "--upstream-tls-cert and --upstream-server-name need --upstream-tls-ca"
+            )
+        if self.fanout_rows < 0:
+            raise ValueError("--fanout-rows must not be negative (0: off)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be 0-65535, not {self.port}")
         if not 0 <= self.metrics_port <= 65535:

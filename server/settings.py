@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from sluice.models import DIGITS
 from sluice.runtime.listener import MAX_PENDING_CALLS
 from sluice.runtime.process import LOG_FORMATS
+from sluice.runtime.security import SecuritySettings
 
 DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
-class ServerSettings:
+class ServerSettings(SecuritySettings):
     model: list[str] = field(
         default_factory=list,
         metadata={
@@ -155,6 +156,7 @@ class ServerSettings:
         return found
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.provider_options()  # refuse a malformed --cuda-options at start
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, not {self.device!r}")
