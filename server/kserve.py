@@ -21,7 +21,7 @@ from sluice.server.dataplane.batcher import Arrays
 from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Request, Route
-from sluice.server.service import Call, InferenceService, Method
+from sluice.server.service import ADMIN, OPEN, TENANT, Call, InferenceService, Method
 from sluice.wire import codec, peek
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -29,6 +29,16 @@ INFER = "ModelInfer"  # the method name, also a PredictStream message's `method`
 # Triton's name for ONNX models run by ONNX Runtime: clients and dashboards match on it.
 PLATFORM = "onnxruntime_onnx"
 REPOSITORY = "model_repository"  # the extension's name in ServerMetadata
+# Who may call what with auth on (others: any tenant): probes need no key; loading and
+# unloading models is an admin's.
+ACCESS = {
+    "ServerLive": OPEN,
+    "ServerReady": OPEN,
+    "ModelReady": OPEN,
+    "RepositoryIndex": ADMIN,
+    "RepositoryModelLoad": ADMIN,
+    "RepositoryModelUnload": ADMIN,
+}
 REPOSITORY_OFF = (
     "the repository API is off; start sluice-server with --model-repository DIR --repository-api"
 )
@@ -274,7 +284,9 @@ class KServeService:
         }
         return {
             name: grpc.unary_unary_rpc_method_handler(
-                self.service.wrap(fn, counted=name == INFER, method=name)
+                self.service.wrap(
+                    fn, counted=name == INFER, method=name, access=ACCESS.get(name, TENANT)
+                )
             )
             for name, fn in methods.items()
         }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -14,10 +15,26 @@ from typing import Any, TypeAlias
 import grpc
 
 from sluice.core.calls import BAD_REQUEST_ID, printable, stream_timeout
-from sluice.core.errors import Code, InvalidInput, Overloaded, SluiceError, Unimplemented
-from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, OVERLOADED, REFUSED_HEADER
+from sluice.core.errors import (
+    Code,
+    InvalidInput,
+    Overloaded,
+    PermissionDenied,
+    QuotaExceeded,
+    SluiceError,
+    Unauthenticated,
+    Unimplemented,
+)
+from sluice.core.keys import (
+    NO_CACHE_HEADER,
+    NO_CACHE_VALUE,
+    OVERLOADED,
+    REFUSED_HEADER,
+    RETRY_AFTER_HEADER,
+)
 from sluice.core.stats import ServingStats, health_fields
-from sluice.runtime import tracing
+from sluice.core.tenants import HEADER, INTERACTIVE, NO_KEY, Account, Tenants
+from sluice.runtime import door, tracing
 from sluice.runtime.status import status_of
 from sluice.server.convert import V1, model_info, model_statuses, parse
 from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL
@@ -35,6 +52,10 @@ SPAN = "sluice.server/Predict"  # with tracing: one per Predict call or stream m
 SPANS = {"ModelInfer": ("inference.GRPCInferenceService", "sluice.server/ModelInfer")}
 STREAM = "PredictStream"
 NODE_ID = "sluice.node_id"
+# Who may make a call when auth is on (--tenants): anyone (a wrong key is still refused),
+# any tenant, or an admin tenant only.
+OPEN, TENANT, ADMIN = "open", "tenant", "admin"
+ADMIN_ONLY = "permission denied: this call is for admin tenants (admin = true)"
 
 
 @dataclass
@@ -45,6 +66,8 @@ class Call:
     deadline: float | None  # on the dataplane's clock
     no_cache: bool = False
     refused: SluiceError | None = None  # the call's metadata is unusable: answer this
+    account: Account | None = None  # the caller's tenant (auth on, a key given)
+    priority: int = INTERACTIVE  # its tenant's class in the batcher
 
 
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
@@ -60,8 +83,10 @@ class InferenceService:
         node_id: str,
         stats: ServingStats | None = None,
         default_timeout_s: float | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
         self.plane = plane
+        self.tenants = tenants  # None: auth off, every caller alike
         self.node_id = node_id
         self.default_timeout_s = default_timeout_s  # for calls that carry no deadline
         self.clock = plane.clock
@@ -82,7 +107,11 @@ class InferenceService:
             "Metadata": self.metadata,
         }
         handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {
-            name: grpc.unary_unary_rpc_method_handler(self.wrap(fn, counted=name == "Predict"))
+            name: grpc.unary_unary_rpc_method_handler(
+                self.wrap(
+                    fn, counted=name == "Predict", access=OPEN if name == "Health" else TENANT
+                )
+            )
             for name, fn in methods.items()
         }
         handlers["PredictStream"] = grpc.stream_stream_rpc_method_handler(self.predict_stream)
@@ -99,16 +128,21 @@ class InferenceService:
         metadata: Iterable[tuple[str, Any]],
         remaining: float | None,
         refused: SluiceError | None = None,
+        access: str = TENANT,
     ) -> Call:
         """The call's settings; a request id that cannot be echoed back (not printable
-        ASCII) refuses the call before any work, and is not echoed."""
+        ASCII) refuses the call before any work, and is not echoed. With auth on, so does
+        a key no tenant holds, or none where `access` needs one."""
         request_id = ""
+        authorization = None
         no_cache = False
         for key, value in metadata:
             if key == "x-request-id":
                 request_id = value if isinstance(value, str) else value.decode("latin-1")
             elif key == NO_CACHE_HEADER:
                 no_cache = value == NO_CACHE_VALUE
+            elif key == HEADER:
+                authorization = value if isinstance(value, str) else value.decode("latin-1")
         trailers = [("x-node-id", self.node_id)]
         if request_id and not printable(request_id):
             refused = refused or InvalidInput(BAD_REQUEST_ID)
@@ -116,34 +150,62 @@ class InferenceService:
             trailers.append(("x-request-id", request_id))
         if remaining is None:
             remaining = self.default_timeout_s
-        return Call(
+        call = Call(
             trailers=trailers,
             deadline=None if remaining is None else self.clock() + remaining,
             no_cache=no_cache,
             refused=refused,
         )
+        if self.tenants is not None:
+            try:
+                call.account = self.tenants.identify(authorization)
+                if call.account is None and access != OPEN:
+                    raise Unauthenticated(NO_KEY)
+                if access == ADMIN and call.account is not None and not call.account.tenant.admin:
+                    raise PermissionDenied(ADMIN_ONLY)
+            except SluiceError as exc:
+                call.refused = call.refused or exc
+            if call.account is not None:
+                call.priority = call.account.tenant.priority
+        return call
 
     async def _invoke(
         self, fn: Method, body: bytes, info: Call, stats: ServingStats
     ) -> bytes | tuple[grpc.StatusCode, str]:
-        """The reply, or the status and message of the failure, counted in `stats`."""
+        """The reply, or the status and message of the failure, counted in `stats` (and in
+        the caller's tenant's account, with auth on)."""
         started = stats.begin()
+        account = info.account if self.tenants is not None and stats is self.stats else None
+        entered = False
+        status: str | None = None
+        reason = ""
         try:
             if info.refused is not None:
                 raise info.refused
+            if account is not None:  # inference: the tenant's quota and share
+                self.tenants.enter(account)  # type: ignore[union-attr]
+                entered = True
             reply = await fn(body, info)
         except SluiceError as exc:
-            stats.end(started, exc.status)
+            status, reason = exc.status, exc.reason
+            stats.end(started, status, reason)
             if isinstance(exc, Overloaded):  # refused before any work: another may take it
                 info.trailers.append((REFUSED_HEADER, OVERLOADED))
+            elif isinstance(exc, QuotaExceeded) and exc.retry_after_s:
+                info.trailers.append((RETRY_AFTER_HEADER, str(math.ceil(exc.retry_after_s * 1000))))
             return status_of(exc), str(exc)
         except asyncio.CancelledError:
-            stats.end(started, "CANCELLED")
+            status = "CANCELLED"
+            stats.end(started, status)
             raise
         except Exception:
             log.exception("unexpected failure")
-            stats.end(started, "INTERNAL")
+            status = "INTERNAL"
+            stats.end(started, status)
             return grpc.StatusCode.INTERNAL, "internal error"
+        finally:
+            if account is not None:
+                Tenants.settle(account, entered, status, reason)
         stats.end(started)
         return reply
 
@@ -181,15 +243,18 @@ class InferenceService:
                     )
         return outcome
 
-    def wrap(self, fn: Method, *, counted: bool, method: str = "Predict") -> Handler:
+    def wrap(
+        self, fn: Method, *, counted: bool, method: str = "Predict", access: str = TENANT
+    ) -> Handler:
         """A unary handler for `fn`, any protocol's: request id, node id, error mapping;
-        `counted` calls (inference) go into the serving stats and, with tracing, a span
-        named for `method`."""
+        `counted` calls (inference) go into the serving stats, pass their tenant's quota
+        (auth on) and, with tracing, a span named for `method`. `access`: who may call
+        with auth on (OPEN, TENANT, ADMIN)."""
         stats = self.stats if counted else ServingStats(window=1)
 
         async def call(body: bytes, context: Context) -> bytes:
             metadata = context.invocation_metadata() or ()
-            info = self._call(metadata, context.time_remaining())
+            info = self._call(metadata, context.time_remaining(), access=access)
             if counted and tracing.ON:
                 outcome = await self._traced(fn, body, info, stats, metadata, method)
             else:
@@ -207,6 +272,9 @@ class InferenceService:
     async def predict_stream(self, requests: AsyncIterator[bytes], context: Context) -> None:
         """Predict calls multiplexed on one stream; while draining, new ones are refused as
         retryable and the stream ends once the calls already read are answered."""
+        # A message without its own key is the stream's caller's (a balancer's messages
+        # each carry their caller's).
+        stream_key = next((v for k, v in context.invocation_metadata() or () if k == HEADER), None)
 
         async def answer(message: pb.StreamRequest) -> bytes:
             refused: SluiceError | None = None
@@ -221,7 +289,10 @@ class InferenceService:
                     f"PredictStream carries no method {message.method!r}; it carries "
                     + ", ".join(repr(m or "Predict") for m in self.stream_methods)
                 )
-            info = self._call(message.metadata.items(), timeout, refused)
+            metadata: Iterable[tuple[str, Any]] = message.metadata.items()
+            if stream_key is not None and HEADER not in message.metadata:
+                metadata = [*metadata, (HEADER, stream_key)]
+            info = self._call(metadata, timeout, refused)
             if tracing.ON:
                 outcome = await self._traced(
                     fn, message.request, info, self.stats, message.metadata, STREAM
@@ -254,7 +325,7 @@ class InferenceService:
     async def infer(self, body: bytes, codec: Codec[Any], call: Call) -> bytes:
         """One inference call of any protocol, its trailers added to `call`."""
         entry, cached = await self.plane.infer(
-            body, codec, deadline=call.deadline, cache=not call.no_cache
+            body, codec, deadline=call.deadline, cache=not call.no_cache, priority=call.priority
         )
         if entry.nonfinite:
             call.trailers.append(("x-nonfinite-inputs", ",".join(entry.nonfinite)))
@@ -290,6 +361,8 @@ class InferenceService:
                 max_bytes=self.plane.cache.max_bytes,
             ),
         )
+        if self.tenants is not None:
+            response.tenants.extend(door.statuses(self.tenants, call.account))
         if model is not None:  # the named (or default) model's own figures
             response.model.CopyFrom(model_info(model))
             response.provider = model.engine.provider

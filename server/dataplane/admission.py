@@ -75,7 +75,7 @@ class Admission:
             self.refused += 1
             held = ahead.queued_rows + ahead.running_rows
             raise Overloaded(
-                f"refused: the server cannot answer within the deadline (about "
+                f"overloaded: the server cannot answer within the deadline (about "
                 f"{expected * 1000:.1f} ms of work for {held} rows ahead and this request, "
                 f"{max(left, 0.0) * 1000:.1f} ms left); retry later or elsewhere"
             )

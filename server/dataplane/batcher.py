@@ -34,6 +34,10 @@ Arrays = dict[str, np.ndarray]
 FULL, BUDGET, DRAINED = "full", "budget", "drained"
 PASSED = "the deadline passed while the request waited"
 WOULD_PASS = "the deadline would pass before the request's run could end; dropped unrun"
+SHED = (
+    "overloaded: shed from a full queue for more urgent work (a higher priority class); "
+    "retry later or elsewhere"
+)
 
 
 class Trip:
@@ -73,6 +77,7 @@ class Pending:
     future: asyncio.Future[Arrays] | None = None
     taken: bool = False  # out of the queue: in a batch, or abandoned
     trip: Trip | None = None  # the caller asked what happens to the request (tracing)
+    priority: int = 0  # its class: 0 is served first (sluice.core.tenants)
 
     @property
     def abandoned(self) -> bool:
@@ -91,43 +96,94 @@ class Taken:
 
 
 class BatchQueue:
-    """The waiting requests and the batch-forming rule; pure and synchronous."""
+    """The waiting requests and the batch-forming rule; pure and synchronous.
+
+    Requests wait by priority class (0 first: sluice.core.tenants' interactive, then
+    batch): a batch is formed from the highest class that has a request waiting, so a
+    flood of lower-class work delays higher-class calls by at most the runs already going.
+    A full queue makes room for a higher-class request by shedding the newest request of the
+    lowest class below it."""
 
     def __init__(self, *, max_rows: int, budget_s: float, max_queue: int) -> None:
         self.max_rows = max_rows
         self.budget_s = budget_s
         self.max_queue = max_queue
         self.rows = 0  # rows waiting
-        self._items: deque[Pending] = deque()
+        self._classes: dict[int, deque[Pending]] = {}
+        self._rows: Counter[int] = Counter()  # rows waiting by class
 
     def __len__(self) -> int:
-        return len(self._items)
+        return sum(len(items) for items in self._classes.values())
 
-    def add(self, item: Pending) -> None:
-        if len(self._items) >= self.max_queue:
-            raise Overloaded(
-                f"the request queue is full ({self.max_queue} waiting); retry later or elsewhere"
-            )
-        self._items.append(item)
+    def ahead(self, priority: int) -> tuple[int, int]:
+        """Requests and rows that would run before a new request of `priority`."""
+        count = rows = 0
+        for cls, items in self._classes.items():
+            if cls <= priority:
+                count += len(items)
+                rows += self._rows[cls]
+        return count, rows
+
+    def add(self, item: Pending) -> Pending | None:
+        """Queue `item`; the request shed to make room for it, if one was (its caller must
+        be told). Overloaded when the queue is full of work at least as urgent."""
+        shed = None
+        if len(self) >= self.max_queue:
+            shed = self._shed_below(item.priority)
+            if shed is None:
+                raise Overloaded(
+                    f"overloaded: the request queue is full ({self.max_queue} waiting); "
+                    "retry later or elsewhere"
+                )
+        self._classes.setdefault(item.priority, deque()).append(item)
+        self._rows[item.priority] += item.rows
         self.rows += item.rows
+        return shed
+
+    def _shed_below(self, priority: int) -> Pending | None:
+        for cls in sorted(self._classes, reverse=True):
+            items = self._classes[cls]
+            if cls <= priority:
+                return None
+            if items:
+                item = items.pop()
+                self.forget(item)
+                return item
+        return None
 
     def forget(self, item: Pending) -> None:
         """A waiting request was abandoned: its rows no longer count as work ahead."""
         if not item.taken:
             item.taken = True
             self.rows -= item.rows
+            self._rows[item.priority] -= item.rows
 
     def take(self, now: float, run_s: Callable[[int], float] | None = None) -> Taken | None:
-        """The next batch, with the requests that expired on the way (or would expire before
-        a run of theirs, `run_s(rows)` seconds, could answer them); None when empty."""
+        """The next batch, from the most urgent class with a request waiting, with the
+        requests of that class (and the ones before it) that expired on the way (or would
+        expire before a run of theirs, `run_s(rows)` seconds, could answer them); None when
+        empty."""
         expired: list[Pending] = []
+        for cls in sorted(self._classes):
+            taken = self._take(cls, now, run_s, expired)
+            if taken is not None:
+                return taken
+        return Taken([], DRAINED, expired) if expired else None
+
+    def _take(
+        self,
+        cls: int,
+        now: float,
+        run_s: Callable[[int], float] | None,
+        expired: list[Pending],
+    ) -> Taken | None:
         batch: list[Pending] = []
         keep: deque[Pending] = deque()
         reason = DRAINED
         rows = 0
         closed = False
-        for item in self._items:
-            if item.abandoned:
+        for item in self._classes[cls]:
+            if item.abandoned or item.taken:
                 continue
             if item.deadline is not None and item.deadline <= now + (
                 run_s(item.rows) if run_s is not None else 0.0
@@ -153,13 +209,15 @@ class BatchQueue:
             else:
                 batch.append(item)
                 rows += item.rows
-        self._items = keep
-        self.rows = sum(item.rows for item in keep)
+        self._classes[cls] = keep
+        kept = sum(item.rows for item in keep)
+        self.rows += kept - self._rows[cls]
+        self._rows[cls] = kept
         for item in batch:
             item.taken = True
-        if not batch and not expired:
+        if not batch:
             return None
-        if batch and rows >= self.max_rows:
+        if rows >= self.max_rows:
             reason = FULL
         return Taken(batch, reason, expired)
 
@@ -227,15 +285,19 @@ class Batcher:
         group: Hashable,
         deadline: float | None = None,
         trip: Trip | None = None,
+        priority: int = 0,
     ) -> Arrays:
         """Run one request; raises Overloaded when the queue is full or the request cannot
         be answered before its deadline, DeadlineExpired when its deadline passes first.
-        A `trip` is filled in with the request's queue wait and batch as they happen."""
+        A `trip` is filled in with the request's queue wait and batch as they happen. The
+        work ahead of it is the runs going and the queued requests of its `priority` class
+        and more urgent ones (lower numbers)."""
         now = self.clock()
         if trip is not None:
             trip.arrival = now
         if deadline is not None and not (self._idle and not len(self.queue)):
-            ahead = Ahead(self.busy, self._running_rows, len(self.queue), self.queue.rows)
+            queued, queued_rows = self.queue.ahead(priority)
+            ahead = Ahead(self.busy, self._running_rows, queued, queued_rows)
             try:
                 self.admission.admit(now, deadline, ahead, rows)
             except Overloaded:
@@ -260,12 +322,17 @@ class Batcher:
                     self.on_wait(0.0)
                 return result
         future: asyncio.Future[Arrays] = asyncio.get_running_loop().create_future()
-        item = Pending(inputs, tuple(outputs), rows, group, now, deadline, future, trip=trip)
+        item = Pending(
+            inputs, tuple(outputs), rows, group, now, deadline, future, trip=trip, priority=priority
+        )
         try:
-            self.queue.add(item)
+            shed = self.queue.add(item)
         except Overloaded:
             self.stats.rejected += 1
             raise
+        if shed is not None:
+            self.stats.rejected += 1
+            _fail(shed, Overloaded(SHED))
         # A caller that gives up (its deadline, a cancel) leaves no work ahead of others.
         future.add_done_callback(lambda done: self.queue.forget(item) if done.cancelled() else None)
         self._pump()

@@ -64,10 +64,12 @@ class Model:
         outputs: Sequence[str],
         deadline: float | None,
         trip: Trip | None = None,
+        priority: int = 0,
     ) -> tuple[Arrays, list[str]]:
-        """Check the request, run it through the batcher; the outputs asked for (all when
-        none are named) and the inputs that held NaN or infinity. The batcher fills in
-        `trip`, if given, with the request's queue wait and batch (for tracing)."""
+        """Check the request, run it through the batcher (in its `priority` class); the
+        outputs asked for (all when none are named) and the inputs that held NaN or infinity.
+        The batcher fills in `trip`, if given, with the request's queue wait and batch (for
+        tracing)."""
         nonfinite = self.check(inputs)
         names = self.select(outputs)
         rows = staging.rows_of(inputs) if self._batchable else None
@@ -75,7 +77,13 @@ class Model:
         batching = self._batching and rows is not None
         group = staging.group_key(inputs, names) if batching else object()
         results = await self.batcher.submit(
-            inputs, names, rows=rows or 1, group=group, deadline=deadline, trip=trip
+            inputs,
+            names,
+            rows=rows or 1,
+            group=group,
+            deadline=deadline,
+            trip=trip,
+            priority=priority,
         )
         return results, nonfinite
 

@@ -82,9 +82,12 @@ class Dataplane:
         *,
         deadline: float | None = None,
         cache: bool = True,
+        priority: int = 0,
     ) -> tuple[Entry, Cached]:
         """The answer to one request body, and whether the cache gave it (`cache=False`
-        keeps the call out of the cache and single-flight)."""
+        keeps the call out of the cache and single-flight). A model run waits in the
+        batcher's `priority` class (a computation shared by single-flight: its first
+        caller's)."""
         if deadline is not None and deadline <= self.clock():
             raise DeadlineExpired(EXPIRED)
         route = codec.route(body)
@@ -92,7 +95,9 @@ class Dataplane:
         if not cache or not self.cache.enabled:
             if tracing.ON:
                 tracing.annotate(tracing.CACHE, "off")
-            entry, cached = await self._held(found, self._compute(found, body, codec, deadline))
+            entry, cached = await self._held(
+                found, self._compute(found, body, codec, deadline, priority)
+            )
         else:
             digest = xxhash.xxh3_128(found.scope(codec.name))
             if route.echo is None:
@@ -108,7 +113,7 @@ class Dataplane:
                 entry, cached = hit, HIT
             else:
                 entry, cached = await self._held(
-                    found, self._once(key, found, body, codec, deadline)
+                    found, self._once(key, found, body, codec, deadline, priority)
                 )
         if route.echo is not None:
             entry = Entry(body[route.echo[0] : route.echo[1]] + entry.body, entry.nonfinite)
@@ -138,7 +143,13 @@ class Dataplane:
         return await self._held(found, found.run(inputs, outputs, deadline))
 
     async def _once(
-        self, key: bytes, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None
+        self,
+        key: bytes,
+        model: Model,
+        body: bytes,
+        codec: Codec[Opts],
+        deadline: float | None,
+        priority: int,
     ) -> tuple[Entry, Cached]:
         """Compute under single-flight; a hit when another caller's computation answered.
         A shared computation that ran out of its leader's deadline is retried for a follower
@@ -147,7 +158,7 @@ class Dataplane:
             joined = key in self.flight
             try:
                 entry = await self.flight.run(
-                    key, lambda: self._store(key, model, body, codec, deadline)
+                    key, lambda: self._store(key, model, body, codec, deadline, priority)
                 )
             except DeadlineExpired:
                 if not joined or (deadline is not None and deadline <= self.clock()):
@@ -158,30 +169,43 @@ class Dataplane:
                 return entry, HIT if joined else MISS
 
     async def _store(
-        self, key: bytes, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None
+        self,
+        key: bytes,
+        model: Model,
+        body: bytes,
+        codec: Codec[Opts],
+        deadline: float | None,
+        priority: int,
     ) -> Entry:
         # The shared computation holds the model itself: its callers may all cancel and
         # release theirs while it still runs (or waits in the batcher).
-        entry = await self._held(model, self._entry(model, body, codec, deadline))
+        entry = await self._held(model, self._entry(model, body, codec, deadline, priority))
         self.cache.put(key, entry)
         return entry
 
     async def _compute(
-        self, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None
+        self, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None, priority: int
     ) -> tuple[Entry, Cached]:
-        return await self._entry(model, body, codec, deadline), None
+        return await self._entry(model, body, codec, deadline, priority), None
 
     async def _entry(
-        self, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None
+        self, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None, priority: int
     ) -> Entry:
         request = codec.decode(body)
         if tracing.ON and tracing.recording():
-            return await self._traced(model, request, codec, deadline)
-        outputs, nonfinite = await model.run(request.inputs, request.outputs, deadline)
+            return await self._traced(model, request, codec, deadline, priority)
+        outputs, nonfinite = await model.run(
+            request.inputs, request.outputs, deadline, priority=priority
+        )
         return Entry(codec.encode(model, request, outputs), tuple(nonfinite))
 
     async def _traced(
-        self, model: Model, request: Request[Opts], codec: Codec[Opts], deadline: float | None
+        self,
+        model: Model,
+        request: Request[Opts],
+        codec: Codec[Opts],
+        deadline: float | None,
+        priority: int,
     ) -> Entry:
         """`_compute` with tracing on: the model run's span, with its steps as children."""
         attributes = {"sluice.model.name": model.name, "sluice.model.version": model.version}
@@ -189,7 +213,7 @@ class Dataplane:
             trip = Trip()
             try:
                 outputs, nonfinite = await model.run(
-                    request.inputs, request.outputs, deadline, trip
+                    request.inputs, request.outputs, deadline, trip, priority
                 )
             finally:
                 _steps(trip, model.batcher.clock)

@@ -11,9 +11,12 @@ from enum import IntEnum
 
 
 class SluiceError(Exception):
-    """Base class: a failure a caller can act on, with its status name."""
+    """Base class: a failure a caller can act on, with its status name. A refusal at the
+    door (before any work) also names its reason, as its message begins and the metrics
+    count it (`sluice_refusals_total{reason}`); other failures have none."""
 
     status = "INTERNAL"
+    reason = ""
 
 
 class InvalidInput(SluiceError):
@@ -51,6 +54,33 @@ class Overloaded(SluiceError):
     """A queue or size bound was hit; retry later or elsewhere."""
 
     status = "RESOURCE_EXHAUSTED"
+    reason = "overload"
+
+
+class Unauthenticated(SluiceError):
+    """Auth is on and the call carries no API key, or one no tenant holds."""
+
+    status = "UNAUTHENTICATED"
+    reason = "unauthenticated"
+
+
+class QuotaExceeded(SluiceError):
+    """The caller's tenant is over its rate quota (retry after `retry_after_s`) or its
+    share of concurrent calls. Not the server's limit: another server would refuse it too."""
+
+    status = "RESOURCE_EXHAUSTED"
+    reason = "quota"
+
+    def __init__(self, message: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class PermissionDenied(SluiceError):
+    """The caller's tenant may not make this call (an admin's)."""
+
+    status = "PERMISSION_DENIED"
+    reason = "permission"
 
 
 class Unavailable(SluiceError):

@@ -17,6 +17,8 @@ PREDICT = "/sluice.v1.Inference/Predict"
 # balancer) is at its limit: RESOURCE_EXHAUSTED that another server with headroom may take.
 REFUSED_HEADER = "x-refused"
 OVERLOADED = "overloaded"
+# A trailer on a call refused for its tenant's rate quota: milliseconds until it may pass.
+RETRY_AFTER_HEADER = "retry-after-ms"
 
 
 def affinity_key(body: bytes, metadata: Mapping[str, str]) -> int | None:

@@ -33,6 +33,8 @@ class ServingStats:
         self.requests = 0
         self.in_flight = 0
         self.errors: Counter[str] = Counter()
+        # Calls refused at the door, by reason (unauthenticated, quota, overload, ...).
+        self.refusals: Counter[str] = Counter()
         # Called with each finished call's seconds; None (nothing done) unless an exporter
         # sets it (the metrics' latency histogram).
         self.observer: Callable[[float], None] | None = None
@@ -43,11 +45,14 @@ class ServingStats:
         self.in_flight += 1
         return self._clock()
 
-    def end(self, started: float, error: str | None = None) -> None:
-        """Count a call as finished, with its status name when it failed."""
+    def end(self, started: float, error: str | None = None, reason: str = "") -> None:
+        """Count a call as finished, with its status name when it failed, and the reason
+        when it was refused at the door."""
         self.in_flight -= 1
         if error is not None:
             self.errors[error] += 1
+        if reason:
+            self.refusals[reason] += 1
         seconds = self._clock() - started
         self._window[self._next] = seconds
         if self.observer is not None:
@@ -111,4 +116,5 @@ def health_fields(stats: ServingStats) -> dict[str, Any]:
         "errors_by_code": dict(stats.errors),
         "latency": asdict(latency),
         "in_flight": stats.in_flight,
+        "refusals": dict(stats.refusals),
     }

@@ -196,7 +196,7 @@ class Plan(Generic[R]):
                 # Only full backends stand in the way: refuse now rather than queue.
                 limits.shed += 1
                 held = sum(b.in_flight for b in full)
-                why = f"refused: every backend is at its limit ({held} calls in flight)"
+                why = f"overloaded: every backend is at its limit ({held} calls in flight)"
                 return planner.reply(
                     _RESOURCE_EXHAUSTED, f"{why}; retry later{self.last}", retryable=True
                 )

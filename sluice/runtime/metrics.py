@@ -31,6 +31,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 from sluice.core.stats import Histogram, ServingStats
+from sluice.core.tenants import Tenants
 
 log = logging.getLogger("sluice.metrics")
 
@@ -106,6 +107,42 @@ class ServingCollector(Collector):
             labels=["method"],
         )
         yield GaugeMetricFamily("sluice_in_flight", "calls in flight", value=stats.in_flight)
+        refusals = CounterMetricFamily(
+            "sluice_refusals",
+            "calls refused at the door, by reason (unauthenticated, quota, overload, permission)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(stats.refusals.items()):
+            refusals.add_metric([reason], count)
+        yield refusals
+
+
+class TenantCollector(Collector):
+    """Each tenant's calls (by outcome: OK, a status, or refused:REASON) and calls in flight,
+    with auth on."""
+
+    def __init__(self, tenants: Tenants) -> None:
+        self.tenants = tenants
+
+    def collect(self) -> Iterator[Metric]:
+        calls = CounterMetricFamily(
+            "sluice_tenant_calls",
+            "calls of each tenant by outcome: OK, the status of a failure, or refused:REASON",
+            labels=["tenant", "outcome"],
+        )
+        flying = GaugeMetricFamily(
+            "sluice_tenant_in_flight", "each tenant's calls in flight", labels=["tenant"]
+        )
+        for account in self.tenants:
+            name = account.tenant.name
+            calls.add_metric([name, "OK"], account.ok)
+            for code, count in sorted(account.failed.items()):
+                calls.add_metric([name, code], count)
+            for reason, count in sorted(account.refused.items()):
+                calls.add_metric([name, f"refused:{reason}"], count)
+            flying.add_metric([name], account.in_flight)
+        yield calls
+        yield flying
 
 
 def new_registry(*collectors: Collector) -> CollectorRegistry:

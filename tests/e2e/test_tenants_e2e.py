@@ -1,0 +1,112 @@
+"""Tenants on a real server: API keys from a file of digests, UNAUTHENTICATED without one,
+a rate quota answered RESOURCE_EXHAUSTED with when to retry, per-tenant Health and metrics,
+refusal reasons counted, the file re-read while serving."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sluice.core.tenants import digest
+from sluice.v1 import inference_pb2 as pb
+from sluice.v1 import inference_pb2_grpc as pb_grpc
+from sluice.wire import codec
+from tests.conftest import SAMPLES
+from tests.e2e.harness import running, server_argv, wait_for
+from tests.e2e.test_metrics_e2e import free_port, get, scrape
+
+pytestmark = pytest.mark.e2e
+
+ALPHA, OPS, LATE = "sk-alpha-test-key", "sk-ops-test-key", "sk-late-test-key"
+TENANTS = f"""
+[tenants.alpha]
+keys = ["{digest(ALPHA)}"]
+rate = 1
+burst = 3
+
+[tenants.ops]
+keys = ["{digest(OPS)}"]
+admin = true
+"""
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def body() -> bytes:
+    return pb.PredictRequest(
+        inputs=codec.encode_all({"input": SAMPLES[3].input})
+    ).SerializeToString()
+
+
+def test_keys_quota_health_metrics_and_reread(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    port = free_port()
+    argv = server_argv("--tenants", str(path), "--metrics-port", str(port))
+    with running(argv) as server, grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        predict = channel.unary_unary(
+            "/sluice.v1.Inference/Predict", request_serializer=None, response_deserializer=None
+        )
+        for metadata, says in (((), "no API key"), (bearer("sk-wrong"), "not one this node")):
+            with pytest.raises(grpc.RpcError) as refused:
+                predict(body(), metadata=metadata, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert refused.value.details().startswith("unauthenticated: ")
+            assert says in refused.value.details()
+        # Probes need no key.
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        assert not stub.Health(pb.HealthRequest(), timeout=10).tenants
+
+        # Its burst of 3, then the quota, with the time to wait.
+        for _ in range(3):
+            reply = pb.PredictResponse.FromString(predict(body(), metadata=bearer(ALPHA)))
+            assert reply.outputs
+        with pytest.raises(grpc.RpcError) as refused:
+            predict(body(), metadata=bearer(ALPHA), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.details().startswith("quota: tenant alpha is over its 1 calls/s")
+        trailers = dict(refused.value.trailing_metadata() or ())
+        assert 0 < int(trailers["retry-after-ms"]) <= 1000
+
+        own = stub.Health(pb.HealthRequest(), metadata=bearer(ALPHA), timeout=10)
+        assert [t.name for t in own.tenants] == ["alpha"]
+        alpha = own.tenants[0]
+        assert (alpha.ok, alpha.refused["quota"], alpha.rate, alpha.priority) == (
+            3,
+            1,
+            1.0,
+            "interactive",
+        )
+        every = stub.Health(pb.HealthRequest(), metadata=bearer(OPS), timeout=10)
+        assert sorted(t.name for t in every.tenants) == ["alpha", "ops"]
+        assert every.refusals["unauthenticated"] == 2 and every.refusals["quota"] == 1
+
+        samples = scrape(port)
+        assert get(samples, "sluice_refusals_total", reason="quota") == 1
+        assert get(samples, "sluice_refusals_total", reason="unauthenticated") == 2
+        assert get(samples, "sluice_tenant_calls_total", tenant="alpha", outcome="OK") == 3
+        assert (
+            get(samples, "sluice_tenant_calls_total", tenant="alpha", outcome="refused:quota") == 1
+        )
+
+        # A tenant added to the file is let in without a restart.
+        path.write_text(TENANTS + f'\n[tenants.late]\nkeys = ["{digest(LATE)}"]\n')
+        os.utime(path, ns=(1, 1))
+
+        def admitted() -> bool | None:
+            try:
+                predict(body(), metadata=bearer(LATE), timeout=10)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
+                return None
+            return True
+
+        wait_for(admitted, "the new tenant's key accepted", timeout=20)
