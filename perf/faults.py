@@ -99,6 +99,7 @@ class Drive:
     hostile: tuple[tuple[str, bytes], ...] = ()
     hostile_share: float = 0.0
     seed: int = 0
+    metadata: tuple[tuple[str, str], ...] = ()  # sent with every call (an API key)
 
 
 async def drive(spec: Drive) -> list[Record]:
@@ -125,7 +126,9 @@ async def drive(spec: Drive) -> list[Record]:
             else:
                 body = spec.bodies.body(k)
             sent = time.monotonic()
-            pending = stubs[k % len(stubs)](body, timeout=spec.timeout)
+            pending = stubs[k % len(stubs)](
+                body, timeout=spec.timeout, metadata=spec.metadata or None
+            )
             status = "OK"
             try:
                 await pending
