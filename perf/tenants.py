@@ -106,7 +106,12 @@ def side(mode: str, tenant: str, rate: float, records: Sequence[Record]) -> Side
 
 def capacity(bench: Bench, target: str, seconds: float) -> float:
     """Calls/s the server answers at 8 in flight (app's key: it counts as a tenant's)."""
-    load = {"concurrency": 8, "timeout": 5.0, "bodies": mlp_bodies(), "metadata": bearer(APP_KEY)}
+    load: dict[str, Any] = {
+        "concurrency": 8,
+        "timeout": 5.0,
+        "bodies": mlp_bodies(),
+        "metadata": bearer(APP_KEY),
+    }
     collect(bench.load(target, duration=1.0, **load))  # warm-up: not counted
     records, _ = collect_with_cpu(bench.load(target, duration=seconds, **load))
     ok = [r for r in records if r.status == "OK"]
