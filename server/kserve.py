@@ -15,13 +15,14 @@ import numpy as np
 from sluice.core.datatypes import DATATYPES, DataType
 from sluice.core.errors import InvalidInput, ModelNotFound, Unimplemented
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
+from sluice.runtime.door import ADMIN, OPEN, TENANT
 from sluice.runtime.process import package_version
 from sluice.server.convert import parse
 from sluice.server.dataplane.batcher import Arrays
 from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Request, Route
-from sluice.server.service import ADMIN, OPEN, TENANT, Call, InferenceService, Method
+from sluice.server.service import Call, InferenceService, Method
 from sluice.wire import codec, peek
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name

@@ -19,10 +19,8 @@ from sluice.core.errors import (
     Code,
     InvalidInput,
     Overloaded,
-    PermissionDenied,
     QuotaExceeded,
     SluiceError,
-    Unauthenticated,
     Unimplemented,
 )
 from sluice.core.keys import (
@@ -33,8 +31,9 @@ from sluice.core.keys import (
     RETRY_AFTER_HEADER,
 )
 from sluice.core.stats import ServingStats, health_fields
-from sluice.core.tenants import HEADER, INTERACTIVE, NO_KEY, Account, Tenants
+from sluice.core.tenants import HEADER, INTERACTIVE, Account, Tenants
 from sluice.runtime import door, tracing
+from sluice.runtime.door import OPEN, TENANT
 from sluice.runtime.status import status_of
 from sluice.server.convert import V1, model_info, model_statuses, parse
 from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL
@@ -52,10 +51,6 @@ SPAN = "sluice.server/Predict"  # with tracing: one per Predict call or stream m
 SPANS = {"ModelInfer": ("inference.GRPCInferenceService", "sluice.server/ModelInfer")}
 STREAM = "PredictStream"
 NODE_ID = "sluice.node_id"
-# Who may make a call when auth is on (--tenants): anyone (a wrong key is still refused),
-# any tenant, or an admin tenant only.
-OPEN, TENANT, ADMIN = "open", "tenant", "admin"
-ADMIN_ONLY = "permission denied: this call is for admin tenants (admin = true)"
 
 
 @dataclass
@@ -158,11 +153,7 @@ class InferenceService:
         )
         if self.tenants is not None:
             try:
-                call.account = self.tenants.identify(authorization)
-                if call.account is None and access != OPEN:
-                    raise Unauthenticated(NO_KEY)
-                if access == ADMIN and call.account is not None and not call.account.tenant.admin:
-                    raise PermissionDenied(ADMIN_ONLY)
+                call.account = door.caller(self.tenants, authorization, access)
             except SluiceError as exc:
                 call.refused = call.refused or exc
             if call.account is not None:

@@ -7,11 +7,26 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from sluice.core.errors import SluiceError
-from sluice.core.tenants import Account, Tenants, TenantsFileError, Watched
+from sluice.core.errors import PermissionDenied, SluiceError, Unauthenticated
+from sluice.core.tenants import NO_KEY, Account, Tenants, TenantsFileError, Watched
 from sluice.v1 import inference_pb2 as pb
 
 POLL_S = 1.0  # how often the tenants file is looked at
+# Who may make a call when auth is on: anyone (probes; a wrong key is still refused), any
+# tenant, or an admin tenant only.
+OPEN, TENANT, ADMIN = "open", "tenant", "admin"
+ADMIN_ONLY = "permission: this call is for admin tenants (admin = true in the tenants file)"
+
+
+def caller(tenants: Tenants, authorization: str | None, access: str) -> Account | None:
+    """The calling tenant's account (None: no key, where `access` is OPEN); Unauthenticated
+    or PermissionDenied when the call may not pass."""
+    account = tenants.identify(authorization)
+    if account is None and access != OPEN:
+        raise Unauthenticated(NO_KEY)
+    if access == ADMIN and account is not None and not account.tenant.admin:
+        raise PermissionDenied(ADMIN_ONLY)
+    return account
 
 
 def load(path: str) -> Tenants:

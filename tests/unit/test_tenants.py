@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sluice.core.errors import Overloaded, QuotaExceeded, Unauthenticated
+from sluice.core.errors import Overloaded, PermissionDenied, QuotaExceeded, Unauthenticated
 from sluice.core.tenants import (
     BATCH,
     INTERACTIVE,
@@ -24,6 +24,7 @@ from sluice.core.tenants import (
     new_key,
     parse,
 )
+from sluice.runtime import door
 from sluice.server.dataplane.batcher import SHED, Arrays, Batcher, BatchQueue, Pending
 
 KEY_A, KEY_B = "sk-alpha-key", "sk-batch-key"
@@ -223,3 +224,21 @@ async def test_batcher_runs_interactive_before_queued_batch_work_and_sheds_for_i
     await asyncio.gather(first, urgent, *queued[:2])
     assert gate.order == [0, 9, 1, 2]
     assert batcher.stats.rejected == 1
+
+
+def test_door_lets_each_call_through_by_its_access() -> None:
+    tenants = Tenants(parse(FILE))
+    assert door.caller(tenants, None, door.OPEN) is None  # probes need no key
+    with pytest.raises(Unauthenticated):
+        door.caller(tenants, "Bearer sk-wrong", door.OPEN)  # but a wrong one is refused
+    with pytest.raises(Unauthenticated, match="no API key"):
+        door.caller(tenants, None, door.TENANT)
+    alpha = door.caller(tenants, f"Bearer {KEY_A}", door.TENANT)
+    assert alpha is not None and alpha.tenant.name == "alpha"
+    with pytest.raises(PermissionDenied, match="^permission: .*admin tenants"):
+        door.caller(tenants, f"Bearer {KEY_A}", door.ADMIN)
+    bulk = door.caller(tenants, f"Bearer {KEY_B}", door.ADMIN)
+    assert bulk is not None and bulk.tenant.admin
+    assert [s.name for s in door.statuses(tenants, alpha)] == ["alpha"]
+    assert sorted(s.name for s in door.statuses(tenants, bulk)) == ["alpha", "bulk"]
+    assert door.statuses(tenants, None) == []
