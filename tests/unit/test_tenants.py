@@ -235,7 +235,7 @@ def test_door_lets_each_call_through_by_its_access() -> None:
         door.caller(tenants, None, door.TENANT)
     alpha = door.caller(tenants, f"Bearer {KEY_A}", door.TENANT)
     assert alpha is not None and alpha.tenant.name == "alpha"
-    with pytest.raises(PermissionDenied, match="^permission: .*admin tenants"):
+    with pytest.raises(PermissionDenied, match=r"^permission: .*admin tenants"):
         door.caller(tenants, f"Bearer {KEY_A}", door.ADMIN)
     bulk = door.caller(tenants, f"Bearer {KEY_B}", door.ADMIN)
     assert bulk is not None and bulk.tenant.admin
