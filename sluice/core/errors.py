@@ -117,6 +117,19 @@ class Code(IntEnum):
     UNAUTHENTICATED = 16
 
 
+REASONS = ("unauthenticated", "quota", "overload", "permission")
+
+
+def reason_of(code: int, message: str) -> str:
+    """The refusal reason a status and message name ("" when it is no refusal): for a
+    process that forwards another's answers (a balancer), which counts them as its own."""
+    if code not in (Code.UNAUTHENTICATED, Code.RESOURCE_EXHAUSTED, Code.PERMISSION_DENIED):
+        return ""
+    head = message.partition(":")[0]
+    head = "overload" if head == "overloaded" else head
+    return head if head in REASONS else ""
+
+
 def status_name(code: int) -> str:
     try:
         return Code(code).name

@@ -12,7 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sluice.core.errors import Overloaded, PermissionDenied, QuotaExceeded, Unauthenticated
+from sluice.core.errors import (
+    Code,
+    Overloaded,
+    PermissionDenied,
+    QuotaExceeded,
+    Unauthenticated,
+    reason_of,
+)
 from sluice.core.tenants import (
     BATCH,
     INTERACTIVE,
@@ -242,3 +249,18 @@ def test_door_lets_each_call_through_by_its_access() -> None:
     assert [s.name for s in door.statuses(tenants, alpha)] == ["alpha"]
     assert sorted(s.name for s in door.statuses(tenants, bulk)) == ["alpha", "bulk"]
     assert door.statuses(tenants, None) == []
+
+
+@pytest.mark.parametrize(
+    ("code", "message", "reason"),
+    [
+        (Code.RESOURCE_EXHAUSTED, "quota: tenant a is over its 1 calls/s", "quota"),
+        (Code.RESOURCE_EXHAUSTED, "overloaded: the request queue is full", "overload"),
+        (Code.UNAUTHENTICATED, "unauthenticated: no key", "unauthenticated"),
+        (Code.PERMISSION_DENIED, "permission: admins only", "permission"),
+        (Code.RESOURCE_EXHAUSTED, "received message larger than max", ""),
+        (Code.INVALID_ARGUMENT, "quota: looks like one but is not", ""),
+    ],
+)
+def test_a_forwarded_refusal_is_known_by_its_message(code: int, message: str, reason: str) -> None:
+    assert reason_of(code, message) == reason
