@@ -18,7 +18,7 @@ from sluice.balancer.kserve import KServeFacade
 from sluice.balancer.metrics import RoutingCollector
 from sluice.balancer.service import SERVICE, BalancerService
 from sluice.balancer.settings import BalancerSettings
-from sluice.balancer.upstream import Models, Upstream
+from sluice.balancer.upstream import Models, Upstream, upstream_tls
 from sluice.core.errors import SluiceError
 from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
@@ -27,6 +27,7 @@ from sluice.runtime import config, metrics, refusals, tracing
 from sluice.runtime.listener import bind, check_port_free, new_server
 from sluice.runtime.process import event_loop, return_large_blocks, setup_logging
 from sluice.runtime.supervise import SLOT_ENV, attach_to_parent
+from sluice.runtime.tls import PLAINTEXT_WARNING, server_credentials
 from sluice.runtime.workers import Workers
 
 log = logging.getLogger("sluice.balancer")
@@ -107,6 +108,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
                 streams=settings.streams,
                 max_in_flight=settings.stream_max_in_flight,
                 keepalive_s=settings.keepalive_s,
+                tls=to_servers,
             )
             backend.transport = upstream
             upstream.watch_health(reporter(backend))
@@ -129,7 +131,10 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         if reuseport and not is_worker:
             # Its workers join it on the port; another balancer must not.
             check_port_free(settings.host, settings.port)
-        port = bind(server, settings.host, settings.port)
+        port = bind(server, settings.host, settings.port, tls=server_credentials(settings))
+        to_servers = upstream_tls(settings)  # read now: a bad file stops the start
+        if not is_worker and settings.plaintext_off_loopback(settings.host):
+            log.warning(PLAINTEXT_WARNING, settings.host, port)
     except SluiceError as exc:
         log.error("%s", exc)
         return 1

@@ -14,8 +14,10 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sluice.core.errors import Code
+from sluice.balancer.settings import BalancerSettings
+from sluice.core.errors import Code, SluiceError
 from sluice.routing.pool import Health
+from sluice.runtime.tls import ClientTLS, aio_channel
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import unary
 from sluice.wire.mux import MuxStream, Reply
@@ -79,6 +81,22 @@ def channel_options(keepalive_s: float) -> list[tuple[str, int]]:
     ]
 
 
+def upstream_tls(settings: BalancerSettings) -> ClientTLS | None:
+    """TLS to the servers as the --upstream-tls-* flags say (None: plaintext); SluiceError if
+    a file does not load, so a bad flag stops the balancer at start."""
+    if not settings.upstream_tls_ca:
+        return None
+    try:
+        return ClientTLS.of(
+            ca=settings.upstream_tls_ca,
+            cert=settings.upstream_tls_cert,
+            key=settings.upstream_tls_key,
+            server_name=settings.upstream_server_name,
+        )
+    except OSError as exc:
+        raise SluiceError(f"--upstream-tls-ca/-cert/-key: {exc}") from None
+
+
 class Upstream:
     def __init__(
         self,
@@ -87,9 +105,11 @@ class Upstream:
         streams: int = 1,
         max_in_flight: int = 256,
         keepalive_s: float = 1.0,
+        tls: ClientTLS | None = None,
     ) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(keepalive_s))
+        # Its health watch, models refresh and streams all ride this one channel.
+        self.channel = aio_channel(address, tls, channel_options(keepalive_s))
         self.streams = [
             MuxStream(self.channel, max_in_flight=max_in_flight) for _ in range(streams)
         ]

@@ -16,6 +16,7 @@ import numpy as np
 from google.protobuf.json_format import MessageToDict
 
 from sluice import models
+from sluice.client import connect
 from sluice.client.client import Prediction, SluiceClient
 from sluice.core.datatypes import DATATYPES, name_of
 
@@ -147,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="seconds per call [env SLUICE_TIMEOUT; 10]",
         )
         sub.add_argument("--json", action="store_true", help="print JSON for scripts")
+        connect.add_options(sub)
         sub.set_defaults(fn=fn)
         return sub
 
@@ -208,7 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     fn: Any = args.fn
     try:
-        with SluiceClient(args.target, timeout=args.timeout) as client:
+        connection = connect.from_args(args)
+        with SluiceClient(
+            args.target, timeout=args.timeout, **connection.client_kwargs()
+        ) as client:
             print(fn(client, args))
     except grpc.RpcError as exc:
         print(f"sluice: {exc.code().name}: {exc.details()}", file=sys.stderr)

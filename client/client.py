@@ -32,6 +32,7 @@ from sluice.routing.planner import Planner
 from sluice.routing.pool import Backend, Pool
 from sluice.runtime import tracing
 from sluice.runtime.status import grpc_code
+from sluice.runtime.tls import ClientTLS, aio_channel, blocking_channel
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec, unary
@@ -115,6 +116,11 @@ def target_list(target: str | Sequence[str]) -> list[str]:
     return targets
 
 
+def auth_metadata(api_key: str) -> Metadata:
+    """The metadata that carries an API key on every call (none without one)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 def router(targets: Sequence[str], breaker: BreakerSettings | None = None) -> Planner[Reply]:
     """The client's own balancing over several servers: a pool and a retry budget of its own,
     driven by the shared planner."""
@@ -131,13 +137,17 @@ class _Core:
     timeout: float | None
     _router: Planner[Reply] | None
     _senders: dict[str, Iterator[Sender]]
+    _auth: Metadata
 
-    def _start(self, methods: Mapping[str, Sequence[Sender]], timeout: float | None) -> None:
+    def _start(
+        self, methods: Mapping[str, Sequence[Sender]], timeout: float | None, api_key: str
+    ) -> None:
         """`methods`: each target's raw-bytes Predict callables (one per channel, used in
         turn)."""
         self.targets = target_list(list(methods))
         self.target = self.targets[0]
         self.timeout = timeout
+        self._auth = auth_metadata(api_key)
         self._senders = {t: itertools.cycle(ms) for t, ms in methods.items()}
         self._router = router(self.targets) if len(self.targets) > 1 else None
 
@@ -151,7 +161,7 @@ class _Core:
         version: str = "",
     ) -> tuple[bytes, Metadata]:
         body = predict_request(inputs, outputs, model, version).SerializeToString()
-        return body, tuple(call_metadata(request_id, no_cache).items())
+        return body, (*call_metadata(request_id, no_cache).items(), *self._auth)
 
     def _route(self, body: bytes, metadata: Metadata, timeout: float | None) -> Route:
         """How one call goes: straight to the one target, or through the planner (each
@@ -182,7 +192,13 @@ def prediction(reply: Reply) -> Prediction:
 
 class AsyncSluiceClient(_Core):
     """asyncio client; create and use it inside a running event loop. One target is a server
-    or a balancer; several targets are servers that this client balances itself."""
+    or a balancer; several targets are servers that this client balances itself.
+
+    TLS when `tls` or any TLS option is given: trusting the CAs in the PEM file `tls_ca`
+    (empty: the system's), showing the certificate `tls_cert` with its key `tls_key` to a
+    server that requires one (mutual TLS), and checking the server's certificate against
+    `server_name` (empty: the target's host). `api_key` is sent on every call as
+    `authorization: Bearer KEY`."""
 
     def __init__(
         self,
@@ -191,31 +207,47 @@ class AsyncSluiceClient(_Core):
         timeout: float | None = 10.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: ChannelOptions = (),
+        tls: bool = False,
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        server_name: str = "",
+        api_key: str = "",
     ) -> None:
+        security = ClientTLS.of(
+            tls=tls, ca=tls_ca, cert=tls_cert, key=tls_key, server_name=server_name
+        )
         settings = channel_options(max_message_bytes, options)
-        channels = {
-            t: [grpc.aio.insecure_channel(t, options=settings)] for t in target_list(target)
-        }
-        self._attach(channels, timeout, owned=True)
+        channels = {t: [aio_channel(t, security, settings)] for t in target_list(target)}
+        self._attach(channels, timeout, api_key, owned=True)
 
     @classmethod
     def on_channels(
-        cls, channels: Mapping[str, Sequence[grpc.aio.Channel]], *, timeout: float | None = 10.0
+        cls,
+        channels: Mapping[str, Sequence[grpc.aio.Channel]],
+        *,
+        timeout: float | None = 10.0,
+        api_key: str = "",
     ) -> Self:
         """A client over channels the caller made and closes, several per target if it likes
         (used in turn); for the load generator's connection counts."""
         client = cls.__new__(cls)
-        client._attach({t: list(chs) for t, chs in channels.items()}, timeout, owned=False)
+        client._attach({t: list(chs) for t, chs in channels.items()}, timeout, api_key, owned=False)
         return client
 
     def _attach(
-        self, channels: dict[str, list[grpc.aio.Channel]], timeout: float | None, *, owned: bool
+        self,
+        channels: dict[str, list[grpc.aio.Channel]],
+        timeout: float | None,
+        api_key: str,
+        *,
+        owned: bool,
     ) -> None:
         methods = {
             t: [ch.unary_unary(PREDICT, **PREDICT_ARGS) for ch in chs]
             for t, chs in channels.items()
         }
-        self._start(methods, timeout)
+        self._start(methods, timeout, api_key)
         self._channels = channels
         self._owned = owned
         self._stub = pb_grpc.InferenceStub(channels[self.target][0])
@@ -269,7 +301,7 @@ class AsyncSluiceClient(_Core):
         """One Predict of a serialized PredictRequest; failures come back as the Reply's
         status, never raised. For the load generator."""
         try:
-            return await self._call(body, tuple((metadata or {}).items()), timeout)
+            return await self._call(body, (*(metadata or {}).items(), *self._auth), timeout)
         except grpc.aio.AioRpcError as exc:
             return unary.failure(exc)
 
@@ -305,7 +337,7 @@ class AsyncSluiceClient(_Core):
     async def health(self, *, model: str = "", timeout: float | None = None) -> pb.HealthResponse:
         """The first target's Health (a model's, when named)."""
         response: pb.HealthResponse = await self._stub.Health(
-            pb.HealthRequest(model=model), timeout=timeout or self.timeout
+            pb.HealthRequest(model=model), timeout=timeout or self.timeout, metadata=self._auth
         )
         return response
 
@@ -314,7 +346,9 @@ class AsyncSluiceClient(_Core):
     ) -> pb.MetadataResponse:
         """The first target's metadata of a model (the default one unless named)."""
         response: pb.MetadataResponse = await self._stub.Metadata(
-            pb.MetadataRequest(model=model, version=version), timeout=timeout or self.timeout
+            pb.MetadataRequest(model=model, version=version),
+            timeout=timeout or self.timeout,
+            metadata=self._auth,
         )
         return response
 
@@ -334,8 +368,8 @@ class AsyncSluiceClient(_Core):
 
 
 class SluiceClient(_Core):
-    """Blocking client with the same methods as AsyncSluiceClient (but call_raw), on grpc's
-    blocking channels. Safe to use from several threads at once."""
+    """Blocking client with the same methods and options as AsyncSluiceClient (but
+    call_raw), on grpc's blocking channels. Safe to use from several threads at once."""
 
     def __init__(
         self,
@@ -344,14 +378,22 @@ class SluiceClient(_Core):
         timeout: float | None = 10.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: ChannelOptions = (),
+        tls: bool = False,
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        server_name: str = "",
+        api_key: str = "",
     ) -> None:
+        security = ClientTLS.of(
+            tls=tls, ca=tls_ca, cert=tls_cert, key=tls_key, server_name=server_name
+        )
         settings = channel_options(max_message_bytes, options)
-        self._channels = {
-            t: grpc.insecure_channel(t, options=settings) for t in target_list(target)
-        }
+        self._channels = {t: blocking_channel(t, security, settings) for t in target_list(target)}
         self._start(
             {t: [ch.unary_unary(PREDICT, **PREDICT_ARGS)] for t, ch in self._channels.items()},
             timeout,
+            api_key,
         )
         self._stub = pb_grpc.InferenceStub(self._channels[self.target])
         self._lock = threading.Lock()  # the planner's steps, when several threads call
@@ -425,7 +467,7 @@ class SluiceClient(_Core):
     def health(self, *, model: str = "", timeout: float | None = None) -> pb.HealthResponse:
         """The first target's Health (a model's, when named)."""
         response: pb.HealthResponse = self._stub.Health(
-            pb.HealthRequest(model=model), timeout=timeout or self.timeout
+            pb.HealthRequest(model=model), timeout=timeout or self.timeout, metadata=self._auth
         )
         return response
 
@@ -434,7 +476,9 @@ class SluiceClient(_Core):
     ) -> pb.MetadataResponse:
         """The first target's metadata of a model (the default one unless named)."""
         response: pb.MetadataResponse = self._stub.Metadata(
-            pb.MetadataRequest(model=model, version=version), timeout=timeout or self.timeout
+            pb.MetadataRequest(model=model, version=version),
+            timeout=timeout or self.timeout,
+            metadata=self._auth,
         )
         return response
 

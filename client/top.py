@@ -42,6 +42,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from sluice.client import connect
 from sluice.client.client import SluiceClient
 from sluice.v1 import inference_pb2 as pb
 
@@ -527,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--once", action="store_true", help="print one snapshot (no live screen) and exit"
     )
     parser.add_argument("--iterations", type=at_least_one, metavar="N", help="exit after N polls")
+    connect.add_options(parser)
     return parser
 
 
@@ -544,9 +546,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     timeout: float = args.timeout if args.timeout is not None else min(args.interval, 2.0)
     console = console_for()
     try:
+        connection = connect.from_args(args)
         with (
             CtrlC() as ctrl_c,
-            SluiceClient(args.target, timeout=timeout, options=CHANNEL_OPTIONS) as client,
+            SluiceClient(
+                args.target,
+                timeout=timeout,
+                options=CHANNEL_OPTIONS,
+                **connection.client_kwargs(),
+            ) as client,
         ):
             if args.once:
                 result = poll(client, timeout)

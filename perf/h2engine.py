@@ -21,14 +21,25 @@ from pathlib import Path
 
 import grpc
 
+from sluice.client.client import auth_metadata
+from sluice.client.connect import PLAINTEXT, Connection
 from sluice.perf import stats
 from sluice.perf.loadgen import LevelResult
+from sluice.runtime.tls import blocking_channel
 
 GRPC = ("-H", "content-type: application/grpc", "-H", "te: trailers")
 MISSING = (
     "--engine h2load needs h2load on PATH (Debian/Ubuntu: apt-get install nghttp2-client); "
     "or use --engine python"
 )
+
+
+def request_args(address: str, method: str, connection: Connection) -> list[str]:
+    """h2load's headers and URI for one target: https with TLS (h2load checks no server
+    certificate and shows no client certificate), and the API key."""
+    headers = [("-H", f"{name}: {value}") for name, value in auth_metadata(connection.api_key)]
+    scheme = "https" if connection.secure else "http"
+    return [*GRPC, *(arg for pair in headers for arg in pair), f"{scheme}://{address}{method}"]
 
 
 def frame(body: bytes, path: Path) -> Path:
@@ -38,13 +49,19 @@ def frame(body: bytes, path: Path) -> Path:
 
 
 def calls_per_s(
-    address: str, method: str, framed: Path, calls: int, connections: int, streams: int
+    address: str,
+    method: str,
+    framed: Path,
+    calls: int,
+    connections: int,
+    streams: int,
+    connection: Connection = PLAINTEXT,
 ) -> float:
     """h2load's rate for `calls` calls of the framed body, `streams` in flight on each of
     `connections`; every call must have been answered (HTTP 2xx)."""
     load = ["-n", str(calls), "-c", str(connections), "-m", str(streams), "-d", str(framed)]
     out = subprocess.run(
-        ["h2load", *load, *GRPC, f"http://{address}{method}"],
+        ["h2load", *load, *request_args(address, method, connection)],
         capture_output=True,
         text=True,
         check=True,
@@ -58,12 +75,15 @@ def available() -> bool:
     return shutil.which("h2load") is not None
 
 
-def check_call(target: str, method: str, body: bytes, timeout: float) -> None:
-    """One real gRPC call of the body: h2load would count a refusal as an answer."""
-    with grpc.insecure_channel(target) as channel:
+def check_call(
+    target: str, method: str, body: bytes, timeout: float, connection: Connection = PLAINTEXT
+) -> None:
+    """One real gRPC call of the body: h2load would count a refusal as an answer. With TLS it
+    also checks the server's certificate, which h2load does not."""
+    with blocking_channel(target, connection.client_tls()) as channel:
         call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
         try:
-            call(body, timeout=timeout)
+            call(body, timeout=timeout, metadata=auth_metadata(connection.api_key))
         except grpc.RpcError as exc:
             raise SystemExit(
                 f"the body h2load would replay fails at {target}: "
@@ -79,6 +99,7 @@ def run_level(
     connections: int,
     duration: float,
     warmup: float,
+    connection: Connection = PLAINTEXT,
 ) -> LevelResult:
     """One closed-loop level: `concurrency` calls in flight over `connections` connections
     for `duration` seconds after `warmup`; latencies from h2load's per-request log."""
@@ -87,9 +108,10 @@ def run_level(
     with tempfile.TemporaryDirectory() as folder:
         framed, log = frame(body, Path(folder) / "body"), Path(folder) / "log"
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        argv = ["h2load", "-c", str(connections), "-m", str(streams), *GRPC]
+        argv = ["h2load", "-c", str(connections), "-m", str(streams)]
         argv += ["-D", f"{round(duration * 1000)}ms", "--warm-up-time", f"{round(warmup * 1000)}ms"]
-        argv += ["-d", str(framed), "--log-file", str(log), f"http://{target}{method}"]
+        argv += ["-d", str(framed), "--log-file", str(log)]
+        argv += request_args(target, method, connection)
         out = subprocess.run(argv, capture_output=True, text=True, check=False)
         if out.returncode != 0:
             raise SystemExit(f"h2load failed ({out.returncode}): {out.stderr or out.stdout}")

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from sluice.client.client import AsyncSluiceClient
+from sluice.client.client import AsyncSluiceClient, auth_metadata
+from sluice.client.connect import PLAINTEXT, Connection
 from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import status_name
 from sluice.perf import stats
+from sluice.runtime.tls import aio_channel
 from sluice.wire.mux import MuxStream, StreamBroken
 
 Call = Callable[[bytes], Awaitable[str]]  # sends one body; returns the status name
@@ -69,6 +71,7 @@ class LevelSpec:
     connections: int = 1
     timeout: float = 10.0
     first_call: int = 0  # numbering offset, so processes send different unique bodies
+    connection: Connection = PLAINTEXT  # TLS and API key
 
 
 # Call numbering: a sweep starts at a random multiple of SWEEP_STRIDE, and level l, process i
@@ -159,8 +162,11 @@ async def open_loop(
     return result
 
 
-def unary_call(channels: Sequence[grpc.aio.Channel], method: str, timeout: float) -> Call:
+def unary_call(
+    channels: Sequence[grpc.aio.Channel], method: str, timeout: float, api_key: str = ""
+) -> Call:
     """Unary calls over raw bytes, spreading them over the channels in turn."""
+    metadata = auth_metadata(api_key) or None
     stubs = itertools.cycle(
         [
             ch.unary_unary(method, request_serializer=None, response_deserializer=None)
@@ -170,7 +176,7 @@ def unary_call(channels: Sequence[grpc.aio.Channel], method: str, timeout: float
 
     async def call(body: bytes) -> str:
         try:
-            await next(stubs)(body, timeout=timeout)
+            await next(stubs)(body, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             return str(exc.code().name)
         return "OK"
@@ -178,13 +184,14 @@ def unary_call(channels: Sequence[grpc.aio.Channel], method: str, timeout: float
     return call
 
 
-def stream_call(streams_list: Sequence[MuxStream], timeout: float) -> Call:
+def stream_call(streams_list: Sequence[MuxStream], timeout: float, api_key: str = "") -> Call:
     """Calls multiplexed on long-lived PredictStreams, one per connection."""
     streams = itertools.cycle(streams_list)
+    metadata = dict(auth_metadata(api_key))  # each message's own metadata
 
     async def call(body: bytes) -> str:
         try:
-            reply = await next(streams).call(body, {}, timeout)
+            reply = await next(streams).call(body, metadata, timeout)
         except StreamBroken:
             return "UNAVAILABLE"
         except TimeoutError:
@@ -194,10 +201,12 @@ def stream_call(streams_list: Sequence[MuxStream], timeout: float) -> Call:
     return call
 
 
-def embedded_call(channels: Mapping[str, Sequence[grpc.aio.Channel]], timeout: float) -> Call:
+def embedded_call(
+    channels: Mapping[str, Sequence[grpc.aio.Channel]], timeout: float, api_key: str = ""
+) -> Call:
     """Predict through the client core (AsyncSluiceClient) over the targets' channels: with
     several targets, its own balancing and the shared call planner, as SluiceClient does."""
-    client = AsyncSluiceClient.on_channels(channels, timeout=timeout)
+    client = AsyncSluiceClient.on_channels(channels, timeout=timeout, api_key=api_key)
 
     async def call(body: bytes) -> str:
         reply = await client.call_raw(body, timeout=timeout)
@@ -207,30 +216,24 @@ def embedded_call(channels: Mapping[str, Sequence[grpc.aio.Channel]], timeout: f
 
 
 async def run_level(spec: LevelSpec) -> LevelResult:
+    tls = spec.connection.client_tls()
     # Separate subchannel pools: each channel is its own TCP connection.
+    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", -1)]
     channels = {
-        target: [
-            grpc.aio.insecure_channel(
-                target,
-                options=[
-                    ("grpc.use_local_subchannel_pool", 1),
-                    ("grpc.max_receive_message_length", -1),
-                ],
-            )
-            for _ in range(spec.connections)
-        ]
+        target: [aio_channel(target, tls, options) for _ in range(spec.connections)]
         for target in spec.targets
     }
+    api_key = spec.connection.api_key
     streams: list[MuxStream] = []
     try:
         first_target = channels[spec.targets[0]]
         if spec.embedded:
-            call = embedded_call(channels, spec.timeout)
+            call = embedded_call(channels, spec.timeout, api_key)
         elif spec.call == "stream":
             streams = [MuxStream(ch) for ch in first_target]
-            call = stream_call(streams, spec.timeout)
+            call = stream_call(streams, spec.timeout, api_key)
         else:
-            call = unary_call(first_target, spec.method, spec.timeout)
+            call = unary_call(first_target, spec.method, spec.timeout, api_key)
 
         async def phase(total: int, duration: float, first: int) -> LevelResult:
             if spec.rate:

@@ -27,6 +27,9 @@ import grpc
 import numpy as np
 
 from sluice import models
+from sluice.client import connect
+from sluice.client.client import auth_metadata
+from sluice.client.connect import PLAINTEXT, Connection
 from sluice.core.datatypes import DATATYPES
 from sluice.core.keys import PREDICT
 from sluice.kserve import grpc_predict_v2_pb2 as kserve
@@ -41,6 +44,7 @@ from sluice.perf.loadgen import (
     LevelSpec,
     run_level_in_process,
 )
+from sluice.runtime.tls import blocking_channel
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec
@@ -141,14 +145,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--title", default="", help="title for the report and plot")
     p.add_argument("--quiet", action="store_true", help="no live table")
+    # With --engine h2load: https, a server certificate h2load itself does not check (the
+    # real call before each level does), and no client certificate.
+    connect.add_options(p)
     return p
 
 
-def model_input(target: str, name: str, timeout: float, model: str = "") -> tuple[str, str]:
+def control_channel(target: str, connection: Connection) -> grpc.Channel:
+    """A channel for the sweep's own Metadata and Health calls."""
+    return blocking_channel(target, connection.client_tls())
+
+
+def model_input(
+    target: str, name: str, timeout: float, model: str = "", connection: Connection = PLAINTEXT
+) -> tuple[str, str]:
     """The input to fill and its datatype, from the target's Metadata."""
-    with grpc.insecure_channel(target) as channel:
+    with control_channel(target, connection) as channel:
         meta = pb_grpc.InferenceStub(channel).Metadata(
-            pb.MetadataRequest(model=model), timeout=timeout
+            pb.MetadataRequest(model=model),
+            timeout=timeout,
+            metadata=auth_metadata(connection.api_key),
         )
     inputs = {t.name: t.datatype for t in meta.model.inputs}
     if not inputs:
@@ -206,11 +222,13 @@ def split(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-def server_health(target: str, timeout: float) -> pb.HealthResponse | None:
+def server_health(
+    target: str, timeout: float, connection: Connection = PLAINTEXT
+) -> pb.HealthResponse | None:
     try:
-        with grpc.insecure_channel(target) as channel:
+        with control_channel(target, connection) as channel:
             reply: pb.HealthResponse = pb_grpc.InferenceStub(channel).Health(
-                pb.HealthRequest(), timeout=timeout
+                pb.HealthRequest(), timeout=timeout, metadata=auth_metadata(connection.api_key)
             )
             return reply
     except grpc.RpcError:
@@ -252,6 +270,7 @@ def run_level(
 ) -> Level:
     if args.engine == "h2load":
         return h2load_level(args, bodies, mode, value)
+    connection = connect.from_args(args)
     procs = args.procs if mode == "rate" else min(args.procs, int(value))
     shares = split(int(value), procs) if mode == "concurrency" else [value / procs] * procs
     totals = split(args.total, procs) if args.total else [0] * procs
@@ -270,11 +289,12 @@ def run_level(
             connections=args.connections,
             timeout=args.timeout,
             first_call=base + index * LEVEL_STRIDE + i * PROCESS_STRIDE,
+            connection=connection,
         )
         for i, share in enumerate(shares)
     ]
     first = args.target.split(",")[0]
-    before = server_health(first, CONTROL_TIMEOUT)
+    before = server_health(first, CONTROL_TIMEOUT, connection)
     started = time.monotonic()
     futures: list[Future[LevelResult]] = [pool.submit(run_level_in_process, s) for s in specs]
     samples = []  # the target's Health while the level runs: queue depth is a snapshot
@@ -282,12 +302,12 @@ def run_level(
         _, pending = wait(futures, timeout=0.25)
         if not pending:
             break
-        if before is not None and (sample := server_health(first, CONTROL_TIMEOUT)):
+        if before is not None and (sample := server_health(first, CONTROL_TIMEOUT, connection)):
             samples.append(sample)
         if not args.quiet:
             report.progress(mode, value, time.monotonic() - started, args.warmup + args.duration)
     results = [f.result() for f in futures]
-    after = server_health(first, CONTROL_TIMEOUT)
+    after = server_health(first, CONTROL_TIMEOUT, connection)
     return summarize_level(mode, value, results, server_deltas(before, after, samples))
 
 
@@ -304,6 +324,8 @@ def h2load_refusal(args: argparse.Namespace) -> str:
         )
     if args.embedded or args.call == "stream" or args.total or len(args.target.split(",")) > 1:
         return "--engine h2load sends unary calls to one target for a time (-z), no -n"
+    if args.tls_cert:
+        return "h2load cannot show a client certificate (mutual TLS): use --engine python"
     return ""
 
 
@@ -311,14 +333,22 @@ def h2load_level(args: argparse.Namespace, bodies: Bodies, mode: str, value: flo
     """One level driven by h2load; the target's own figures around it as usual."""
     target, method = args.target, MODEL_INFER if args.call == "modelinfer" else PREDICT
     body = bodies.bodies[0]
-    h2engine.check_call(target, method, body, CONTROL_TIMEOUT)
-    before = server_health(target, CONTROL_TIMEOUT)
+    connection = connect.from_args(args)
+    h2engine.check_call(target, method, body, CONTROL_TIMEOUT, connection)
+    before = server_health(target, CONTROL_TIMEOUT, connection)
     if not args.quiet:
         report.progress(mode, value, 0.0, args.warmup + args.duration)
     result = h2engine.run_level(
-        target, method, body, int(value), args.connections, args.duration, args.warmup
+        target,
+        method,
+        body,
+        int(value),
+        args.connections,
+        args.duration,
+        args.warmup,
+        connection,
     )
-    after = server_health(target, CONTROL_TIMEOUT)
+    after = server_health(target, CONTROL_TIMEOUT, connection)
     return summarize_level(mode, value, [result], server_deltas(before, after))
 
 
@@ -350,7 +380,8 @@ def summarize_level(
 
 def sweep(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
     target = args.target.split(",")[0]
-    name, datatype = model_input(target, args.input_name, CONTROL_TIMEOUT, args.model)
+    connection = connect.from_args(args)
+    name, datatype = model_input(target, args.input_name, CONTROL_TIMEOUT, args.model, connection)
     arrays = load_arrays(args.data, datatype)
     bodies = make_bodies(arrays, name, args.unique, args.call, args.model)
     levels: list[tuple[str, float]] = [("concurrency", c) for c in args.concurrency or []]
@@ -402,6 +433,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.duration = 5.0
     if args.procs < 1 or args.connections < 1:
         parser.error("--procs and --connections must be at least 1")
+    try:
+        connect.from_args(args).client_tls()  # a file that does not load is named now
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
     if args.engine == "h2load":
         refused = h2load_refusal(args)
         if refused:

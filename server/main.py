@@ -13,11 +13,12 @@ from pathlib import Path
 from grpc_health.v1 import health_pb2
 
 from sluice.core.errors import SluiceError
-from sluice.runtime import config, metrics, refusals, tracing
+from sluice.runtime import config, door, metrics, refusals, tracing
 from sluice.runtime.health import HealthService
 from sluice.runtime.listener import bind, check_port_free, new_server
 from sluice.runtime.process import event_loop, return_large_blocks, setup_logging
 from sluice.runtime.supervise import attach_to_parent
+from sluice.runtime.tls import PLAINTEXT_WARNING, server_credentials
 from sluice.runtime.workers import Workers
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import CUDA, choose_providers
@@ -102,8 +103,12 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
         )
         await repository.poll()  # what is there at start serves from the first call
     plane = Dataplane(models, LRUCache(settings.cache_entries, settings.cache_bytes))
+    tenants = door.load(settings.tenants) if settings.tenants else None
     service = InferenceService(
-        plane, node_id=settings.node_id, default_timeout_s=settings.default_timeout_s or None
+        plane,
+        node_id=settings.node_id,
+        default_timeout_s=settings.default_timeout_s or None,
+        tenants=tenants,
     )
     # KServe v2 beside sluice.v1; its repository calls answer UNIMPLEMENTED unless asked for.
     kserve = KServeService(service, repository=repository if settings.repository_api else None)
@@ -115,6 +120,7 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
                 metrics.new_registry(
                     metrics.ServingCollector(service.stats),
                     DataplaneCollector(models, plane.cache),
+                    *([metrics.TenantCollector(tenants)] if tenants is not None else []),
                 ),
                 settings.host,
                 WORKERS.metrics_ports(settings.metrics_port, is_worker),
@@ -132,13 +138,20 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
     )
     if reuseport and not is_worker:
         check_port_free(settings.host, settings.port)  # its workers join it; no one else
-    port = bind(server, settings.host, settings.port)
+    port = bind(server, settings.host, settings.port, tls=server_credentials(settings))
+    if not is_worker and settings.plaintext_off_loopback(settings.host):
+        log.warning(PLAINTEXT_WARNING, settings.host, port)
     await server.start()
     ready = Readiness(health_servicer, ("", SERVICE, KSERVE), models)
     await ready.update()
     models.listeners.append(ready)
     watching = asyncio.create_task(repository.run()) if repository is not None else None
     refusal_log = refusals.start(service.stats, log)  # one WARNING line per 10 s, if any
+    reloading = (
+        asyncio.create_task(door.watch(settings.tenants, tenants, log))
+        if tenants is not None
+        else None
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -174,6 +187,8 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
         watching.cancel()
         await repository.close()  # versions being retired finish unloading
     refusal_log.cancel()
+    if reloading is not None:
+        reloading.cancel()
     await plane.close()  # each model: its running batches, then its engine
     if workers is not None:
         await workers.stop(settings.drain_delay_s + settings.grace_s + 5.0)

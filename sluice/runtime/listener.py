@@ -71,10 +71,15 @@ def new_server(
     return server, health
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Listen on host:port; the port bound (port 0 picks one). SluiceError if it cannot."""
+def bind(
+    server: grpc.aio.Server, host: str, port: int, tls: grpc.ServerCredentials | None = None
+) -> int:
+    """Listen on host:port, with TLS when `tls` is given (sluice.runtime.tls); the port bound
+    (port 0 picks one). SluiceError if it cannot."""
     address = f"{host}:{port}"
     try:
+        if tls is not None:
+            return server.add_secure_port(address, tls)
         return server.add_insecure_port(address)
     except RuntimeError as exc:
         raise SluiceError(f"cannot listen on {address}: {exc}") from None

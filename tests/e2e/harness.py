@@ -17,6 +17,7 @@ from typing import TypeVar
 import numpy as np
 
 from sluice.client import AsyncSluiceClient, SluiceClient
+from sluice.perf.tls import loopback, running_tls
 from sluice.runtime.launch import BIN, Process, children, module_argv, running
 from sluice.runtime.launch import server_argv as _server_argv
 from sluice.server.dataplane.admission import WARMUP
@@ -31,10 +32,12 @@ __all__ = [
     "grpcurl",
     "hold_the_instance",
     "kill_strays",
+    "loopback",
     "module_argv",
     "rows",
     "running",
     "running_server",
+    "running_tls",
     "server_argv",
     "wait_arrived",
     "wait_for",
@@ -57,10 +60,11 @@ def running_server(*extra: str, node_id: str = "test-node") -> Iterator[Process]
         yield proc
 
 
-def grpcurl(*args: str) -> str:
-    """grpcurl's output (the binary the dev extra installs), plaintext; raises on failure."""
+def grpcurl(*args: str, plaintext: bool = True) -> str:
+    """grpcurl's output (the binary the dev extra installs), plaintext unless told (then `args`
+    give -cacert and the rest); raises on failure."""
     out = subprocess.run(
-        [str(BIN / "grpcurl"), "-plaintext", *args],
+        [str(BIN / "grpcurl"), *(["-plaintext"] if plaintext else []), *args],
         capture_output=True,
         text=True,
         timeout=60,

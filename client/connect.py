@@ -1,0 +1,108 @@
+"""How the commands that call a target (`sluice predict/health/metadata`, `sluice top`,
+`sluice perf`) reach it: TLS and an API key, one set of flags and SLUICE_ variables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.runtime.tls import ClientTLS
+
+
+@dataclass(frozen=True)
+class Connection:
+    """TLS files and an API key, as given: plain values, so load-generator processes can be
+    handed one and build their own channels."""
+
+    tls: bool = False
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    server_name: str = ""
+    api_key: str = ""
+
+    @property
+    def secure(self) -> bool:
+        """Whether calls go over TLS (any TLS option asks for it)."""
+        return bool(self.tls or self.tls_ca or self.tls_cert or self.tls_key or self.server_name)
+
+    def client_tls(self) -> ClientTLS | None:
+        """The channel credentials (None: plaintext); OSError if a file does not load."""
+        return ClientTLS.of(
+            tls=self.tls,
+            ca=self.tls_ca,
+            cert=self.tls_cert,
+            key=self.tls_key,
+            server_name=self.server_name,
+        )
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """The SluiceClient / AsyncSluiceClient keyword arguments."""
+        return {
+            "tls": self.tls,
+            "tls_ca": self.tls_ca,
+            "tls_cert": self.tls_cert,
+            "tls_key": self.tls_key,
+            "server_name": self.server_name,
+            "api_key": self.api_key,
+        }
+
+
+PLAINTEXT = Connection()  # no TLS, no API key
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """--tls, --tls-ca, --tls-cert, --tls-key, --server-name and --api-key, each defaulting to
+    its SLUICE_ variable."""
+    env = os.environ.get
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        default=env("SLUICE_TLS", "") not in ("", "0", "false"),
+        help="TLS, trusting the system's CAs (implied by the options below) [env SLUICE_TLS]",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        default=env("SLUICE_TLS_CA", ""),
+        metavar="PEM",
+        help="TLS, trusting the CAs in this PEM bundle [env SLUICE_TLS_CA]",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=env("SLUICE_CLIENT_TLS_CERT", ""),
+        metavar="PEM",
+        help="client certificate for mutual TLS; needs --tls-key [env SLUICE_CLIENT_TLS_CERT]",
+    )
+    parser.add_argument(
+        "--tls-key",
+        default=env("SLUICE_CLIENT_TLS_KEY", ""),
+        metavar="PEM",
+        help="the private key of --tls-cert [env SLUICE_CLIENT_TLS_KEY]",
+    )
+    parser.add_argument(
+        "--server-name",
+        default=env("SLUICE_SERVER_NAME", ""),
+        help="check the server's certificate against this name, not the target's host "
+        "[env SLUICE_SERVER_NAME]",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=env("SLUICE_API_KEY", ""),
+        help="send 'authorization: Bearer KEY' on every call [env SLUICE_API_KEY]",
+    )
+
+
+def from_args(args: argparse.Namespace) -> Connection:
+    """The options `add_options` added; ValueError for a certificate without its key."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    return Connection(
+        tls=args.tls,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        server_name=args.server_name,
+        api_key=args.api_key,
+    )

@@ -1,0 +1,174 @@
+"""TLS credentials: a listener's, re-read when its files change on disk, and a channel's.
+
+grpc asks the listener's fetcher for a new configuration at each new handshake (also under
+grpc.aio); the fetcher looks at the files' stat only, and reads them again only when one
+changed (modification time, size or inode), so a renewed certificate serves new connections
+without a restart while connections already open keep theirs. Files that fail to load (half
+written, a key that does not match its certificate) log one WARNING and the last good
+configuration stays until they change again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from sluice.core.errors import SluiceError
+from sluice.runtime.security import SecuritySettings
+
+log = logging.getLogger("sluice.tls")
+
+# Logged by a program serving plaintext beyond this machine (host, port). Not worded
+# "listening on": that phrase announces the bound address to the process harness.
+PLAINTEXT_WARNING = (
+    "plaintext on %s:%d, no TLS: anyone who can reach it can call it; give --tls-cert and --tls-key"
+)
+# Each file's (mtime_ns, size, inode): the inode catches a file replaced by a rename (how
+# Kubernetes updates a mounted secret) within one tick of the file system's clock.
+Stamp = tuple[tuple[int, int, int], ...]
+
+
+def _stamp(paths: Sequence[str]) -> Stamp:
+    found = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            found.append((-1, -1, -1))  # gone for now (being replaced): a change, if it lasts
+        else:
+            found.append((st.st_mtime_ns, st.st_size, st.st_ino))
+    return tuple(found)
+
+
+class ServerFiles:
+    """A listener's certificate, key and (for mutual TLS) client CA bundle, as files."""
+
+    def __init__(self, cert: str, key: str, client_ca: str = "") -> None:
+        self.cert, self.key, self.client_ca = cert, key, client_ca
+        self._paths = [p for p in (cert, key, client_ca) if p]
+        self._lock = threading.Lock()  # grpc may fetch from several of its threads
+        self._seen: Stamp = ()
+        self.reloads = 0  # configurations taken after the first
+
+    def load(self) -> grpc.ServerCertificateConfiguration:
+        """The configuration the files hold now; SluiceError if they do not hold one."""
+        stamp = _stamp(self._paths)
+        try:
+            # Python's own TLS library parses them, so a broken file is caught here
+            # rather than failing every handshake later.
+            ssl.create_default_context().load_cert_chain(self.cert, self.key)
+            if self.client_ca:
+                ssl.create_default_context(cafile=self.client_ca)
+            key, chain = Path(self.key).read_bytes(), Path(self.cert).read_bytes()
+            roots = Path(self.client_ca).read_bytes() if self.client_ca else None
+        except (OSError, ssl.SSLError) as exc:
+            raise SluiceError(f"TLS files {', '.join(self._paths)}: {exc}") from None
+        finally:
+            self._seen = stamp  # tried: only a further change is tried again
+        return grpc.ssl_server_certificate_configuration([(key, chain)], roots)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """grpc's fetcher: a new configuration if the files changed and load, else None
+        (keep the current one)."""
+        with self._lock:
+            if _stamp(self._paths) == self._seen:
+                return None
+            try:
+                config = self.load()
+            except SluiceError as exc:
+                log.warning("%s; still serving the certificate loaded before", exc)
+                return None
+            self.reloads += 1
+            log.info("TLS certificate %s reloaded", self.cert)
+            return config
+
+    def credentials(self) -> grpc.ServerCredentials:
+        # The stubs say the fetcher never returns None; grpc documents None as "no change".
+        return grpc.dynamic_ssl_server_credentials(
+            self.load(),
+            self.fetch,  # type: ignore[arg-type]
+            require_client_authentication=bool(self.client_ca),
+        )
+
+
+def server_credentials(settings: SecuritySettings) -> grpc.ServerCredentials | None:
+    """A listener's TLS credentials as `settings` ask (None: plaintext); SluiceError if the
+    files do not load."""
+    if not settings.tls:
+        return None
+    return ServerFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca).credentials()
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """How a client (the balancer too, towards its servers) talks TLS: credentials and the
+    name the server's certificate is checked against (empty: the target's host)."""
+
+    credentials: grpc.ChannelCredentials
+    server_name: str = ""
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        tls: bool = False,
+        ca: str = "",
+        cert: str = "",
+        key: str = "",
+        server_name: str = "",
+    ) -> ClientTLS | None:
+        """TLS if `tls` or any other option asks for it (None: plaintext): trusting the CAs
+        in `ca` (empty: the system's), showing `cert` with its `key` when given (mutual
+        TLS). The files are read now, once. OSError (ssl.SSLError among them) if one does
+        not load, ValueError for a certificate without its key."""
+        if not (tls or ca or cert or key or server_name):
+            return None
+        return cls(channel_credentials(ca, cert, key), server_name)
+
+    def options(self) -> list[tuple[str, str]]:
+        # Checked against this name rather than the target's host (an IP address from DNS
+        # discovery, say).
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def aio_channel(
+    target: str, tls: ClientTLS | None, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
+    """A grpc.aio channel to `target`, with TLS when `tls` is given."""
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=list(options))
+    return grpc.aio.secure_channel(target, tls.credentials, [*options, *tls.options()])
+
+
+def blocking_channel(
+    target: str, tls: ClientTLS | None, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.Channel:
+    """A blocking channel to `target`, with TLS when `tls` is given."""
+    if tls is None:
+        return grpc.insecure_channel(target, options=list(options))
+    return grpc.secure_channel(target, tls.credentials, [*options, *tls.options()])
+
+
+def channel_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:
+    """A client's TLS credentials: trusting the CAs in `ca` (empty: the system's), showing the
+    certificate `cert` with its `key` when given. OSError (ssl.SSLError among them) if a
+    file does not load."""
+    if bool(cert) != bool(key):
+        raise ValueError("a client certificate and its key go together")
+    # Parsed here too, so a wrong file is named now, not as a failed handshake later.
+    context = ssl.create_default_context(cafile=ca or None)
+    if cert:
+        context.load_cert_chain(cert, key)
+    return grpc.ssl_channel_credentials(
+        Path(ca).read_bytes() if ca else None,
+        Path(key).read_bytes() if key else None,
+        Path(cert).read_bytes() if cert else None,
+    )
