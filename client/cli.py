@@ -18,6 +18,7 @@ from google.protobuf.json_format import MessageToDict
 from sluice import models
 from sluice.client import connect
 from sluice.client.client import Prediction, SluiceClient
+from sluice.core import tenants
 from sluice.core.datatypes import DATATYPES, name_of
 
 DEFAULT_TARGET = "127.0.0.1:8000"
@@ -190,7 +191,29 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "top", help="Live view of a server or balancer; `sluice top --help`.", add_help=False
     )
+    key = commands.add_parser(
+        "key",
+        help="Make a new API key and its tenants-file line.",
+        description="Print a new random API key (give it to the caller) and the table to add "
+        "to the --tenants file (it holds only the key's SHA-256 digest).",
+    )
+    key.add_argument("tenant", help="the tenant's name")
+    key.add_argument(
+        "--priority", choices=["interactive", "batch"], default="interactive", help="its class"
+    )
     return parser
+
+
+def cmd_key(args: argparse.Namespace) -> str:
+    secret = tenants.new_key()
+    return (
+        f"# the API key (send as 'authorization: Bearer KEY'; shown once, not stored):\n"
+        f"{secret}\n"
+        f"# for the tenants file:\n"
+        f"[tenants.{args.tenant}]\n"
+        f'keys = ["{tenants.digest(secret)}"]\n'
+        f'priority = "{args.priority}"'
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -208,6 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return top_main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command == "key":
+        print(cmd_key(args))
+        return 0
     fn: Any = args.fn
     try:
         connection = connect.from_args(args)

@@ -5,6 +5,7 @@ refusal reasons counted, the file re-read while serving."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import grpc
@@ -16,7 +17,7 @@ from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec
 from tests.conftest import SAMPLES
-from tests.e2e.harness import running, server_argv, wait_for
+from tests.e2e.harness import BIN, running, server_argv, wait_for
 from tests.e2e.test_metrics_e2e import free_port, get, scrape
 
 pytestmark = pytest.mark.e2e
@@ -110,3 +111,33 @@ def test_keys_quota_health_metrics_and_reread(tmp_path: Path) -> None:
             return True
 
         wait_for(admitted, "the new tenant's key accepted", timeout=20)
+
+
+def test_a_key_made_by_sluice_key_lets_the_cli_in(tmp_path: Path) -> None:
+    made = subprocess.run(
+        [str(BIN / "sluice"), "key", "team", "--priority", "batch"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    key = made.splitlines()[1]
+    path = tmp_path / "tenants.toml"
+    path.write_text(made.partition("# for the tenants file:\n")[2])
+    with running(server_argv("--tenants", str(path))) as server:
+        predict = [str(BIN / "sluice"), "predict", "--sample", "3", "--target", server.address]
+        refused = subprocess.run(predict, capture_output=True, text=True)
+        assert refused.returncode == 1
+        assert "UNAUTHENTICATED: unauthenticated: the call carries no API key" in refused.stderr
+        answered = subprocess.run(
+            [*predict, "--json"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "SLUICE_API_KEY": key},
+        )
+        assert answered.returncode == 0, answered.stderr
+        assert '"label"' in answered.stdout
+        with grpc.insecure_channel(server.address) as channel:
+            health = pb_grpc.InferenceStub(channel).Health(
+                pb.HealthRequest(), metadata=bearer(key), timeout=10
+            )
+        assert [(t.name, t.priority, t.ok) for t in health.tenants] == [("team", "batch", 1)]
