@@ -145,7 +145,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
             exporter = await metrics.start(
                 metrics.new_registry(
                     metrics.ServingCollector(service.stats),
-                    RoutingCollector(pool, budget, service.planner),
+                    RoutingCollector(pool, budget, service.planner, service.fanned),
                 ),
                 settings.host,
                 WORKERS.metrics_ports(settings.metrics_port, is_worker),

@@ -9,6 +9,7 @@ from typing import Any
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sluice.balancer.fanout import FanoutStats
 from sluice.routing.breaker import State
 from sluice.routing.budget import RetryBudget
 from sluice.routing.planner import Planner
@@ -18,10 +19,17 @@ BACKEND = ["backend"]
 
 
 class RoutingCollector(Collector):
-    def __init__(self, pool: Pool, budget: RetryBudget, planner: Planner[Any]) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        budget: RetryBudget,
+        planner: Planner[Any],
+        fanout: FanoutStats | None = None,
+    ) -> None:
         self.pool = pool
         self.budget = budget
         self.planner = planner
+        self.fanout = fanout  # the service's, when it is to be reported
 
     def collect(self) -> Iterator[Metric]:
         backends = sorted(self.pool.backends.values(), key=lambda b: b.address)
@@ -107,6 +115,17 @@ class RoutingCollector(Collector):
         yield CounterMetricFamily(
             "sluice_ejections", "latency outlier ejections", value=self.pool.ejections
         )
+        if self.fanout is not None:
+            yield CounterMetricFamily(
+                "sluice_fanout_calls",
+                "Predict calls split into chunks (--fanout-rows)",
+                value=self.fanout.calls,
+            )
+            yield CounterMetricFamily(
+                "sluice_fanout_chunks",
+                "chunks those calls were split into, each sent as a call of its own",
+                value=self.fanout.chunks,
+            )
 
 
 def _per_backend(
