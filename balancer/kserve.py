@@ -17,6 +17,7 @@ from sluice.balancer.service import INFER, BalancerService, Context
 from sluice.core.errors import Code
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.routing.pool import Want
+from sluice.runtime import door
 from sluice.runtime.process import package_version
 from sluice.runtime.status import grpc_code
 
@@ -67,13 +68,15 @@ class KServeFacade:
         return kpb.ServerReadyResponse(ready=self.service.pool.serving()).SerializeToString()
 
     async def server_metadata(self, body: bytes, context: Context) -> bytes:
+        await self.service.gate(context, door.TENANT)
         await _parse(kpb.ServerMetadataRequest, body, context)
         return kpb.ServerMetadataResponse(name=NAME, version=self.version).SerializeToString()
 
     async def model_ready(self, body: bytes, context: Context) -> bytes:
+        _, headers = await self.service.gate(context, door.OPEN)
         request = await _parse(kpb.ModelReadyRequest, body, context)
         want = Want(request.name, request.version)
-        reply = await self.service.ask(MODEL_READY, body, want, context.time_remaining())
+        reply = await self.service.ask(MODEL_READY, body, want, context.time_remaining(), headers)
         if reply.code in (Code.NOT_FOUND, Code.UNAVAILABLE):
             # No backend serves it, or none that does can answer: not ready (as Triton
             # answers for a model it does not know).
@@ -83,9 +86,12 @@ class KServeFacade:
         return reply.body
 
     async def model_metadata(self, body: bytes, context: Context) -> bytes:
+        _, headers = await self.service.gate(context, door.TENANT)
         request = await _parse(kpb.ModelMetadataRequest, body, context)
         want = Want(request.name, request.version)
-        reply = await self.service.ask(MODEL_METADATA, body, want, context.time_remaining())
+        reply = await self.service.ask(
+            MODEL_METADATA, body, want, context.time_remaining(), headers
+        )
         if reply.code != 0:
             await context.abort(grpc_code(reply.code), reply.message)
         return reply.body

@@ -23,7 +23,7 @@ from sluice.core.errors import SluiceError
 from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Backend, OutlierSettings, Pool
-from sluice.runtime import config, metrics, refusals, tracing
+from sluice.runtime import config, door, metrics, refusals, tracing
 from sluice.runtime.listener import bind, check_port_free, new_server
 from sluice.runtime.process import event_loop, return_large_blocks, setup_logging
 from sluice.runtime.supervise import SLOT_ENV, attach_to_parent
@@ -53,12 +53,18 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         outlier=OutlierSettings(factor=settings.outlier_factor),
     )
     budget = RetryBudget(settings.retry_ratio, settings.retry_min_per_s)
+    try:
+        tenants = door.load(settings.tenants) if settings.tenants else None
+    except SluiceError as exc:
+        log.error("%s", exc)
+        return 1
     service = BalancerService(
         pool,
         budget,
         node_id=settings.node_id,
         default_timeout_s=settings.default_timeout_s or None,
         fanout_rows=settings.fanout_rows,
+        tenants=tenants,
     )
     background: set[asyncio.Task[None]] = set()
 
@@ -146,6 +152,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
                 metrics.new_registry(
                     metrics.ServingCollector(service.stats),
                     RoutingCollector(pool, budget, service.planner, service.fanned),
+                    *([metrics.TenantCollector(tenants)] if tenants is not None else []),
                 ),
                 settings.host,
                 WORKERS.metrics_ports(settings.metrics_port, is_worker),
@@ -165,6 +172,9 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
 
     refreshing = asyncio.create_task(breaker_clock())
     refusal_log = refusals.start(service.stats, log)  # one WARNING line per 10 s, if any
+    background_tasks = [watching, refreshing, refusal_log]
+    if tenants is not None:
+        background_tasks.append(asyncio.create_task(door.watch(settings.tenants, tenants, log)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -186,7 +196,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         workers.forward(signal.SIGTERM)
     await health_servicer.shut_down()
     await server.stop(settings.grace_s)
-    for task in (watching, refreshing, refusal_log):
+    for task in background_tasks:
         task.cancel()
     for backend in pool.backends.values():
         await backend.transport.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 
@@ -21,14 +22,28 @@ from opentelemetry.trace import SpanKind
 from sluice.balancer import fanout
 from sluice.balancer.upstream import Upstream
 from sluice.core.calls import check_request_id, stream_timeout
-from sluice.core.errors import Code, InvalidInput, status_name
-from sluice.core.keys import NO_CACHE_HEADER, OVERLOADED, REFUSED_HEADER, affinity_key
+from sluice.core.errors import (
+    Code,
+    InvalidInput,
+    QuotaExceeded,
+    SluiceError,
+    reason_of,
+    status_name,
+)
+from sluice.core.keys import (
+    NO_CACHE_HEADER,
+    OVERLOADED,
+    REFUSED_HEADER,
+    RETRY_AFTER_HEADER,
+    affinity_key,
+)
 from sluice.core.stats import ServingStats, health_fields
+from sluice.core.tenants import HEADER, Account, Tenants
 from sluice.core.versions import version_key
 from sluice.routing.budget import RetryBudget
 from sluice.routing.planner import Planner, rule_of
 from sluice.routing.pool import Backend, Pool, Want
-from sluice.runtime import tracing
+from sluice.runtime import door, tracing
 from sluice.runtime.status import grpc_code
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import peek, stream
@@ -46,7 +61,8 @@ ROUTE_FIELDS = {
     INFER: ((1, 2, 3), "inference.ModelInferRequest"),
 }
 # Trace context passes through as it came; with tracing on, each attempt's replaces it.
-FORWARDED = ("x-request-id", NO_CACHE_HEADER, *tracing.HEADERS)
+# The caller's API key goes on too: a server with the tenants file checks it again.
+FORWARDED = ("x-request-id", NO_CACHE_HEADER, HEADER, *tracing.HEADERS)
 SPAN = "sluice.balancer/Predict"  # with tracing: one SERVER span per call ...
 SPANS = {INFER: ("sluice.balancer/ModelInfer", "inference.GRPCInferenceService")}
 ATTEMPT = "sluice.balancer/attempt"  # ... and a CLIENT span per attempt
@@ -107,7 +123,9 @@ class BalancerService:
         clock: Callable[[], float] = time.monotonic,
         default_timeout_s: float | None = None,
         fanout_rows: int = 0,
+        tenants: Tenants | None = None,
     ) -> None:
+        self.tenants = tenants  # None: auth off
         self.pool = pool
         self.fanout_rows = fanout_rows  # a Predict with more rows is split (0: never)
         self.fanned = fanout.FanoutStats()
@@ -161,8 +179,15 @@ class BalancerService:
         """Clients may multiplex too: each message is forwarded on its own, a Predict or
         what its `method` names, as a server's streams carry them."""
 
+        # A message without its own key is the stream's caller's.
+        stream_key = next(
+            (str(v) for k, v in context.invocation_metadata() or () if k == HEADER), None
+        )
+
         async def answer(message: pb.StreamRequest) -> bytes:
             metadata, timeout, method = dict(message.metadata), message.timeout_s, message.method
+            if stream_key is not None and HEADER not in metadata:
+                metadata[HEADER] = stream_key
             refused = refusal(metadata, timeout)
             if method not in ROUTE_FIELDS:
                 refused = f"PredictStream carries no method {method!r}; it carries " + ", ".join(
@@ -207,6 +232,44 @@ class BalancerService:
         PredictStream. A Predict with more rows than `fanout_rows` (when set) goes as
         chunks to several backends at once (sluice.balancer.fanout)."""
         started = self.stats.begin()
+        account = None
+        if self.tenants is not None:  # the caller's key, its tenant's share and quota
+            try:
+                account = door.caller(self.tenants, metadata.get(HEADER), door.TENANT)
+                self.tenants.enter(account)  # type: ignore[arg-type]
+            except SluiceError as exc:
+                return self._turned_away(started, account, exc)
+        try:
+            reply = await self._forward(started, body, metadata, deadline, stream, method)
+        except BaseException:
+            if account is not None:
+                Tenants.settle(account, True, "CANCELLED", "")
+            raise
+        if account is not None:
+            status = None if reply.code == 0 else status_name(reply.code)
+            Tenants.settle(account, True, status, reason_of(reply.code, reply.message))
+        return reply
+
+    def _turned_away(self, started: float, account: Account | None, exc: SluiceError) -> Reply:
+        """A call refused at the door: counted, with its reason, and answered."""
+        if account is not None:
+            Tenants.settle(account, False, exc.status, exc.reason)
+        self.stats.end(started, exc.status, exc.reason)
+        trailers = {}
+        if isinstance(exc, QuotaExceeded) and exc.retry_after_s:
+            trailers[RETRY_AFTER_HEADER] = str(math.ceil(exc.retry_after_s * 1000))
+        return Reply(Code[exc.status], str(exc), trailers=trailers)
+
+    async def _forward(
+        self,
+        started: float,
+        body: bytes,
+        metadata: Mapping[str, str],
+        deadline: float | None,
+        stream: bool,
+        method: str,
+    ) -> Reply:
+        """`forward` past the door."""
         forwarded = {k: metadata[k] for k in FORWARDED if k in metadata}
         try:
             want, keyed = wanted(body, *ROUTE_FIELDS[method])
@@ -234,7 +297,10 @@ class BalancerService:
         except BaseException:  # cancelled by its caller: it is not in flight any more
             self.stats.end(started, "CANCELLED")
             raise
-        self.stats.end(started, None if reply.code == 0 else status_name(reply.code))
+        code = reply.code
+        self.stats.end(
+            started, None if code == 0 else status_name(code), reason_of(code, reply.message)
+        )
         return reply
 
     async def _fan_out(
@@ -437,18 +503,39 @@ class BalancerService:
             why = f"retry after {tried[-1]}; {why}"
         return routing, why
 
+    async def gate(self, context: Context, access: str) -> tuple[Account | None, dict[str, str]]:
+        """A control call's caller (auth on) and the metadata to forward with it (its key);
+        a caller that may not make it is answered here."""
+        key = next((str(v) for k, v in context.invocation_metadata() or () if k == HEADER), None)
+        if self.tenants is None:
+            return None, {}
+        try:
+            account = door.caller(self.tenants, key, access)
+        except SluiceError as exc:
+            self.stats.end(self.stats.begin(), exc.status, exc.reason)
+            await context.abort(grpc.StatusCode[exc.status], str(exc))
+        return account, {HEADER: key} if key else {}
+
     async def metadata(self, body: bytes, context: Context) -> bytes:
         """Metadata from a usable backend that serves the model asked for."""
+        _, headers = await self.gate(context, door.TENANT)
         try:
             want, _ = wanted(body, (1, 2, 0), "sluice.v1.MetadataRequest")
         except InvalidInput as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        reply = await self.ask(METADATA, body, want, context.time_remaining())
+        reply = await self.ask(METADATA, body, want, context.time_remaining(), headers)
         if reply.code != 0:
             await context.abort(grpc_code(reply.code), reply.message)
         return reply.body
 
-    async def ask(self, method: str, body: bytes, want: Want, timeout: float | None) -> Reply:
+    async def ask(
+        self,
+        method: str,
+        body: bytes,
+        want: Want,
+        timeout: float | None,
+        headers: Mapping[str, str] = NO_METADATA,
+    ) -> Reply:
         """A control call (`method`, unary) answered by the first usable backend that serves
         `want` and answers. It stays out of the routing record (no budget, no breaker
         verdict, no latency sample), so it can neither open nor close a breaker; the
@@ -466,13 +553,16 @@ class BalancerService:
                     return Reply(choice.code, choice.why)
                 return Reply(Code.UNAVAILABLE, f"no backend can answer {method}: {choice.why}")
             tried.append(backend)
-            reply: Reply = await backend.transport.unary(method, body, NO_METADATA, timeout)
+            reply: Reply = await backend.transport.unary(method, body, headers, timeout)
             if reply.code == 0 or not rule_of(reply.code, reply.retryable).retry:
                 return reply
             if reply.code == Code.NOT_FOUND:
                 last = reply
 
     async def health(self, body: bytes, context: Context) -> bytes:
+        """The balancer's health; its backends' details only for an admin when auth is on,
+        and the tenants as the caller may see them."""
+        account, _ = await self.gate(context, door.OPEN)
         try:
             request = pb.HealthRequest.FromString(body)
         except DecodeError as exc:
@@ -508,6 +598,7 @@ class BalancerService:
                     models=served([b], b.default),
                 )
                 for b in backends
+                if self.tenants is None or (account is not None and account.tenant.admin)
             ],
             balancer=pb.BalancerStats(
                 calls=self.pool.calls,
@@ -517,6 +608,8 @@ class BalancerService:
                 shed=self.planner.limits.shed,
             ),
         )
+        if self.tenants is not None:
+            response.tenants.extend(door.statuses(self.tenants, account))
         return response.SerializeToString()
 
 

@@ -141,3 +141,60 @@ def test_a_key_made_by_sluice_key_lets_the_cli_in(tmp_path: Path) -> None:
                 pb.HealthRequest(), metadata=bearer(key), timeout=10
             )
         assert [(t.name, t.priority, t.ok) for t in health.tenants] == [("team", "batch", 1)]
+
+
+def test_the_balancer_checks_keys_and_quota_and_shows_backends_to_admins(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    with (
+        running(server_argv("--tenants", str(path))) as server,
+        running(
+            [
+                *(str(BIN / "sluice-balancer"), "--port", "0", "--backend", server.address),
+                *("--tenants", str(path)),
+            ]
+        ) as balancer,
+        grpc.insecure_channel(balancer.address) as channel,
+    ):
+        stub = pb_grpc.InferenceStub(channel)
+        wait_for(
+            lambda: (
+                stub.Health(pb.HealthRequest(), metadata=bearer(OPS), timeout=10).status
+                == "SERVING"
+                or None
+            ),
+            "the balancer's backend SERVING",
+        )
+        predict = channel.unary_unary(
+            "/sluice.v1.Inference/Predict", request_serializer=None, response_deserializer=None
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            predict(body(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # The key goes on to the server, whose own door lets it in too.
+        for _ in range(3):
+            reply = predict(body(), metadata=bearer(ALPHA), timeout=10)
+            assert pb.PredictResponse.FromString(reply).outputs
+        with pytest.raises(grpc.RpcError) as refused:
+            predict(body(), metadata=bearer(ALPHA), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.details().startswith("quota: tenant alpha")
+        assert "retry-after-ms" in dict(refused.value.trailing_metadata() or ())
+        metadata = stub.Metadata(pb.MetadataRequest(), metadata=bearer(OPS), timeout=10)
+        assert metadata.model.name
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Metadata(pb.MetadataRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        anyone = stub.Health(pb.HealthRequest(), timeout=10)
+        tenant = stub.Health(pb.HealthRequest(), metadata=bearer(ALPHA), timeout=10)
+        admin = stub.Health(pb.HealthRequest(), metadata=bearer(OPS), timeout=10)
+        assert not anyone.backends and not tenant.backends and not anyone.tenants
+        assert [b.address for b in admin.backends] == [server.address]
+        assert [t.name for t in tenant.tenants] == ["alpha"]
+        assert tenant.tenants[0].ok == 3 and tenant.tenants[0].refused["quota"] == 1
+        assert sorted(t.name for t in admin.tenants) == ["alpha", "ops"]
+        assert admin.refusals["unauthenticated"] == 2 and admin.refusals["quota"] == 1
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Health(pb.HealthRequest(), metadata=bearer("sk-wrong"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
