@@ -199,8 +199,10 @@ def goals(sides: Sequence[Side]) -> dict[str, bool]:
     }
 
 
-def run(bench: Bench, workdir: Path, seconds: float, rounds: int) -> tuple[list[Side], float]:
-    model = make_mlp.cached(WIDTH, DEPTH)
+def run(
+    bench: Bench, workdir: Path, seconds: float, rounds: int, depth: int
+) -> tuple[list[Side], float]:
+    model = make_mlp.cached(WIDTH, depth)
     path = workdir / "tenants.toml"
     path.write_text(TENANTS)
     shared = ("--max-batch", "1", "--cache-entries", "0", "--intra-op-threads", "1")
@@ -233,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per load")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of each mode")
+    parser.add_argument(
+        "--depth", type=int, default=DEPTH, help=f"the MLP's {WIDTH}-wide layers (default {DEPTH})"
+    )
     parser.add_argument("--out", default="", help="write the results as JSON to this file")
     args = parser.parse_args(argv)
     procs = 3  # two for the flood, one for the interactive tenant
@@ -244,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         list(pool.map(loadgen.ready, [0.2] * procs))
         bench = Bench(pool, Path(scratch), quick=False)
         try:
-            sides, rate = run(bench, Path(scratch), args.duration, args.rounds)
+            sides, rate = run(bench, Path(scratch), args.duration, args.rounds, args.depth)
         finally:
             bench.stop_all()
     print(render(sides, rate))
