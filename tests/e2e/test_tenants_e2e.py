@@ -4,20 +4,33 @@ refusal reasons counted, the file re-read while serving."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sluice.client import AsyncSluiceClient
 from sluice.core.tenants import digest
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec
 from tests.conftest import SAMPLES
-from tests.e2e.harness import BIN, running, server_argv, wait_for
+from tests.e2e.harness import (
+    BIN,
+    NOT_INLINE,
+    hold_the_instance,
+    rows,
+    running,
+    server_argv,
+    wait_for,
+    wait_health,
+)
 from tests.e2e.test_metrics_e2e import free_port, get, scrape
 
 pytestmark = pytest.mark.e2e
@@ -198,3 +211,44 @@ def test_the_balancer_checks_keys_and_quota_and_shows_backends_to_admins(tmp_pat
         with pytest.raises(grpc.RpcError) as refused:
             stub.Health(pb.HealthRequest(), metadata=bearer("sk-wrong"), timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_an_interactive_call_runs_before_queued_batch_calls(
+    tmp_path: Path, mlp: Path
+) -> None:
+    """One instance held by a long call; three batch-class calls queue, then one
+    interactive call: the interactive call runs first when the instance frees up."""
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        f'[tenants.app]\nkeys = ["{digest(ALPHA)}"]\n\n'
+        f'[tenants.bulk]\nkeys = ["{digest(OPS)}"]\npriority = "batch"\n'
+    )
+    argv = server_argv(
+        *("--tenants", str(path), "--instances", "1", "--max-batch", "1"),
+        *("--cache-entries", "0", *NOT_INLINE),
+        model=mlp,
+    )
+    with running(argv) as server:
+        async with (
+            AsyncSluiceClient(server.address, timeout=300, api_key=OPS) as bulk,
+            AsyncSluiceClient(server.address, timeout=300, api_key=ALPHA) as app,
+        ):
+            holding = await hold_the_instance(bulk, server.address, blocker_rows=64_000, seed=7)
+            finished: list[str] = []
+
+            def call(client: AsyncSluiceClient, name: str, x: np.ndarray) -> asyncio.Task[Any]:
+                task = asyncio.create_task(client.predict({"input": x}))
+                task.add_done_callback(lambda _: finished.append(name))
+                return task
+
+            inputs = rows(4, seed=8)
+            queued = [call(bulk, f"bulk{i}", inputs[i]) for i in range(3)]
+            await asyncio.to_thread(
+                wait_health, server.address, lambda h: h.batcher.queue_depth == 3, "3 queued"
+            )
+            urgent = call(app, "app", inputs[3])
+            await asyncio.to_thread(
+                wait_health, server.address, lambda h: h.batcher.queue_depth == 4, "4 queued"
+            )
+            await asyncio.gather(holding, urgent, *queued)
+    assert finished == ["app", "bulk0", "bulk1", "bulk2"]
