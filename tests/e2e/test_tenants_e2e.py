@@ -251,4 +251,5 @@ async def test_an_interactive_call_runs_before_queued_batch_calls(
                 wait_health, server.address, lambda h: h.batcher.queue_depth == 4, "4 queued"
             )
             await asyncio.gather(holding, urgent, *queued)
-    assert finished == ["app", "bulk0", "bulk1", "bulk2"]
+    # The three batch calls may reach the queue in any order; the interactive one is first.
+    assert finished[0] == "app" and sorted(finished[1:]) == ["bulk0", "bulk1", "bulk2"]
