@@ -11,6 +11,7 @@ of its calls served with p95 within its deadline; without, the table shows it st
 
   python -m sluice.perf.tenants                 # ~1 minute
   python -m sluice.perf.tenants --duration 4 --out tenants.json
+  python -m sluice.perf.tenants --balancer      # through a balancer with the same file
 
 Capacity is measured first (closed loop, app's key, 8 in flight). Every process started is
 stopped by its pid; every load is bounded in time and calls.
@@ -32,9 +33,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from sluice.client import SluiceClient
 from sluice.core.tenants import digest
 from sluice.perf import loadgen, make_mlp
 from sluice.perf.faults import Bench, Record, collect, collect_with_cpu, mlp_bodies, table
+from sluice.runtime.launch import BIN
 
 APP_KEY, BULK_KEY = "sk-perf-app-interactive", "sk-perf-bulk-batch"
 TENANTS = f"""
@@ -200,20 +203,36 @@ def goals(sides: Sequence[Side]) -> dict[str, bool]:
 
 
 def run(
-    bench: Bench, workdir: Path, seconds: float, rounds: int, depth: int
+    bench: Bench, workdir: Path, seconds: float, rounds: int, depth: int, balancer: bool
 ) -> tuple[list[Side], float]:
     model = make_mlp.cached(WIDTH, depth)
     path = workdir / "tenants.toml"
     path.write_text(TENANTS)
     shared = ("--max-batch", "1", "--cache-entries", "0", "--intra-op-threads", "1")
-    with_tenants = bench.server("tenants", *shared, "--tenants", str(path), model=model)
-    rate = capacity(bench, with_tenants.address, max(2.0, seconds / 2))
-    without = bench.server("plain", *shared, model=model)
+    with_tenants = bench.server("tenants", *shared, "--tenants", str(path), model=model).address
+    without = bench.server("plain", *shared, model=model).address
+    if balancer:  # the same file on the balancer: its door first, then the server's
+        with_tenants = front(bench, "tenants-balancer", with_tenants, "--tenants", str(path))
+        without = front(bench, "plain-balancer", without)
+    rate = capacity(bench, with_tenants, max(2.0, seconds / 2))
     sides: list[Side] = []
     for _ in range(rounds):  # alternating, so drift on this machine hits both alike
-        sides += contend(bench, "tenants", with_tenants.address, rate, seconds)
-        sides += contend(bench, "no tenants", without.address, rate, seconds)
+        sides += contend(bench, "tenants", with_tenants, rate, seconds)
+        sides += contend(bench, "no tenants", without, rate, seconds)
     return merge(sides), rate
+
+
+def front(bench: Bench, name: str, server: str, *extra: str) -> str:
+    """A balancer in front of `server`, once it serves through it: its address."""
+    argv = [str(BIN / "sluice-balancer"), "--port", "0", "--backend", server, *extra]
+    address = bench.start(name, argv).address
+    with SluiceClient(address, api_key=APP_KEY) as client:
+        deadline = time.monotonic() + 30
+        while client.health(timeout=5).status != "SERVING":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start serving")
+            time.sleep(0.05)
+    return address
 
 
 def merge(sides: Sequence[Side]) -> list[Side]:
@@ -238,6 +257,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--depth", type=int, default=DEPTH, help=f"the MLP's {WIDTH}-wide layers (default {DEPTH})"
     )
+    parser.add_argument(
+        "--balancer",
+        action="store_true",
+        help="through a balancer (with the same tenants file) in front of each server",
+    )
     parser.add_argument("--out", default="", help="write the results as JSON to this file")
     args = parser.parse_args(argv)
     procs = 3  # two for the flood, one for the interactive tenant
@@ -249,7 +273,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         list(pool.map(loadgen.ready, [0.2] * procs))
         bench = Bench(pool, Path(scratch), quick=False)
         try:
-            sides, rate = run(bench, Path(scratch), args.duration, args.rounds, args.depth)
+            sides, rate = run(
+                bench, Path(scratch), args.duration, args.rounds, args.depth, args.balancer
+            )
         finally:
             bench.stop_all()
     print(render(sides, rate))
