@@ -222,6 +222,61 @@ def errors_table(previous: pb.HealthResponse | None, current: pb.HealthResponse)
     return table
 
 
+def refusals_table(previous: pb.HealthResponse | None, current: pb.HealthResponse) -> Table:
+    """Calls refused at the door, by reason (unauthenticated, quota, overload, ...)."""
+    table = Table(
+        title="Refused at the door",
+        title_justify="left",
+        title_style="bold",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+    )
+    table.add_column("reason", no_wrap=True)
+    table.add_column("new", justify="right")
+    table.add_column("total", justify="right")
+    for reason in sorted(current.refusals, key=lambda r: (-current.refusals[r], r)):
+        total = current.refusals[reason]
+        before = previous.refusals.get(reason, 0) if previous is not None else None
+        grown = delta(before, total)
+        table.add_row(
+            Text(reason, style="yellow"),
+            NO_VALUE if grown is None else fmt_count(grown),
+            fmt_count(total),
+        )
+    return table
+
+
+def tenants_table(
+    previous: pb.HealthResponse | None, current: pb.HealthResponse, dt: float
+) -> Table:
+    """The tenants this key may see (its own; all for an admin)."""
+    table = Table(title="Tenants", title_justify="left", title_style="bold", box=box.SIMPLE_HEAD)
+    for name, justify in (
+        ("tenant", "left"),
+        ("class", "left"),
+        ("in flight", "right"),
+        ("ok/s", "right"),
+        ("ok", "right"),
+        ("refused", "left"),
+        ("failed", "right"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    before = {t.name: t for t in previous.tenants} if previous is not None else {}
+    for t in current.tenants:
+        old = before.get(t.name)
+        refused = ", ".join(f"{r} {fmt_count(n)}" for r, n in sorted(t.refused.items()))
+        table.add_row(
+            t.name + (" (admin)" if t.admin else ""),
+            t.priority,
+            fmt_count(t.in_flight),
+            fmt_rate(per_second(old.ok if old is not None else None, t.ok, dt)),
+            fmt_count(t.ok),
+            refused or "0",
+            fmt_count(sum(t.failed.values())),
+        )
+    return table
+
+
 def batcher_block(previous: pb.HealthResponse | None, current: pb.HealthResponse) -> Table:
     b = current.batcher
     old = previous.batcher if previous is not None else None
@@ -308,7 +363,8 @@ def backends_table(
             f"{b.limit:.0f}" if b.limit > 0 else NO_VALUE,
         )
     if not current.backends:
-        table.add_row(Text("no backends", style="red"), *([""] * 8))
+        # With auth on, a balancer lists its backends to admin keys only.
+        table.add_row(Text("no backends (or not shown to this key)", style="red"), *([""] * 8))
     return table
 
 
@@ -348,6 +404,10 @@ def render(
     overview = Table.grid(padding=(0, 4))
     overview.add_row(traffic(previous, current, dt), errors_table(previous, current))
     parts.append(overview)
+    if current.refusals or current.tenants:
+        door = Table.grid(padding=(0, 4))
+        door.add_row(refusals_table(previous, current), tenants_table(previous, current, dt))
+        parts += [Text(), door]
     if current.HasField("batcher") or current.HasField("cache"):
         server = Table.grid(padding=(0, 4))
         server.add_row(batcher_block(previous, current), cache_block(previous, current))

@@ -221,3 +221,26 @@ def test_arguments_are_checked() -> None:
     for bad in (["--interval", "0"], ["--iterations", "0"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
+
+
+def test_refusals_by_reason_and_the_tenants_this_key_sees() -> None:
+    def health(ok: int, quota: int) -> pb.HealthResponse:
+        return pb.HealthResponse(
+            role="server",
+            node_id="n1",
+            status="SERVING",
+            refusals={"quota": quota, "unauthenticated": 2},
+            tenants=[
+                pb.TenantStatus(
+                    name="app", priority="interactive", in_flight=3, ok=ok, refused={"quota": quota}
+                ),
+                pb.TenantStatus(name="ops", priority="interactive", admin=True),
+            ],
+        )
+
+    out = text_of(top.render(health(100, 4), health(300, 10), 2.0))
+    assert line_with(out, "quota").split()[:3] == ["quota", "6", "10"]
+    assert line_with(out, "unauthenticated").split()[:3] == ["unauthenticated", "0", "2"]
+    app = line_with(out, " app ").split(" app ", 1)[1].split()  # beside the refusals
+    assert app == ["interactive", "3", "100", "300", "quota", "10", "0"]
+    assert "ops (admin)" in out
