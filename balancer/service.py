@@ -336,13 +336,13 @@ class BalancerService:
         span: trace.Span | None,
     ) -> Reply | None:
         """The chunks of a split Predict in parallel, each a call of its own through the
-        planner (its own retries, the call's deadline), spread over the backends (`_spread`);
+        planner (its own retries, the call's deadline), spread over the backends (`Pool.spread`);
         their answers merged in order. The first chunk to fail fails the call with its
         status, and the others are cancelled. None when the model's outputs do not follow
         the rows: the request must go whole. `span`: the call's, with tracing on."""
         self.fanned.calls += 1
         self.fanned.chunks += len(parts.bodies)
-        keys = self._spread(want, len(parts.bodies))
+        keys = self.pool.spread(want, len(parts.bodies))
         if span is not None and not span.is_recording():  # its context goes on, no spans
             forwarded = tracing.inject(dict(forwarded), trace.set_span_in_context(span))
             span = None
@@ -397,30 +397,6 @@ class BalancerService:
             return None
         except fanout.MergeError as exc:
             return Reply(exc.code, str(exc), trailers=trailers)
-
-    def _spread(self, want: Want, count: int) -> list[int | None]:
-        """Ring keys that start `count` chunks on distinct backends, the least loaded first
-        (in turn, when there are more chunks than backends). Least loaded by two random
-        choices put 4 chunks on 4 idle servers only 5 times in 12 (measured: 7 in 16), and
-        a call waits for its slowest server. Bounded loads still move a chunk off a backend
-        other calls keep busy; a retry goes on along the key's ring order. None (two random
-        choices) for each chunk when no backend can take the model now: the planner says
-        why."""
-        route = self.pool.route(want)
-        usable = [b for b in route.holders if b.usable]
-        if route.refusal is not None or not usable:
-            return [None] * count
-        order = sorted(usable, key=lambda b: (b.in_flight + 1) * b.latency.current())
-        wanted = {b.address for b in order[:count]}
-        first: dict[str, int] = {}  # each wanted backend's first slot on the ring: its key
-        for key in range(route.ring.size):
-            owner = route.ring.owner(key)
-            if owner in wanted:
-                first.setdefault(owner, key)
-                if len(first) == len(wanted):
-                    break
-        keys = [first[b.address] for b in order if b.address in first]
-        return [keys[i % len(keys)] for i in range(count)]
 
     async def _traced(
         self,
