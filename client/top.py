@@ -31,7 +31,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import FrameType, TracebackType
 from typing import Self
 
@@ -196,54 +196,42 @@ def traffic(previous: pb.HealthResponse | None, current: pb.HealthResponse, dt: 
     )
 
 
-def errors_table(previous: pb.HealthResponse | None, current: pb.HealthResponse) -> Table:
+def counts_table(
+    title: str,
+    column: str,
+    current: Mapping[str, int],
+    previous: Mapping[str, int] | None,
+    style: str,
+) -> Table:
+    """Counts by name (status, reason), most first: how many since the last poll, and in all."""
     table = Table(
-        title="Errors by status",
-        title_justify="left",
-        title_style="bold",
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
+        title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_edge=False
     )
-    table.add_column("status", no_wrap=True)
+    table.add_column(column, no_wrap=True)
     table.add_column("new", justify="right")
     table.add_column("total", justify="right")
-    codes = sorted(current.errors_by_code, key=lambda c: (-current.errors_by_code[c], c))
-    for code in codes:
-        total = current.errors_by_code[code]
-        before = previous.errors_by_code.get(code, 0) if previous is not None else None
-        grown = delta(before, total)
+    for name in sorted(current, key=lambda n: (-current[n], n)):
+        grown = delta(previous.get(name, 0) if previous is not None else None, current[name])
         table.add_row(
-            Text(code, style="red"),
+            Text(name, style=style),
             NO_VALUE if grown is None else fmt_count(grown),
-            fmt_count(total),
+            fmt_count(current[name]),
         )
-    if not codes:
+    return table
+
+
+def errors_table(previous: pb.HealthResponse | None, current: pb.HealthResponse) -> Table:
+    before = previous.errors_by_code if previous is not None else None
+    table = counts_table("Errors by status", "status", current.errors_by_code, before, "red")
+    if not current.errors_by_code:
         table.add_row(Text("none", style="green"), NO_VALUE, "0")
     return table
 
 
 def refusals_table(previous: pb.HealthResponse | None, current: pb.HealthResponse) -> Table:
     """Calls refused at the door, by reason (unauthenticated, quota, overload, ...)."""
-    table = Table(
-        title="Refused at the door",
-        title_justify="left",
-        title_style="bold",
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
-    )
-    table.add_column("reason", no_wrap=True)
-    table.add_column("new", justify="right")
-    table.add_column("total", justify="right")
-    for reason in sorted(current.refusals, key=lambda r: (-current.refusals[r], r)):
-        total = current.refusals[reason]
-        before = previous.refusals.get(reason, 0) if previous is not None else None
-        grown = delta(before, total)
-        table.add_row(
-            Text(reason, style="yellow"),
-            NO_VALUE if grown is None else fmt_count(grown),
-            fmt_count(total),
-        )
-    return table
+    before = previous.refusals if previous is not None else None
+    return counts_table("Refused at the door", "reason", current.refusals, before, "yellow")
 
 
 def tenants_table(
