@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from sluice.core.errors import DeadlineExpired, Overloaded
+from sluice.core.tenants import PRIORITIES
 from sluice.server.dataplane.admission import Admission, Ahead
 
 Arrays = dict[str, np.ndarray]
@@ -109,20 +110,17 @@ class BatchQueue:
         self.budget_s = budget_s
         self.max_queue = max_queue
         self.rows = 0  # rows waiting
-        self._classes: dict[int, deque[Pending]] = {}
-        self._rows: Counter[int] = Counter()  # rows waiting by class
+        self._size = 0  # requests in the queues (abandoned ones until a batch skips them)
+        self._classes: list[deque[Pending]] = [deque() for _ in PRIORITIES]
+        self._rows = [0] * len(PRIORITIES)  # rows waiting by class
 
     def __len__(self) -> int:
-        return sum(len(items) for items in self._classes.values())
+        return self._size
 
     def ahead(self, priority: int) -> tuple[int, int]:
         """Requests and rows that would run before a new request of `priority`."""
-        count = rows = 0
-        for cls, items in self._classes.items():
-            if cls <= priority:
-                count += len(items)
-                rows += self._rows[cls]
-        return count, rows
+        queues = self._classes[: priority + 1]
+        return sum(map(len, queues)), sum(self._rows[: priority + 1])
 
     def add(self, item: Pending) -> Pending | None:
         """Queue `item`; the request shed to make room for it, if one was (its caller must
@@ -135,18 +133,17 @@ class BatchQueue:
                     f"overloaded: the request queue is full ({self.max_queue} waiting); "
                     "retry later or elsewhere"
                 )
-        self._classes.setdefault(item.priority, deque()).append(item)
+        self._classes[item.priority].append(item)
         self._rows[item.priority] += item.rows
         self.rows += item.rows
+        self._size += 1
         return shed
 
     def _shed_below(self, priority: int) -> Pending | None:
-        for cls in sorted(self._classes, reverse=True):
-            items = self._classes[cls]
-            if cls <= priority:
-                return None
-            if items:
-                item = items.pop()
+        for cls in range(len(self._classes) - 1, priority, -1):  # the least urgent first
+            if self._classes[cls]:
+                item = self._classes[cls].pop()
+                self._size -= 1
                 self.forget(item)
                 return item
         return None
@@ -164,7 +161,7 @@ class BatchQueue:
         expire before a run of theirs, `run_s(rows)` seconds, could answer them); None when
         empty."""
         expired: list[Pending] = []
-        for cls in sorted(self._classes):
+        for cls in range(len(self._classes)):
             taken = self._take(cls, now, run_s, expired)
             if taken is not None:
                 return taken
@@ -209,6 +206,7 @@ class BatchQueue:
             else:
                 batch.append(item)
                 rows += item.rows
+        self._size += len(keep) - len(self._classes[cls])
         self._classes[cls] = keep
         kept = sum(item.rows for item in keep)
         self.rows += kept - self._rows[cls]
