@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 
 from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, PREDICT, affinity_key
+from sluice.core.tenants import authorization
 from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
 from sluice.routing.planner import Planner
@@ -118,7 +119,7 @@ def target_list(target: str | Sequence[str]) -> list[str]:
 
 def auth_metadata(api_key: str) -> Metadata:
     """The metadata that carries an API key on every call (none without one)."""
-    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    return (authorization(api_key),) if api_key else ()
 
 
 def router(targets: Sequence[str], breaker: BreakerSettings | None = None) -> Planner[Reply]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import secrets
 import time
 import tomllib
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.core.errors import QuotaExceeded, Unauthenticated
+from sluice.core.files import stamp
 
 INTERACTIVE, BATCH = 0, 1  # priority classes: a lower number is served first
 PRIORITIES = {"interactive": INTERACTIVE, "batch": BATCH}
@@ -59,6 +59,11 @@ def digest(key: str) -> str:
 
 def new_key() -> str:
     return "sk-" + secrets.token_urlsafe(32)
+
+
+def authorization(key: str) -> tuple[str, str]:
+    """The metadata entry that carries `key` on a call."""
+    return HEADER, f"Bearer {key}"
 
 
 @dataclass(frozen=True)
@@ -280,12 +285,12 @@ class Watched:
     def __init__(self, path: str, tenants: Tenants) -> None:
         self.path = path
         self.tenants = tenants
-        self._seen = _stat(path)
+        self._seen = stamp(path)
 
     def check(self) -> str | None:
         """Re-read the file if it changed: None when it did not, else what happened (a
         line to log; on a bad file the tenants before it stay)."""
-        seen = _stat(self.path)
+        seen = stamp(self.path)
         if seen == self._seen:
             return None
         self._seen = seen
@@ -295,11 +300,3 @@ class Watched:
             return f"{exc}; the tenants before it stay"
         self.tenants.replace(tenants)
         return f"tenants file {self.path} re-read: {len(tenants)} tenants"
-
-
-def _stat(path: str) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size, st.st_ino

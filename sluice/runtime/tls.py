@@ -11,7 +11,6 @@ configuration stays until they change again.
 from __future__ import annotations
 
 import logging
-import os
 import ssl
 import threading
 from collections.abc import Sequence
@@ -22,6 +21,8 @@ from typing import Any
 import grpc
 
 from sluice.core.errors import SluiceError
+from sluice.core.files import Stamp
+from sluice.core.files import stamp as file_stamp
 from sluice.runtime.security import SecuritySettings
 
 log = logging.getLogger("sluice.tls")
@@ -31,21 +32,6 @@ log = logging.getLogger("sluice.tls")
 PLAINTEXT_WARNING = (
     "plaintext on %s:%d, no TLS: anyone who can reach it can call it; give --tls-cert and --tls-key"
 )
-# Each file's (mtime_ns, size, inode): the inode catches a file replaced by a rename (how
-# Kubernetes updates a mounted secret) within one tick of the file system's clock.
-Stamp = tuple[tuple[int, int, int], ...]
-
-
-def _stamp(paths: Sequence[str]) -> Stamp:
-    found = []
-    for path in paths:
-        try:
-            st = os.stat(path)
-        except OSError:
-            found.append((-1, -1, -1))  # gone for now (being replaced): a change, if it lasts
-        else:
-            found.append((st.st_mtime_ns, st.st_size, st.st_ino))
-    return tuple(found)
 
 
 class ServerFiles:
@@ -55,12 +41,12 @@ class ServerFiles:
         self.cert, self.key, self.client_ca = cert, key, client_ca
         self._paths = [p for p in (cert, key, client_ca) if p]
         self._lock = threading.Lock()  # grpc may fetch from several of its threads
-        self._seen: Stamp = ()
+        self._seen: tuple[Stamp | None, ...] = ()
         self.reloads = 0  # configurations taken after the first
 
     def load(self) -> grpc.ServerCertificateConfiguration:
         """The configuration the files hold now; SluiceError if they do not hold one."""
-        stamp = _stamp(self._paths)
+        stamp = tuple(map(file_stamp, self._paths))
         try:
             # Python's own TLS library parses them, so a broken file is caught here
             # rather than failing every handshake later.
@@ -79,7 +65,7 @@ class ServerFiles:
         """grpc's fetcher: a new configuration if the files changed and load, else None
         (keep the current one)."""
         with self._lock:
-            if _stamp(self._paths) == self._seen:
+            if tuple(map(file_stamp, self._paths)) == self._seen:
                 return None
             try:
                 config = self.load()

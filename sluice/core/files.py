@@ -1,0 +1,18 @@
+"""When a watched file changed: its stamp, compared between looks."""
+
+from __future__ import annotations
+
+import os
+
+Stamp = tuple[int, int, int]
+
+
+def stamp(path: str) -> Stamp | None:
+    """The file's (mtime_ns, size, inode); None while it is missing. The inode catches a file
+    replaced by a rename within one tick of the file system's clock (how Kubernetes updates a
+    mounted Secret)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
