@@ -235,8 +235,8 @@ class BalancerService:
         account = None
         if self.tenants is not None:  # the caller's key, its tenant's share and quota
             try:
-                account = door.caller(self.tenants, metadata.get(HEADER), door.TENANT)
-                self.tenants.enter(account)  # type: ignore[arg-type]
+                account = self.tenants.authenticate(metadata.get(HEADER))
+                self.tenants.enter(account)
             except SluiceError as exc:
                 return self._turned_away(started, account, exc)
         try:
@@ -482,9 +482,9 @@ class BalancerService:
     async def gate(self, context: Context, access: str) -> tuple[Account | None, dict[str, str]]:
         """A control call's caller (auth on) and the metadata to forward with it (its key);
         a caller that may not make it is answered here."""
-        key = next((str(v) for k, v in context.invocation_metadata() or () if k == HEADER), None)
         if self.tenants is None:
             return None, {}
+        key = next((str(v) for k, v in context.invocation_metadata() or () if k == HEADER), None)
         try:
             account = door.caller(self.tenants, key, access)
         except SluiceError as exc:

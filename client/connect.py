@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.runtime.tls import ClientTLS
+from sluice.runtime.tls import ClientTLS, asks_for_tls
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Connection:
     @property
     def secure(self) -> bool:
         """Whether calls go over TLS (any TLS option asks for it)."""
-        return bool(self.tls or self.tls_ca or self.tls_cert or self.tls_key or self.server_name)
+        return asks_for_tls(self.tls, self.tls_ca, self.tls_cert, self.tls_key, self.server_name)
 
     def client_tls(self) -> ClientTLS | None:
         """The channel credentials (None: plaintext); OSError if a file does not load."""

@@ -166,15 +166,16 @@ class InferenceService:
         """The reply, or the status and message of the failure, counted in `stats` (and in
         the caller's tenant's account, with auth on)."""
         started = stats.begin()
-        account = info.account if self.tenants is not None and stats is self.stats else None
+        tenants = self.tenants if stats is self.stats else None  # inference calls only
+        account = info.account if tenants is not None else None
         entered = False
         status: str | None = None
         reason = ""
         try:
             if info.refused is not None:
                 raise info.refused
-            if account is not None:  # inference: the tenant's quota and share
-                self.tenants.enter(account)  # type: ignore[union-attr]
+            if tenants is not None and account is not None:  # the tenant's quota and share
+                tenants.enter(account)
                 entered = True
             reply = await fn(body, info)
         except SluiceError as exc:

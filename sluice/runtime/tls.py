@@ -115,7 +115,7 @@ class ClientTLS:
         in `ca` (empty: the system's), showing `cert` with its `key` when given (mutual
         TLS). The files are read now, once. OSError (ssl.SSLError among them) if one does
         not load, ValueError for a certificate without its key."""
-        if not (tls or ca or cert or key or server_name):
+        if not asks_for_tls(tls, ca, cert, key, server_name):
             return None
         return cls(channel_credentials(ca, cert, key), server_name)
 
@@ -123,6 +123,11 @@ class ClientTLS:
         # Checked against this name rather than the target's host (an IP address from DNS
         # discovery, say).
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def asks_for_tls(tls: bool, *files_or_name: str) -> bool:
+    """Whether a client's options ask for TLS: `tls`, or any file or server name given."""
+    return tls or any(files_or_name)
 
 
 def aio_channel(
