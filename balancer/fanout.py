@@ -26,10 +26,9 @@ from google.protobuf.message import DecodeError
 from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import Code
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import peek
+from sluice.wire import codec, peek
 
 TYPED_FIELDS = sorted({d.typed_field for d in DATATYPES.values()})
-MAX_SHAPE_BYTES = 10 * 64  # a packed shape of the most dimensions numpy allows
 NODE_ID = "x-node-id"
 CACHE = "x-cache"
 
@@ -105,7 +104,7 @@ def _first(body: bytes, wire: int, start: int, end: int) -> int | None:
     """The first value of a `shape` field: a varint, or packed varints."""
     if wire == 0:
         return peek.int64(start)
-    if wire != 2 or not start < end <= start + MAX_SHAPE_BYTES:
+    if wire != 2 or not start < end <= start + codec.MAX_SHAPE_BYTES:
         return None  # no dimension, or surely over the rank limit: the server judges it
     return peek.varints(body, start, end)[0]
 

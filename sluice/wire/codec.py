@@ -140,7 +140,7 @@ def decode_predict(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool]
 
 
 # A packed shape of MAX_RANK dimensions takes at most 10 bytes each.
-_MAX_SHAPE_BYTES = 10 * MAX_RANK
+MAX_SHAPE_BYTES = 10 * MAX_RANK
 
 
 class _FullParse(Exception):
@@ -184,7 +184,7 @@ def _predict(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool]:
             elif number == 2:
                 datatype = body[a:b].decode()
             elif number == 3:
-                if wire == 2 and b - a > _MAX_SHAPE_BYTES:
+                if wire == 2 and b - a > MAX_SHAPE_BYTES:
                     raise _FullParse  # surely over MAX_RANK: the parser counts, in C
                 shape += peek.varints(body, a, b) if wire == 2 else [peek.int64(a)]
             elif number == 4:
