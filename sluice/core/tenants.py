@@ -235,7 +235,7 @@ class Tenants:
         return account
 
     def enter(self, account: Account) -> None:
-        """Admit one call of `account` (then `leave` it), or raise QuotaExceeded."""
+        """Admit one call of `account` (`settle` it when it ends), or raise QuotaExceeded."""
         tenant = account.tenant
         if tenant.concurrency and account.in_flight >= tenant.concurrency:
             raise QuotaExceeded(
