@@ -5,15 +5,13 @@ go to several backends at once, the first failure failing the call."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
@@ -365,18 +363,6 @@ def test_a_model_whose_outputs_do_not_follow_the_rows_gets_the_request_whole() -
     total = codec.decode_all(pb.PredictResponse.FromString(reply.body).outputs)["total"]
     np.testing.assert_array_equal(total, x.sum(axis=0, keepdims=True))
     assert models[0].rows == [4, 4, 8]  # the chunks, then the whole
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    """Tracing on in this process, into memory, without touching the global provider."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.install(provider.get_tracer("test"))
-    yield exporter
-    tracing.uninstall()
-    provider.shutdown()
 
 
 def test_a_traced_fanned_out_call_has_a_span_per_chunk(spans: InMemorySpanExporter) -> None:

@@ -47,18 +47,6 @@ PARENT_SPAN = int("b7ad6b7169203331", 16)
 
 
 @pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    """Tracing on in this process, into memory, without touching the global provider."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.install(provider.get_tracer("test"))
-    yield exporter
-    tracing.uninstall()
-    provider.shutdown()
-
-
-@pytest.fixture
 def application(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
     """An application that installed a TracerProvider of its own (no setup)."""
     exporter = InMemorySpanExporter()
