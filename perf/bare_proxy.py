@@ -2,7 +2,7 @@
 forwarded as bytes (identity serializers) to one backend with the caller's metadata and
 remaining deadline; nothing is parsed. The Python floor for a balancer hop.
 
-  python -m sluice.perf.bare_proxy --port 0 --backend 127.0.0.1:8001
+  python -m perf.bare_proxy --port 0 --backend 127.0.0.1:8001
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ async def serve(host: str, port: int, backend: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.bare_proxy", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.bare_proxy", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--backend", required=True, help="HOST:PORT to forward to")

@@ -2,7 +2,7 @@
 its cache off (every call runs the model) and answering from its cache (h2load replays one
 body), and the server behind the balancer, at 1 and 32 calls in flight.
 
-  python -m sluice.perf.baseline --rounds 3 --duration 3s
+  python -m perf.baseline --rounds 3 --duration 3s
 
 The bundled digits model; `sluice perf --engine h2load` for every cell; medians over rounds.
 """
@@ -15,12 +15,13 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
 
-from sluice.perf import h2engine, paired
+from perf import paired
+from sluice.perf import h2engine
 from sluice.runtime.launch import BIN, module_argv, running, server_argv
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.baseline", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.baseline", description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", default="3s")
     parser.add_argument("--out", default="")
@@ -31,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     common = ["--engine", "h2load", "-c", ",".join(levels), "-z", args.duration]
     common += ["--warmup", "1s"]
     with ExitStack() as stack:
-        echo = stack.enter_context(running(module_argv("sluice.perf.echo_server")))
+        echo = stack.enter_context(running(module_argv("perf.echo_server")))
         off = stack.enter_context(running(server_argv("--cache-entries", "0", node_id="off")))
         hits = stack.enter_context(running(server_argv(node_id="hits")))
         balancer = stack.enter_context(
@@ -45,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         runs = paired.alternate(configs, common, args.rounds, "baseline")
     result: dict[str, Any] = {
-        "command": "python -m sluice.perf.baseline " + " ".join(argv or sys.argv[1:])
+        "command": "python -m perf.baseline " + " ".join(argv or sys.argv[1:])
     }
     result.update(paired.summary(runs, levels))
     echo_cells, server_cells = result["echo"], result["server"]

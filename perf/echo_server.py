@@ -2,7 +2,7 @@
 serializers and no model. Predict answers every call with one fixed reply the size of the
 bundled digits model's reply; Metadata describes the digits input, so the sweep can drive it.
 
-  python -m sluice.perf.echo_server --port 0
+  python -m perf.echo_server --port 0
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ async def serve(host: str, port: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.echo_server", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.echo_server", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)

@@ -17,7 +17,7 @@ would give with a core each (`p50_a_core_a_server`): per fan-out call, the most 
 one server got (from the x-node-id trailer) times the one-chunk p50, plus the balancer's
 split and merge (timed in this process).
 
-  python -m sluice.perf.fanout --rounds 5 --calls 10
+  python -m perf.fanout --rounds 5 --calls 10
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+from perf import make_mlp, paired
 from sluice.balancer import fanout
-from sluice.perf import make_mlp, paired
 from sluice.runtime.launch import BIN, running, server_argv
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
@@ -95,7 +95,7 @@ def summary(latencies: list[float]) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.fanout", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.fanout", description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10, help="calls per configuration a round")
     parser.add_argument("--rows", type=int, default=256)
@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         placements[max(Counter(nodes.split(",")).values())] += 1
             print(f"fanout round {r + 1}/{args.rounds} done", file=sys.stderr)
     result: dict[str, Any] = {
-        "command": "python -m sluice.perf.fanout " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m perf.fanout " + " ".join(argv or sys.argv[1:]),
         "cores": os.cpu_count(),
         "load_average": os.getloadavg(),
     }

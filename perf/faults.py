@@ -1,10 +1,10 @@
-"""`python -m sluice.perf.faults`: the fault suite. Each scenario starts real processes on
+"""`python -m perf.faults`: the fault suite. Each scenario starts real processes on
 127.0.0.1 (servers on the CPU, a balancer), drives load from load-generator processes,
 injects one fault, and prints one table; a summary table follows, and `--out` writes JSON.
 
-  python -m sluice.perf.faults                       # every scenario, a few minutes
-  python -m sluice.perf.faults --scenario sigstop --scenario burst
-  python -m sluice.perf.faults --quick --out faults.json
+  python -m perf.faults                       # every scenario, a few minutes
+  python -m perf.faults --scenario sigstop --scenario burst
+  python -m perf.faults --quick --out faults.json
 
 Scenarios: kill9, sigterm, sigstop (a server killed, drained, hung and resumed behind the
 balancer), failing-model (a server whose model fails every call), bad-flood (hostile calls
@@ -1101,7 +1101,7 @@ def overload(bench: Bench) -> Outcome:
     label = f"digits pending<={bound}"
     overload_target(bench, label, server.address, digits_bodies(), 16, outcome)
     bench.stop("overload-bounded")
-    from sluice.perf import make_mlp
+    from perf import make_mlp
 
     mlp = bench.server("overload-mlp", model=make_mlp.cached())
     overload_target(bench, "mlp4096", mlp.address, mlp_bodies(), 8, outcome)
@@ -1217,7 +1217,7 @@ def run_one(name: str, pool: ProcessPoolExecutor, quick: bool) -> Outcome:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m sluice.perf.faults",
+        prog="python -m perf.faults",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -1246,7 +1246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.out).write_text(
             json.dumps(
                 {
-                    "command": " ".join(["python -m sluice.perf.faults", *(argv or sys.argv[1:])]),
+                    "command": " ".join(["python -m perf.faults", *(argv or sys.argv[1:])]),
                     "quick": args.quick,
                     "cpus": os.cpu_count(),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -1,7 +1,7 @@
 """A compute-heavy model at concurrency 1: the server with its default (auto) intra-op
 threads against ONNX Runtime's best time on this machine plus the echo floor, with h2load.
 
-  python -m sluice.perf.fitted --rounds 3 --duration 4s
+  python -m perf.fitted --rounds 3 --duration 4s
 
 The model is the onnx wheel's light squeezenet (FP32 [1, 3, 224, 224], a 602 KB input);
 ONNX Runtime's best is its fastest median over 1 to 4 intra-op threads; the echo floor is
@@ -23,7 +23,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from sluice.perf import h2engine, paired, stats
+from perf import paired
+from sluice.perf import h2engine, stats
 from sluice.perf.sweep import request_body
 from sluice.runtime.launch import module_argv, running, server_argv
 
@@ -58,7 +59,7 @@ def p50_ms(target: str, body: bytes, duration: float) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.fitted", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.fitted", description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per measurement")
     parser.add_argument("--out", default="")
@@ -73,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = stack.enter_context(
             running(server_argv("--cache-entries", "0", node_id="fitted", model=MODEL))
         )
-        echo = stack.enter_context(running(module_argv("sluice.perf.echo_server")))
+        echo = stack.enter_context(running(module_argv("perf.echo_server")))
         targets = {"server": server.address, "echo": echo.address}
         for r in range(args.rounds):
             for name in list(targets)[:: 1 if r % 2 == 0 else -1]:
@@ -85,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     best = min(ort_ms.values())
     server_p50, echo_p50 = (statistics.median(p50[n]) for n in ("server", "echo"))
     result: dict[str, Any] = {
-        "command": "python -m sluice.perf.fitted " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m perf.fitted " + " ".join(argv or sys.argv[1:]),
         "ort_median_ms_by_threads": ort_ms,
         "p50_ms": p50,
         "server_threads": threads.strip(),

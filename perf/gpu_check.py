@@ -38,7 +38,7 @@ import grpc
 import numpy as np
 import onnxruntime as ort
 
-from sluice.perf import make_mlp, make_resnet, paired
+from perf import make_mlp, make_resnet, paired
 from sluice.perf.sweep import request_body
 from sluice.runtime.launch import module_argv, running
 from sluice.server.dataplane import gpu
@@ -361,7 +361,7 @@ def health(address: str) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.gpu_check", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.gpu_check", description=__doc__)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--image", type=int, default=0, help="ResNet input size (224; cpu 64)")
     parser.add_argument("--duration", default="5s", help="time per concurrency-32 level")
@@ -439,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pool, {"cpu": (cpu, {}), "cpu_keepheap": (cpu, KEEP_HEAP)}, npy, body, args.count,
             args.duration,
         )  # fmt: skip
-        with running(module_argv("sluice.perf.echo_server", "--port", "0")) as echo:
+        with running(module_argv("perf.echo_server", "--port", "0")) as echo:
             floor = client_loop(echo.address, body, args.count)
         result["cpu_overhead"] = {
             "echo_floor_c1": floor,

@@ -8,7 +8,7 @@
   bare-proxy       client -> perf/bare_proxy.py (raw bytes, unary) -> server
   nginx            client -> nginx grpc_pass -> server (when nginx is installed)
 
-  python -m sluice.perf.hop --rounds 2 --duration 4s --levels 1,32
+  python -m perf.hop --rounds 2 --duration 4s --levels 1,32
 
 Unique inputs, so the server computes every call; one load-generator process.
 """
@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sluice.perf import paired
+from perf import paired
 from sluice.runtime.launch import BIN, module_argv, running, server_argv
 
 NGINX_CONF = """
@@ -77,7 +77,7 @@ def nginx(backend: str) -> Iterator[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.hop", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.hop", description=__doc__)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--duration", default="4s")
     parser.add_argument("--levels", default="1,32", help="concurrency: idle, then saturated")
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             running([str(BIN / "sluice-balancer"), "--port", "0", "--backend", server.address])
         )
         proxy = stack.enter_context(
-            running(module_argv("sluice.perf.bare_proxy", "--backend", server.address))
+            running(module_argv("perf.bare_proxy", "--backend", server.address))
         )
         configs: dict[str, tuple[str, list[str]]] = {
             "direct": (server.address, []),
@@ -104,9 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             configs["nginx"] = (stack.enter_context(nginx(server.address)), [])
         runs = paired.alternate(configs, common, args.rounds, "hop")
     levels = args.levels.split(",")
-    result: dict[str, Any] = {
-        "command": "python -m sluice.perf.hop " + " ".join(argv or sys.argv[1:])
-    }
+    result: dict[str, Any] = {"command": "python -m perf.hop " + " ".join(argv or sys.argv[1:])}
     result.update(paired.summary(runs, levels))
     idle, busy = f"c{levels[0]}", f"c{levels[-1]}"
     direct = result["direct"]

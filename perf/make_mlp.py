@@ -1,7 +1,7 @@
 """Write a compute-heavy MLP as ONNX for benchmarks: FP32 input [N, inputs], `depth` hidden
 layers of `width` with ReLU, output `output` FP32 [N, outputs]. Seeded random weights.
 
-  python -m sluice.perf.make_mlp --width 4096 --depth 2 --out mlp4096.onnx
+  python -m perf.make_mlp --width 4096 --depth 2 --out mlp4096.onnx
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def cached(width: int = 4096, depth: int = 2) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.make_mlp", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.make_mlp", description=__doc__)
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--out", required=True)

@@ -2,7 +2,7 @@
 [N, 3, image, image], output `output` FP32 [N, 1000] logits. Seeded random weights, with
 BatchNorm folded into the convolutions' biases as exported inference models have it.
 
-  python -m sluice.perf.make_resnet --image 224 --out resnet50.onnx
+  python -m perf.make_resnet --image 224 --out resnet50.onnx
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from sluice.perf.make_mlp import require_onnx
+from perf.make_mlp import require_onnx
 
 STAGES = ((64, 3), (128, 4), (256, 6), (512, 3))  # (bottleneck width, blocks) per stage
 EXPANSION = 4
@@ -128,7 +128,7 @@ def cached(image: int = 224) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.make_resnet", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.make_resnet", description=__doc__)
     parser.add_argument("--image", type=int, default=224, help="input height and width")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)

@@ -4,7 +4,7 @@ rounds, ratios against nothing on. Tracing exports with the console exporter int
 server's discarded stdout, so no collector is needed (an OTLP exporter costs about the same
 on the server: the span's making dominates).
 
-  python -m sluice.perf.observe --rounds 5 -c 16 -z 4s
+  python -m perf.observe --rounds 5 -c 16 -z 4s
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
-from sluice.perf import paired
+from perf import paired
 from sluice.runtime.launch import Process, server_argv
 
 TRACING = {"OTEL_TRACES_EXPORTER": "console", "OTEL_TRACES_SAMPLER": "parentbased_traceidratio"}
@@ -47,7 +47,7 @@ def started(name: str, extra: Sequence[str], env: dict[str, str]) -> Iterator[Pr
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.observe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.observe", description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("-c", "--concurrency", default="16")
     parser.add_argument("-z", "--duration", default="4s")

@@ -2,7 +2,7 @@
 against the echo floor (bare grpc.aio, same API, no model) plus ONNX Runtime's own run time
 for the same model and input, called directly in this process.
 
-  python -m sluice.perf.overhead --rounds 3 --duration 3s --levels 1,4,16
+  python -m perf.overhead --rounds 3 --duration 3s --levels 1,4,16
 
 Rounds alternate which target goes first, so drift on a shared machine hits both alike.
 The ratio reported is server p50 / (echo p50 + ONNX Runtime p50) at concurrency 1.
@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from perf import paired
 from sluice import models
-from sluice.perf import paired
 from sluice.runtime.launch import module_argv, running, server_argv
 
 
@@ -45,7 +45,7 @@ def ort_run_ms(model: Path, runs: int = 3000, intra_op_threads: int = 1) -> dict
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.overhead", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.overhead", description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", default="3s", help="per level per round")
     parser.add_argument("--levels", default="1,4,16", help="concurrency levels")
@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ort_ms = ort_run_ms(models.DIGITS)
     with (
-        running(module_argv("sluice.perf.echo_server")) as echo,
+        running(module_argv("perf.echo_server")) as echo,
         running(server_argv("--device", "cpu", "--cache-entries", "0")) as server,
     ):
         runs = paired.rounds(
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     c1 = rows[0]
     floor = c1["echo_p50"] + ort_ms["p50"]
     result = {
-        "command": "python -m sluice.perf.overhead " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m perf.overhead " + " ".join(argv or sys.argv[1:]),
         "ort_ms": ort_ms,
         "rows": rows,
         "ratio_c1_p50": c1["server_p50"] / floor,

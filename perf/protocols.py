@@ -3,7 +3,7 @@ side in one run, direct and through the balancer, plus each protocol's whole Pyt
 the server timed in this process (no grpc, no noise from the other processes) and, with
 --instructions, counted in instructions by valgrind.
 
-  python -m sluice.perf.protocols --rounds 4 --duration 4s --levels 1,16
+  python -m perf.protocols --rounds 4 --duration 4s --levels 1,16
 
 One server (bundled digits model, cache off, so every call runs the model) and one balancer
 in front of it; unique inputs; the configurations alternate round by round; each figure is
@@ -29,8 +29,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from perf import paired
 from sluice import models
-from sluice.perf import h2engine, paired
+from sluice.perf import h2engine
 from sluice.perf.sweep import MODEL_INFER, request_body
 from sluice.runtime.launch import BIN, running, server_argv
 from sluice.server.dataplane.batcher import Batcher
@@ -122,7 +123,7 @@ def instructions(calls: int) -> dict[str, float]:
         totals = []
         for n in (200, 200 + calls):
             with tempfile.TemporaryDirectory() as folder:
-                loop = [sys.executable, "-m", "sluice.perf.protocols", "--loop", name, str(n)]
+                loop = [sys.executable, "-m", "perf.protocols", "--loop", name, str(n)]
                 out = subprocess.run(
                     ["valgrind", "--tool=callgrind", f"--callgrind-out-file={folder}/cg", *loop],
                     capture_output=True,
@@ -165,7 +166,7 @@ def run_loop(name: str, n: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.protocols", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.protocols", description=__doc__)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--duration", default="4s")
     parser.add_argument("--levels", default="1,16", help="concurrency levels")
@@ -211,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
     levels = args.levels.split(",")
     result: dict[str, Any] = {
-        "command": "python -m sluice.perf.protocols " + " ".join(argv or sys.argv[1:])
+        "command": "python -m perf.protocols " + " ".join(argv or sys.argv[1:])
     }
     result.update(paired.summary(runs, levels))
     for via in ("", "balancer-"):

@@ -6,7 +6,7 @@
 2. idle cost: at concurrency 1 on the digits model, the batcher on against the fast path;
 3. cache: hits of the digits model's server against the bare echo floor.
 
-  python -m sluice.perf.speed --rounds 2 --duration 5s
+  python -m perf.speed --rounds 2 --duration 5s
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from sluice.perf import paired
-from sluice.perf.make_mlp import cached
+from perf import paired
+from perf.make_mlp import cached
 from sluice.runtime.launch import module_argv, running, server_argv
 
 
@@ -109,7 +109,7 @@ def idle_cost(args: argparse.Namespace) -> dict[str, Any]:
 
 def cache_hits(args: argparse.Namespace) -> dict[str, Any]:
     with ExitStack() as stack:
-        echo = stack.enter_context(running(module_argv("sluice.perf.echo_server")))
+        echo = stack.enter_context(running(module_argv("perf.echo_server")))
         server = stack.enter_context(running(server_argv("--device", "cpu")))
         runs = paired.rounds(
             {"echo": echo.address, "cache_hits": server.address},
@@ -131,7 +131,7 @@ def cache_hits(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.speed", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.speed", description=__doc__)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--duration", default="5s", help="per level per round")
     parser.add_argument("--max-batch", type=int, default=32)
@@ -145,8 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     scenarios = {"batching": batching, "idle": idle_cost, "cache": cache_hits}
     result = {
-        "command": "python -m sluice.perf.speed "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m perf.speed " + " ".join(argv if argv is not None else sys.argv[1:]),
         **{name: fn(args) for name, fn in scenarios.items() if not args.only or name in args.only},
     }
     print(paired.save(result, args.out))

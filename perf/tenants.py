@@ -1,4 +1,4 @@
-"""`python -m sluice.perf.tenants`: the noisy neighbour. One server on the CPU, a model heavy
+"""`python -m perf.tenants`: the noisy neighbour. One server on the CPU, a model heavy
 enough that compute is the limit (perf/make_mlp.py), two tenants:
 
 - `bulk`, a batch tenant with a share of 4 calls in flight, floods it open loop at 3x
@@ -9,9 +9,9 @@ The same load runs twice, side by side in one run: with `--tenants` (bulk in the
 class, app interactive) and without (every call alike). Goal: with tenants, app gets >= 98%
 of its calls served with p95 within its deadline; without, the table shows it starved.
 
-  python -m sluice.perf.tenants                 # ~1 minute
-  python -m sluice.perf.tenants --duration 4 --out tenants.json
-  python -m sluice.perf.tenants --balancer      # through a balancer with the same file
+  python -m perf.tenants                 # ~1 minute
+  python -m perf.tenants --duration 4 --out tenants.json
+  python -m perf.tenants --balancer      # through a balancer with the same file
 
 Capacity is measured first (closed loop, app's key, 8 in flight). Every process started is
 stopped by its pid; every load is bounded in time and calls.
@@ -33,10 +33,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from perf import make_mlp
+from perf.faults import Bench, Record, collect, collect_with_cpu, mlp_bodies, table
 from sluice.client import SluiceClient
 from sluice.core.tenants import digest
-from sluice.perf import loadgen, make_mlp
-from sluice.perf.faults import Bench, Record, collect, collect_with_cpu, mlp_bodies, table
+from sluice.perf import loadgen
 from sluice.runtime.launch import BIN
 
 APP_KEY, BULK_KEY = "sk-perf-app-interactive", "sk-perf-bulk-batch"
@@ -248,7 +249,7 @@ def merge(sides: Sequence[Side]) -> list[Side]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sluice.perf.tenants",
+        prog="python -m perf.tenants",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -286,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.out).write_text(
             json.dumps(
                 {
-                    "command": " ".join(["python -m sluice.perf.tenants", *(argv or sys.argv[1:])]),
+                    "command": " ".join(["python -m perf.tenants", *(argv or sys.argv[1:])]),
                     "cpus": os.cpu_count(),
                     "capacity": rate,
                     "sides": [asdict(s) | {"served": s.served} for s in sides],

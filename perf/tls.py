@@ -5,7 +5,7 @@
   balancer-plain   client -> sluice-balancer -> server, plaintext on both hops
   balancer-tls     client -> sluice-balancer -> server, mutual TLS on both hops
 
-  python -m sluice.perf.tls --rounds 3 --duration 4s --levels 1,32 --h2load
+  python -m perf.tls --rounds 3 --duration 4s --levels 1,32 --h2load
 
 Certificates from a throwaway CA (EC P-256, TLS 1.3 as grpc negotiates it); the servers'
 cache is off and the Python load generator sends unique inputs, so every call runs the
@@ -28,8 +28,9 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sluice.perf import h2engine, paired
-from sluice.perf.certs import Authority, Pair
+from perf import paired
+from perf.certs import Authority, Pair
+from sluice.perf import h2engine
 from sluice.runtime.launch import BIN, Process, server_argv
 from sluice.runtime.tls import ClientTLS, blocking_channel
 
@@ -92,7 +93,7 @@ def compare(runs: dict[str, list[dict[str, Any]]], levels: list[str]) -> dict[st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.tls", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.tls", description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", default="4s")
     parser.add_argument("--levels", default="1,32", help="concurrency: idle, then saturated")
@@ -153,9 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 h2_configs, [*common, "--engine", "h2load"], args.rounds, "tls h2load"
             )
     levels = args.levels.split(",")
-    result: dict[str, Any] = {
-        "command": "python -m sluice.perf.tls " + " ".join(argv or sys.argv[1:])
-    }
+    result: dict[str, Any] = {"command": "python -m perf.tls " + " ".join(argv or sys.argv[1:])}
     result["python"] = compare(runs, levels)
     if h2load:
         result["h2load"] = compare(h2_runs, levels)

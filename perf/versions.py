@@ -2,12 +2,12 @@
 runs its own server (cache off) and its own balancer in front of a second server of its
 own; the same sweep goes to all four in rotating rounds, so drift hits each alike.
 
-  python -m sluice.perf.versions --before ../baseline/.venv/bin --rounds 3 --levels 1,32
+  python -m perf.versions --before ../baseline/.venv/bin --rounds 3 --levels 1,32
 
 `--before` and `--after` are the `bin` folders holding each install's `sluice-server` and
 `sluice-balancer` (after: this one). Unique inputs, so every call runs the model.
 
-  python -m sluice.perf.versions --before ../baseline/.venv/bin --blocking-client
+  python -m perf.versions --before ../baseline/.venv/bin --blocking-client
 
 times each install's blocking SluiceClient instead: sequential calls from its own Python
 against one server, the installs taking turns.
@@ -24,8 +24,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from perf import paired
 from sluice.models import DIGITS, SAMPLES
-from sluice.perf import paired
 from sluice.runtime.launch import BIN, running
 
 KEYS = ("p50", "p99", "throughput")
@@ -66,7 +66,7 @@ def blocking_client(folders: dict[str, Path], rounds: int) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.versions", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.versions", description=__doc__)
     parser.add_argument("--before", required=True, help="bin folder of the install to beat")
     parser.add_argument("--after", default=str(BIN), help="bin folder of the new install")
     parser.add_argument("--rounds", type=int, default=3)
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.blocking_client:
         folders = {"before": Path(args.before), "after": Path(args.after)}
         timed = blocking_client(folders, args.rounds)
-        timed["command"] = "python -m sluice.perf.versions " + " ".join(argv or sys.argv[1:])
+        timed["command"] = "python -m perf.versions " + " ".join(argv or sys.argv[1:])
         print(paired.save(timed, args.out))
         return 0
     # The model by path: an older install may not carry it as package data.
@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     levels = args.levels.split(",")
     result: dict[str, Any] = {
-        "command": "python -m sluice.perf.versions " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m perf.versions " + " ".join(argv or sys.argv[1:]),
     }
     for name, r in runs.items():
         result[name] = {

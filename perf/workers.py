@@ -2,7 +2,7 @@
 h2load (several connections, so the kernel spreads them over the processes), and the
 server's CPU time per call, from which what N workers give on N free cores follows.
 
-  python -m sluice.perf.workers --rounds 4 --calls 20000
+  python -m perf.workers --rounds 4 --calls 20000
 
 The bundled digits model, cache off (every call runs the model). The load generator shares
 the machine's cores with the servers: read the measured gain as a floor, and the CPU per
@@ -22,8 +22,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from perf import paired
 from sluice import models
-from sluice.perf import h2engine, paired
+from sluice.perf import h2engine
 from sluice.perf.sweep import request_body
 from sluice.runtime.launch import Process, children, running, server_argv
 
@@ -51,7 +52,7 @@ def processes(server: Process, count: int, timeout: float = 60.0) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.perf.workers", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.workers", description=__doc__)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--calls", type=int, default=20_000, help="calls per round")
     parser.add_argument("--connections", type=int, default=4)
@@ -83,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     one, two = (statistics.median(rates[n]) for n in ("1", "2"))
     per_call = statistics.median(cpu["1"])
     result: dict[str, Any] = {
-        "command": "python -m sluice.perf.workers " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m perf.workers " + " ".join(argv or sys.argv[1:]),
         "calls_per_s": rates,
         "server_cpu_us_per_call": cpu,
         "workers_2_vs_1": two / one,

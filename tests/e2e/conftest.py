@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.perf.make_mlp import build
+from perf.make_mlp import build
 from tests.e2e.harness import Process, running_server
 
 

@@ -16,8 +16,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from perf.tls import loopback, running_tls
 from sluice.client import AsyncSluiceClient, SluiceClient
-from sluice.perf.tls import loopback, running_tls
 from sluice.runtime.launch import BIN, Process, children, module_argv, running
 from sluice.runtime.launch import server_argv as _server_argv
 from sluice.server.dataplane.admission import WARMUP

@@ -1,4 +1,4 @@
-"""The fault suite (`python -m sluice.perf.faults`) at small scale: a server killed under load
+"""The fault suite (`python -m perf.faults`) at small scale: a server killed under load
 behind the balancer, hostile calls mixed into valid ones, a burst of calls at once. The
 bounds allow for a loaded two-core machine: what must hold anywhere is that no caller sees
 INTERNAL or CANCELLED, that no valid call is refused as invalid, that every process the
@@ -36,7 +36,7 @@ def strays() -> set[int]:
 
 def test_the_quick_fault_suite_runs_and_no_caller_sees_internal(tmp_path: Path) -> None:
     out = tmp_path / "faults.json"
-    argv = [sys.executable, "-m", "sluice.perf.faults", "--quick", "--out", str(out)]
+    argv = [sys.executable, "-m", "perf.faults", "--quick", "--out", str(out)]
     for name in SCENARIOS:
         argv += ["--scenario", name]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)

@@ -57,8 +57,8 @@ def test_sweep_writes_every_output_with_sane_numbers(server: Process, tmp_path: 
 
 def test_open_loop_sweep_through_the_bare_proxy_to_the_echo_floor(tmp_path: Path) -> None:
     with (
-        running(module_argv("sluice.perf.echo_server")) as echo,
-        running(module_argv("sluice.perf.bare_proxy", "--backend", echo.address)) as proxy,
+        running(module_argv("perf.echo_server")) as echo,
+        running(module_argv("perf.bare_proxy", "--backend", echo.address)) as proxy,
     ):
         out = tmp_path / "open"
         sweep(

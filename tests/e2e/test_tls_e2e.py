@@ -20,10 +20,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from perf.certs import Authority, Pair
+from perf.tls import mutual
 from sluice.client import SluiceClient
 from sluice.perf import sweep
-from sluice.perf.certs import Authority, Pair
-from sluice.perf.tls import mutual
 from sluice.runtime.tls import PLAINTEXT_WARNING, ClientTLS
 from tests.conftest import SAMPLES
 from tests.e2e.harness import BIN, grpcurl, loopback, running_tls, server_argv, wait_for

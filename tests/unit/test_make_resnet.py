@@ -10,7 +10,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from sluice.perf.make_resnet import build
+from perf.make_resnet import build
 
 IMAGE = 64
 

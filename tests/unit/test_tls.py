@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from perf.certs import Authority, Pair
 from sluice.core.errors import SluiceError
-from sluice.perf.certs import Authority, Pair
 from sluice.runtime.security import SecuritySettings
 from sluice.runtime.tls import ClientTLS, ServerFiles, server_credentials
 
