@@ -16,8 +16,8 @@ from contextlib import ExitStack
 from typing import Any
 
 from perf import paired
+from perf.launch import BIN, module_argv, running, server_argv
 from sluice.perf import h2engine
-from sluice.runtime.launch import BIN, module_argv, running, server_argv
 
 
 def main(argv: Sequence[str] | None = None) -> int:

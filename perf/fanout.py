@@ -36,8 +36,8 @@ import grpc
 import numpy as np
 
 from perf import make_mlp, paired
+from perf.launch import BIN, running, server_argv
 from sluice.balancer import fanout
-from sluice.runtime.launch import BIN, running, server_argv
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 

@@ -45,13 +45,13 @@ from typing import Any, NamedTuple
 import grpc
 import numpy as np
 
+from perf.launch import BIN, Process, children, server_argv
 from sluice import models
 from sluice.client import SluiceClient
 from sluice.core.keys import PREDICT
 from sluice.perf import loadgen
 from sluice.perf.loadgen import Bodies
 from sluice.perf.sweep import make_bodies
-from sluice.runtime.launch import BIN, Process, children, server_argv
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 

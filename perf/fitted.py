@@ -24,9 +24,9 @@ import onnx
 import onnxruntime as ort
 
 from perf import paired
+from perf.launch import module_argv, running, server_argv
 from sluice.perf import h2engine, stats
 from sluice.perf.sweep import request_body
-from sluice.runtime.launch import module_argv, running, server_argv
 
 MODEL = Path(onnx.__file__).parent / "backend/test/data/light/light_squeezenet.onnx"
 PREDICT = "/sluice.v1.Inference/Predict"

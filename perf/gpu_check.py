@@ -39,8 +39,8 @@ import numpy as np
 import onnxruntime as ort
 
 from perf import make_mlp, make_resnet, paired
+from perf.launch import module_argv, running
 from sluice.perf.sweep import request_body
-from sluice.runtime.launch import module_argv, running
 from sluice.server.dataplane import gpu
 from sluice.server.dataplane.batcher import Pending
 from sluice.server.dataplane.engine import CPU, CUDA, Engine, zeros

@@ -30,7 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from perf import paired
-from sluice.runtime.launch import BIN, module_argv, running, server_argv
+from perf.launch import BIN, module_argv, running, server_argv
 
 NGINX_CONF = """
 worker_processes 1;

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
 from perf import paired
-from sluice.runtime.launch import Process, server_argv
+from perf.launch import Process, server_argv
 
 TRACING = {"OTEL_TRACES_EXPORTER": "console", "OTEL_TRACES_SAMPLER": "parentbased_traceidratio"}
 

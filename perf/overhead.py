@@ -21,8 +21,8 @@ import numpy as np
 import onnxruntime as ort
 
 from perf import paired
+from perf.launch import module_argv, running, server_argv
 from sluice import models
-from sluice.runtime.launch import module_argv, running, server_argv
 
 
 def ort_run_ms(model: Path, runs: int = 3000, intra_op_threads: int = 1) -> dict[str, float]:

@@ -30,10 +30,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from perf import paired
+from perf.launch import BIN, running, server_argv
 from sluice import models
 from sluice.perf import h2engine
 from sluice.perf.sweep import MODEL_INFER, request_body
-from sluice.runtime.launch import BIN, running, server_argv
 from sluice.server.dataplane.batcher import Batcher
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine

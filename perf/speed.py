@@ -23,8 +23,8 @@ import numpy as np
 import onnxruntime as ort
 
 from perf import paired
+from perf.launch import module_argv, running, server_argv
 from perf.make_mlp import cached
-from sluice.runtime.launch import module_argv, running, server_argv
 
 
 def batch_compute_ms(model: Path, rows: int, intra_op_threads: int, runs: int = 10) -> float:

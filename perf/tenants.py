@@ -35,10 +35,10 @@ from typing import Any
 
 from perf import make_mlp
 from perf.faults import Bench, Record, collect, collect_with_cpu, mlp_bodies, table
+from perf.launch import BIN
 from sluice.client import SluiceClient
 from sluice.core.tenants import digest
 from sluice.perf import loadgen
-from sluice.runtime.launch import BIN
 
 APP_KEY, BULK_KEY = "sk-perf-app-interactive", "sk-perf-bulk-batch"
 TENANTS = f"""

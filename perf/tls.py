@@ -30,8 +30,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from perf import paired
 from perf.certs import Authority, Pair
+from perf.launch import BIN, Process, server_argv
 from sluice.perf import h2engine
-from sluice.runtime.launch import BIN, Process, server_argv
 from sluice.runtime.tls import ClientTLS, blocking_channel
 
 

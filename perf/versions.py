@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from perf import paired
+from perf.launch import BIN, running
 from sluice.models import DIGITS, SAMPLES
-from sluice.runtime.launch import BIN, running
 
 KEYS = ("p50", "p99", "throughput")
 # Run by each install's own Python: its SluiceClient (an older install names its package

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from perf import paired
+from perf.launch import Process, children, running, server_argv
 from sluice import models
 from sluice.perf import h2engine
 from sluice.perf.sweep import request_body
-from sluice.runtime.launch import Process, children, running, server_argv
 
 PREDICT = "/sluice.v1.Inference/Predict"
 TICK = os.sysconf("SC_CLK_TCK")

@@ -1,4 +1,4 @@
-"""The end-to-end harness: real Sluice processes on port 0 (sluice.runtime.launch), with the
+"""The end-to-end harness: real Sluice processes on port 0 (perf.launch), with the
 CPU forced so the tests behave alike on any machine. Waits poll something a process reports,
 with a bound that only guards against a hang."""
 
@@ -16,10 +16,10 @@ from typing import TypeVar
 
 import numpy as np
 
+from perf.launch import BIN, Process, children, module_argv, running
+from perf.launch import server_argv as _server_argv
 from perf.tls import loopback, running_tls
 from sluice.client import AsyncSluiceClient, SluiceClient
-from sluice.runtime.launch import BIN, Process, children, module_argv, running
-from sluice.runtime.launch import server_argv as _server_argv
 from sluice.server.dataplane.admission import WARMUP
 from sluice.v1 import inference_pb2 as pb
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from sluice.runtime.launch import Process
+from perf.launch import Process
 
 pytestmark = pytest.mark.e2e
 
