@@ -13,8 +13,6 @@ COPY protos protos
 COPY server server
 COPY balancer balancer
 COPY client client
-COPY perf perf
-COPY models models
 RUN pip wheel --no-cache-dir --no-deps -w /wheels .
 
 # The image holds the installed wheel and no source tree, so it runs what a user's

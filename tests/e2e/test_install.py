@@ -112,7 +112,7 @@ def test_the_wheel_holds_only_the_sluice_namespace(names: set[str]) -> None:
 def test_the_wheel_holds_the_model_its_samples_and_the_protos(names: set[str]) -> None:
     assert "sluice/models/digits.onnx" in names
     assert "sluice/py.typed" in names
-    samples = sorted(p.name for p in (REPO / "models" / "samples").iterdir())
+    samples = sorted(p.name for p in (REPO / "sluice" / "models" / "samples").iterdir())
     assert "samples.json" in samples and len(samples) == 11  # ten digits and their labels
     for sample in samples:
         assert f"sluice/models/samples/{sample}" in names, sample

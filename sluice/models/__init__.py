@@ -1,6 +1,6 @@
 """The bundled default model (a small digits classifier) and its labelled samples, shipped
 as package data so that an installed Sluice serves it from any directory.
-`make_digits.py` beside it regenerates both (it needs the `model` extra)."""
+In a checkout, `python -m perf.make_digits` regenerates both (it needs the `model` extra)."""
 
 from __future__ import annotations
 

@@ -4,13 +4,13 @@ Trains a small MLP on scikit-learn's bundled 8x8 digits dataset (no download) an
 exports it to ONNX with plain tensor outputs: `label` (INT64 [N]) and
 `probabilities` (FP32 [N, 10]), input `input` (FP32 [N, 64], pixel values 0-16).
 
-Usage: python -m sluice.models.make_digits   (needs the `model` extra: pip install -e '.[model]')
+Usage: python -m perf.make_digits   (needs the `model` extra: pip install -e '.[model]');
+it writes sluice/models/digits.onnx and sluice/models/samples/.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -21,7 +21,8 @@ from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-HERE = Path(__file__).resolve().parent
+from sluice.models import FOLDER as HERE
+
 SAMPLES = 10  # one per class, from the held-out split
 
 
