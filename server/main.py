@@ -24,7 +24,7 @@ from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import CUDA, choose_providers
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Dataplane
-from sluice.server.dataplane.repository import Config, Defaults, Repository, load_model
+from sluice.server.dataplane.repository import Repository, load_model
 from sluice.server.kserve import SERVICE as KSERVE
 from sluice.server.kserve import KServeService
 from sluice.server.metrics import DataplaneCollector
@@ -68,23 +68,9 @@ WORKERS = Workers("sluice.server.main", "SLUICE_SERVER_WORKER", "SLUICE_SERVER_W
 
 async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
     tracing.setup("sluice-server")  # on only if OTEL_TRACES_EXPORTER asks for it
-    defaults = Defaults(
-        device=settings.device,
-        intra_op_threads=settings.threads(),
-        instances=settings.instances,
-        max_batch=settings.max_batch,
-        batch_budget_s=settings.batch_budget_ms / 1000,
-        max_queue=settings.max_queue,
-        pool_bytes=settings.buffer_pool_bytes,
-        pinned=settings.pinned_staging,
-        cuda_options=settings.provider_options(),
-        inline_max_s=settings.inline_max_us / 1e6,
-    )
+    defaults = settings.model_settings()
     # --model entries: loaded, checked and warmed up once, like a repository's versions.
-    served = [
-        await load_model(name, "1", Path(path), Config(), defaults)
-        for name, path in settings.models()
-    ]
+    served = [await load_model(name, "1", Path(path), defaults) for name, path in settings.models()]
     default = settings.default_model or (served[0].name if served else "")
     try:
         models = Models(served, default=default)

@@ -1,4 +1,4 @@
-"""Triton's config.pbtxt, read into the repository's `Config`: the subset Sluice honors.
+"""Triton's config.pbtxt, read into a model's `Config`: the subset Sluice honors.
 
 Honored: max_batch_size (0: no batching), instance_group (the sum of the counts; all
 KIND_CPU: on the CPU), dynamic_batching.max_queue_delay_microseconds (the batch budget,
@@ -16,7 +16,7 @@ from pathlib import Path
 from google.protobuf import text_format
 
 from sluice.core.errors import LoadFailed
-from sluice.server.dataplane.repository import Config, VersionPolicy
+from sluice.server.dataplane.modelsettings import Config, VersionPolicy
 from sluice.v1 import model_config_pb2 as pb
 
 log = logging.getLogger("sluice.modelconfig")
@@ -122,7 +122,7 @@ def convert(message: pb.ModelConfig, source: str = "config.pbtxt", name: str = "
             raise LoadFailed(f"{source}: version_policy.specific needs positive versions")
         policy = VersionPolicy("specific", versions=versions)
     elif which == "latest":
-        policy = VersionPolicy("latest", latest=max(message.version_policy.latest.num_versions, 1))
+        policy = VersionPolicy("latest", latest=message.version_policy.latest.num_versions)
 
     filename = message.default_model_filename or Config.default_model_filename
     if "/" in filename or filename in (".", ".."):
@@ -130,7 +130,7 @@ def convert(message: pb.ModelConfig, source: str = "config.pbtxt", name: str = "
     if ignored:
         log.info("%s: Sluice ignores %s", source, "; ".join(ignored))
     return Config(
-        max_batch=max(message.max_batch_size, 1),
+        max_batch=message.max_batch_size or 1,  # Triton's 0: no batching
         instances=instances,
         batch_budget_s=budget_s,
         device=device,

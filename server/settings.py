@@ -10,6 +10,7 @@ from sluice.models import DIGITS
 from sluice.runtime.listener import MAX_PENDING_CALLS
 from sluice.runtime.process import LOG_FORMATS
 from sluice.runtime.security import SecuritySettings
+from sluice.server.dataplane.modelsettings import ModelSettings
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -202,6 +203,21 @@ class ServerSettings(SecuritySettings):
     def threads(self) -> int | None:
         """--intra-op-threads as the engine takes it: None to choose at load."""
         return None if self.intra_op_threads == "auto" else int(self.intra_op_threads)
+
+    def model_settings(self) -> ModelSettings:
+        """What every model serves with where its config sets nothing, in seconds and bytes."""
+        return ModelSettings(
+            device=self.device,
+            intra_op_threads=self.threads(),
+            instances=self.instances,
+            max_batch=self.max_batch,
+            batch_budget_s=self.batch_budget_ms / 1000,
+            max_queue=self.max_queue,
+            pool_bytes=self.buffer_pool_bytes,
+            pinned=self.pinned_staging,
+            cuda_options=self.provider_options(),
+            inline_max_s=self.inline_max_us / 1e6,
+        )
 
     def worker_count(self, gpu: bool) -> int:
         """How many processes `--workers` asks for; `gpu`: the models would run on CUDA."""

@@ -24,8 +24,9 @@ WARMUP = 8  # runs measured before the estimate is trusted to refuse anything
 
 class Admission:
     def __init__(self, instances: int, max_rows: int = 1) -> None:
-        self.instances = max(instances, 1)
-        self.max_rows = max(max_rows, 1)
+        # Both at least 1: the batcher has a runner, and ModelSettings clamps the batch size.
+        self.instances = instances
+        self.max_rows = max_rows
         self.runs = 0
         self.refused = 0
         self.fixed_s = 0.0  # seconds a run costs whatever its rows

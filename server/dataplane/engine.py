@@ -354,7 +354,9 @@ class Engine:
     in Health). `device="cuda"` refuses to load instead. CuPy's pinned memory and streams are
     made only once CUDA is known to run the model; `pinned=False` keeps staging memory
     pageable. `stage` forces the staged path on or off (default: on with CUDA and pinned
-    memory). `cuda_options`: CUDA execution provider options (e.g. prefer_nhwc=1)."""
+    memory). `cuda_options`: CUDA execution provider options (e.g. prefer_nhwc=1).
+    `instances` and `max_batch` are taken as they are, at least 1 (`ModelSettings` clamps
+    them)."""
 
     def __init__(
         self,
@@ -401,7 +403,7 @@ class Engine:
         options.enable_cpu_mem_arena = on_cuda
         allocator = gpu.pinned_allocator() if on_cuda and pinned else None
         self.pinned = allocator is not None
-        self.max_batch = max(max_batch, 1)
+        self.max_batch = max_batch
 
         def session_on(stream: Any) -> ort.InferenceSession:
             chosen: list[Any] = list(providers)
@@ -479,7 +481,7 @@ class Engine:
         a re-plan and cuDNN's algorithm search, and the pool a staging buffer), else one."""
         if not self.padded:
             return [1]
-        return [1 << i for i in range(bucket(max(max_rows or self.max_batch, 1)).bit_length())]
+        return [1 << i for i in range(bucket(max_rows or self.max_batch).bit_length())]
 
     def _full_batch_bytes(self) -> int:
         """The largest staging buffer a full padded batch takes (0 when not padded)."""

@@ -6,8 +6,9 @@ Policy. A version that should serve is loaded beside what serves now, checked an
 with one run of zeros, then installed in one step (`Models.install`); only then do the
 versions no longer wanted stop taking calls, and each unloads once its calls in flight are
 answered. A version that fails to load is refused with one log line, and remembered by its
-file's (mtime, size) so it is not retried until the file changes; what served before keeps
-serving (a refused version counts as absent when the version policy picks the newest).
+file's stamp (mtime, size, inode) so it is not retried until the file changes; what served
+before keeps serving (a refused version counts as absent when the version policy picks the
+newest). Each version serves with the server's settings overlaid by its config's.
 """
 
 from __future__ import annotations
@@ -16,78 +17,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 
+from sluice.core import files
 from sluice.core.errors import LoadFailed, ModelNotFound
 from sluice.server.dataplane import staging
 from sluice.server.dataplane.batcher import Batcher
 from sluice.server.dataplane.engine import Engine, Instance, zeros
 from sluice.server.dataplane.models import Model, Models
+from sluice.server.dataplane.modelsettings import Config, ModelSettings
 
 CONFIG_FILE = "config.pbtxt"
 READY, UNAVAILABLE, LOADING = "READY", "UNAVAILABLE", "LOADING"
 
-# A file as the poll saw it: (mtime_ns, size) of the model file and of config.pbtxt (None when
+# A version as the poll saw it: the stamp of its model file and of config.pbtxt (None when
 # absent). A change to either reloads the version.
-Stamp = tuple[tuple[int, int], tuple[int, int] | None]
-
-
-@dataclass(frozen=True)
-class Defaults:
-    """The server-wide settings, which a model's config may override."""
-
-    device: str = "auto"
-    intra_op_threads: int | None = None  # None: chosen at load from the model's run time
-    instances: int = 1
-    max_batch: int = 1
-    batch_budget_s: float = 0.005
-    max_queue: int = 1024
-    pool_bytes: int = 256 << 20
-    pinned: bool = True
-    cuda_options: Mapping[str, str] = field(default_factory=dict)
-    inline_max_s: float = 100e-6
-
-
-@dataclass(frozen=True)
-class VersionPolicy:
-    """Which of the versions found serve: the newest `latest`, all, or the `versions` listed."""
-
-    kind: Literal["latest", "all", "specific"] = "latest"
-    latest: int = 1
-    versions: tuple[int, ...] = ()
-
-    def choose(self, available: Iterable[int]) -> set[int]:
-        found = set(available)
-        if self.kind == "all":
-            return found
-        if self.kind == "specific":
-            return found & set(self.versions)
-        return set(sorted(found, reverse=True)[: max(self.latest, 1)])
-
-    def describe(self) -> str:
-        if self.kind == "all":
-            return "all versions"
-        if self.kind == "specific":
-            return "versions " + ", ".join(map(str, self.versions))
-        return f"the latest {self.latest}"
-
-
-@dataclass(frozen=True)
-class Config:
-    """What a model's config.pbtxt says, as far as Sluice honors it; None: the server's
-    default (`Defaults`)."""
-
-    max_batch: int | None = None  # rows per batch; 1: no batching
-    instances: int | None = None
-    batch_budget_s: float | None = None
-    device: str | None = None
-    policy: VersionPolicy = field(default_factory=VersionPolicy)
-    default_model_filename: str = "model.onnx"
+Stamp = tuple[files.Stamp, files.Stamp | None]
 
 
 @dataclass(frozen=True)
@@ -107,34 +56,23 @@ def no_config(path: Path) -> Config:
     return Config()
 
 
-def _stat(path: Path) -> tuple[int, int] | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size)
-
-
-async def load_model(
-    name: str, version: int | str, path: Path, config: Config, defaults: Defaults
-) -> Model:
-    """Load `path` as `name` version `version`, check it and warm up every instance with one
-    run of zeros; raises LoadFailed naming the file and why. Serving goes on meanwhile: the
-    sessions are built in a thread."""
-    before = _stat(path)  # the file's identity, in the cache key (see below)
-    max_batch = config.max_batch if config.max_batch is not None else defaults.max_batch
+async def load_model(name: str, version: int | str, path: Path, settings: ModelSettings) -> Model:
+    """Load `path` as `name` version `version` with `settings`, check it and warm up every
+    instance with one run of zeros; raises LoadFailed naming the file and why. Serving goes on
+    meanwhile: the sessions are built in a thread."""
+    before = files.stamp(path)  # the file's identity, in the cache key (see below)
     building = asyncio.ensure_future(
         asyncio.to_thread(
             Engine,
             path,
-            device=config.device or defaults.device,
-            intra_op_threads=defaults.intra_op_threads,
-            instances=config.instances or defaults.instances,
-            pool_bytes=defaults.pool_bytes,
-            pinned=defaults.pinned,
-            cuda_options=defaults.cuda_options,
-            max_batch=max_batch,
-            inline_max_s=defaults.inline_max_s,
+            device=settings.device,
+            intra_op_threads=settings.intra_op_threads,
+            instances=settings.instances,
+            pool_bytes=settings.pool_bytes,
+            pinned=settings.pinned,
+            cuda_options=settings.cuda_options,
+            max_batch=settings.max_batch,
+            inline_max_s=settings.inline_max_s,
         )
     )
     try:
@@ -145,22 +83,19 @@ async def load_model(
         raise
     except Exception as exc:
         raise LoadFailed(f"{path}: {_reason(exc)}") from exc
-    budget_s = (
-        config.batch_budget_s if config.batch_budget_s is not None else defaults.batch_budget_s
-    )
     batcher = Batcher(
         engine.instances,
-        max_rows=max(max_batch, 1),
-        budget_s=budget_s,
-        max_queue=defaults.max_queue,
+        max_rows=settings.max_batch,
+        budget_s=settings.batch_budget_s,
+        max_queue=settings.max_queue,
     )
     # A file rewritten in place keeps its version: its stat, in the cache key, keeps the old
     # file's answers from being served. Rewritten while it loaded: which bytes were read is
     # unknown, so it is refused now and tried again once it holds still.
-    if _stat(path) != before:
+    if files.stamp(path) != before:
         engine.close()
         raise LoadFailed(f"{path}: the file changed while it loaded")
-    tag = f"{before[0]}:{before[1]}" if before else ""
+    tag = ":".join(map(str, before)) if before else ""
     model = Model(engine, batcher, name=name, version=str(version), tag=tag)
     try:
         await asyncio.to_thread(warm_up, model)
@@ -243,7 +178,7 @@ class _Found:
     name: str
     config: Config | None
     error: str  # why the config is refused ("" if it is not)
-    config_stamp: tuple[int, int] | None
+    config_stamp: files.Stamp | None
     versions: dict[int, tuple[Path, Stamp]] = field(default_factory=dict)
 
 
@@ -256,13 +191,13 @@ class Repository:
         self,
         root: Path,
         models: Models,
-        defaults: Defaults = Defaults(),
+        defaults: ModelSettings,
         *,
         read_config: Callable[[Path], Config] = no_config,
         poll_s: float = 5.0,
         log: logging.Logger | None = None,
         clock: Callable[[], float] = time.monotonic,
-        loader: Callable[[str, int, Path, Config, Defaults], Awaitable[Model]] | None = None,
+        loader: Callable[[str, int, Path, ModelSettings], Awaitable[Model]] | None = None,
     ) -> None:
         self.root = Path(root)
         self.models = models
@@ -276,8 +211,8 @@ class Repository:
         self._loaded: dict[str, dict[int, _Loaded]] = {}
         self._loading: set[tuple[str, int]] = set()
         self._failed: dict[tuple[str, int], tuple[Stamp, str]] = {}
-        self._config_failed: dict[str, tuple[tuple[int, int] | None, str]] = {}
-        self._configs: dict[str, tuple[tuple[int, int] | None, Config | str]] = {}
+        self._config_failed: dict[str, tuple[files.Stamp | None, str]] = {}
+        self._configs: dict[str, tuple[files.Stamp | None, Config | str]] = {}
         self._found: dict[str, _Found] = {}
         self._unloaded: set[str] = set()  # by `unload`: not loaded again until `load`
         self._retiring: set[asyncio.Task[None]] = set()
@@ -409,7 +344,7 @@ class Repository:
                 continue
             name = folder.name
             config_path = folder / CONFIG_FILE
-            config_stamp = _stat(config_path)
+            config_stamp = files.stamp(config_path)
             cached = self._configs.get(name)
             if cached is not None and cached[0] == config_stamp:
                 config_or_error = cached[1]
@@ -436,7 +371,7 @@ class Repository:
                 if not canonical or not sub.is_dir():
                     continue
                 path = sub / config_or_error.default_model_filename
-                stamp = _stat(path) if path.is_file() else None
+                stamp = files.stamp(path) if path.is_file() else None
                 if stamp is not None:
                     model.versions[int(sub.name)] = (path, (stamp, config_stamp))
         for name in [n for n in self._configs if n not in found and only is None]:
@@ -494,7 +429,7 @@ class Repository:
         started = self.clock()
         self._loading.add((name, version))
         try:
-            model = await self._load(name, version, path, config, self.defaults)
+            model = await self._load(name, version, path, self.defaults.overlay(config))
         except Exception as exc:
             reason = str(exc) if isinstance(exc, LoadFailed) else f"{path}: {_reason(exc)}"
             self._failed[(name, version)] = (stamp, reason)

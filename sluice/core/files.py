@@ -7,7 +7,7 @@ import os
 Stamp = tuple[int, int, int]
 
 
-def stamp(path: str) -> Stamp | None:
+def stamp(path: str | os.PathLike[str]) -> Stamp | None:
     """The file's (mtime_ns, size, inode); None while it is missing. The inode catches a file
     replaced by a rename within one tick of the file system's clock (how Kubernetes updates a
     mounted Secret)."""

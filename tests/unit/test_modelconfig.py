@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sluice.core.errors import LoadFailed
-from sluice.server.dataplane.repository import Config, VersionPolicy
+from sluice.server.dataplane.modelsettings import Config, VersionPolicy
 from sluice.server.modelconfig import parse, read_config
 from sluice.v1 import model_config_pb2 as pb
 

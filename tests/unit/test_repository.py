@@ -16,21 +16,19 @@ from onnx import TensorProto, helper, numpy_helper
 
 from sluice.core.errors import LoadFailed, ModelNotFound
 from sluice.server.dataplane.models import Model, Models
+from sluice.server.dataplane.modelsettings import ModelSettings, VersionPolicy
 from sluice.server.dataplane.repository import (
     LOADING,
     READY,
     UNAVAILABLE,
-    Config,
-    Defaults,
     IndexEntry,
     Repository,
-    VersionPolicy,
     load_model,
 )
 from sluice.server.modelconfig import read_config
 from tests.conftest import scale_model
 
-DEFAULTS = Defaults(device="cpu")
+DEFAULTS = ModelSettings(device="cpu")
 LOG = "sluice.repository"
 
 
@@ -78,11 +76,9 @@ class Spy:
         self.loads: list[tuple[str, int]] = []
         self.closed: list[tuple[str, str]] = []
 
-    async def __call__(
-        self, name: str, version: int, path: Path, config: Config, defaults: Defaults
-    ) -> Model:
+    async def __call__(self, name: str, version: int, path: Path, settings: ModelSettings) -> Model:
         self.loads.append((name, version))
-        model = await load_model(name, version, path, config, defaults)
+        model = await load_model(name, version, path, settings)
         close = model.close
 
         async def closing() -> None:
@@ -206,9 +202,9 @@ async def test_a_broken_version_is_refused_once_and_the_old_keeps_serving(
 async def test_a_model_that_fails_its_warm_up_run_is_refused(tmp_path: Path) -> None:
     path = put(tmp_path, "m", 1, broken_at_run())
     with pytest.raises(LoadFailed, match="warm-up run of zeros"):
-        await load_model("m", 1, path, Config(), DEFAULTS)
+        await load_model("m", 1, path, DEFAULTS)
     with pytest.raises(LoadFailed, match="does not exist"):
-        await load_model("m", 2, tmp_path / "none.onnx", Config(), DEFAULTS)
+        await load_model("m", 2, tmp_path / "none.onnx", DEFAULTS)
 
 
 async def test_first_load_falls_back_past_a_broken_newest(tmp_path: Path) -> None:
@@ -366,10 +362,10 @@ async def test_index_shows_a_version_loading(tmp_path: Path) -> None:
     put(tmp_path, "m", 1, scale(1))
     started, go = asyncio.Event(), asyncio.Event()
 
-    async def slow(name: str, version: int, path: Path, config: Config, d: Defaults) -> Model:
+    async def slow(name: str, version: int, path: Path, d: ModelSettings) -> Model:
         started.set()
         await go.wait()
-        return await load_model(name, version, path, config, d)
+        return await load_model(name, version, path, d)
 
     models = Models()
     repo = Repository(tmp_path, models, DEFAULTS, read_config=read_config, loader=slow)
@@ -388,8 +384,8 @@ async def test_run_polls_until_closed(tmp_path: Path) -> None:
     put(tmp_path, "m", 1, scale(1))
     loaded = asyncio.Event()
 
-    async def loader(name: str, version: int, path: Path, config: Config, d: Defaults) -> Model:
-        model = await load_model(name, version, path, config, d)
+    async def loader(name: str, version: int, path: Path, d: ModelSettings) -> Model:
+        model = await load_model(name, version, path, d)
         loaded.set()
         return model
 
