@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from perf import make_mlp
-from perf.faults import Bench, Record, collect, collect_with_cpu, mlp_bodies, table
+from perf.bench import Bench, table
+from perf.drive import Record, collect, collect_with_cpu, mlp_bodies
 from perf.launch import BIN
 from sluice.client import SluiceClient
 from sluice.core.tenants import digest
