@@ -2,9 +2,10 @@
 # elsewhere); run `sluice-balancer` from the same image for the balancer.
 #
 # The first stage builds the wheel. sluice/ links the top-level folders into the one `sluice`
-# namespace (sluice/server -> ../server, sluice/v1 -> ../protos/sluice/v1, sluice/models ->
-# ../models, ...): copy them together, each at its own path, or the wheel lacks a package.
-# tests/e2e/test_install.py builds the wheel from exactly these COPY lines.
+# namespace (sluice/server -> ../server, sluice/v1 -> ../protos/sluice/v1, ...): copy them
+# together, each at its own path, or the wheel lacks a package. perf/ (the benchmarks) is not
+# part of the product and is not copied. tests/e2e/test_install.py builds the wheel from
+# exactly these COPY lines.
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./

@@ -1,6 +1,7 @@
 """An installed Sluice works anywhere, not only inside the repository: the wheel holds the one
 `sluice` namespace with the bundled model, its samples and the protos, and its commands serve
-and answer from another directory.
+and answer from another directory. Of perf/ it holds only what `sluice perf` runs: the
+benchmarks, their floors, model makers and the process harness stay in the checkout.
 
 The wheel is built from a copy of what the Dockerfile copies into the image, so a folder the
 package needs and the image lacks fails here too."""
@@ -28,6 +29,8 @@ REPO = Path(__file__).resolve().parents[2]
 # Every sluice/x the wheel must hold: the shared layers and the linked top-level folders.
 PACKAGES = ["core", "routing", "wire", "runtime", "v1", "models"]
 PACKAGES += ["server", "balancer", "client", "perf"]
+# What `sluice perf` imports: the wheel's whole sluice/perf.
+SWEEP = ["__init__", "sweep", "loadgen", "h2engine", "stats", "report"]
 PIP = [sys.executable, "-m", "pip", "--no-input", "--disable-pip-version-check", "--quiet"]
 SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "dist", "results")
 
@@ -124,6 +127,17 @@ def test_the_wheel_holds_the_model_its_samples_and_the_protos(names: set[str]) -
         assert f"sluice/v1/{generated}" in names, generated
 
 
+def test_the_wheel_holds_the_sweep_and_none_of_the_benchmark_tree(names: set[str]) -> None:
+    # No top-level perf (the first test): the benchmarks could only hide under sluice/perf,
+    # and the model maker beside the model.
+    swept = {name for name in names if name.startswith("sluice/perf/")}
+    assert swept == {f"sluice/perf/{module}.py" for module in SWEEP}, swept
+    samples = (REPO / "sluice" / "models" / "samples").iterdir()
+    models = {"sluice/models/__init__.py", "sluice/models/digits.onnx"}
+    models |= {f"sluice/models/samples/{p.name}" for p in samples}
+    assert {name for name in names if name.startswith("sluice/models/")} == models
+
+
 def elsewhere(installed: Path) -> dict[str, str]:
     """The environment of a user outside the repository: the installed wheel first."""
     return {**os.environ, "PYTHONPATH": str(installed), "PYTHONSAFEPATH": "1"}
@@ -170,6 +184,12 @@ def test_the_installed_commands_serve_and_answer_from_any_directory(
             tmp_path,
             env,
         )
+        # A short sweep from the installed `sluice perf`, against the installed server.
+        out = tmp_path / "sweep"
+        sweep = ["-c", "2", "-n", "40", "--warmup", "0", "--quiet", "--out", str(out)]
+        run([sluice, "perf", "--target", server.address, *sweep], tmp_path, env)
     assert json.loads(answer)["outputs"]["label"]["data"] == [3]
+    (level,) = json.loads(out.with_suffix(".json").read_text())["levels"]
+    assert level["calls"] == level["ok"] == 40, level["statuses"]
     helped = run([sluice, "perf", "--help"], tmp_path, env)
     assert "--out" in helped and "sluice[perf]" in helped
