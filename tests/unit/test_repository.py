@@ -243,6 +243,25 @@ async def test_a_changed_file_is_reloaded_and_swapped(
     await new.close()
 
 
+async def test_a_file_replaced_by_a_rename_within_one_tick_is_reloaded(tmp_path: Path) -> None:
+    path = put(tmp_path, "m", 1, scale(1))
+    repo, models = repository(tmp_path)
+    await repo.poll()
+    old = models.get("m")
+    # Same size and mtime, another inode: how Kubernetes swaps a mounted volume's files.
+    staged = tmp_path / "staged.onnx"
+    staged.write_bytes(scale(5))
+    st = path.stat()
+    assert staged.stat().st_size == st.st_size
+    os.utime(staged, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(staged, path)
+    await repo.poll()
+    new = models.get("m")
+    assert new is not old and await answer(new) == 5
+    await repo.close()
+    await new.close()
+
+
 async def test_a_removed_model_directory_unloads(tmp_path: Path) -> None:
     spy = Spy()
     put(tmp_path, "a", 1, scale(1))
@@ -322,6 +341,28 @@ async def test_config_settings_reach_the_batcher_and_engine(tmp_path: Path) -> N
     assert len(model.engine.instances) == 2
     await repo.close()
     await model.close()
+
+
+async def test_the_servers_batch_size_serves_unless_a_config_turns_batching_off(
+    tmp_path: Path,
+) -> None:
+    put(tmp_path, "plain", 1, scale(1))
+    put(tmp_path, "unbatched", 1, scale(1))
+    (tmp_path / "unbatched" / "config.pbtxt").write_text('backend: "onnxruntime"\n')
+    models = Models()
+    defaults = ModelSettings(device="cpu", max_batch=8, batch_budget_s=0.25)
+    repo = Repository(tmp_path, models, defaults, read_config=read_config)
+    await repo.poll()
+    plain, unbatched = models.get("plain"), models.get("unbatched")
+    assert plain.engine.max_batch == plain.batcher.queue.max_rows == 8
+    assert plain.batcher.admission.max_rows == 8
+    # Triton's max_batch_size 0: one row a run, in the engine, queue and admission alike.
+    assert unbatched.engine.max_batch == unbatched.batcher.queue.max_rows == 1
+    assert unbatched.batcher.admission.max_rows == 1
+    assert unbatched.batcher.queue.budget_s == 0.25  # what the config leaves unset
+    await repo.close()
+    await plain.close()
+    await unbatched.close()
 
 
 async def test_load_unload_and_index(tmp_path: Path) -> None:
