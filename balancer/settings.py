@@ -5,15 +5,15 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
-from sluice.runtime.listener import MAX_PENDING_CALLS
-from sluice.runtime.process import LOG_FORMATS
-from sluice.runtime.security import SecuritySettings
+from sluice.routing.breaker import BreakerSettings
+from sluice.routing.pool import OutlierSettings
+from sluice.runtime import config
+from sluice.runtime.settings import ProgramSettings
 
 
 @dataclass(frozen=True)
-class BalancerSettings(SecuritySettings):
-    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
-    port: int = field(default=8000, metadata={"help": "port to listen on; 0 picks a free one"})
+class BalancerSettings(ProgramSettings):
+    port: int = config.inherit(ProgramSettings, "port", 8000)
     backend: list[str] = field(
         default_factory=list, metadata={"help": "a server HOST:PORT (repeatable)", "list": True}
     )
@@ -34,7 +34,6 @@ class BalancerSettings(SecuritySettings):
             "also at once when it starts serving or answers NOT_FOUND"
         },
     )
-    node_id: str = field(default="", metadata={"help": "name in Health (default hostname)"})
     workers: int = field(
         default=1, metadata={"help": "balancer processes sharing the port (SO_REUSEPORT)"}
     )
@@ -86,30 +85,6 @@ class BalancerSettings(SecuritySettings):
             "median, and count its timeouts as failures (0: off)"
         },
     )
-    max_pending_calls: int = field(
-        default=MAX_PENDING_CALLS,
-        metadata={
-            "help": "calls grpc may hold before the balancer takes them; past it grpc drops "
-            "them (CANCELLED). Under overload they wait there unseen: about capacity x half "
-            "the usual deadline sheds instead"
-        },
-    )
-    default_timeout_s: float = field(
-        default=0.0,
-        metadata={"help": "deadline for calls that carry none, in seconds (0: none)"},
-    )
-    max_message_bytes: int = field(
-        default=64 * 1024 * 1024, metadata={"help": "largest request or response message"}
-    )
-    grace_s: float = field(default=10.0, metadata={"help": "on SIGTERM, time for calls to finish"})
-    log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
-    log_format: str = field(
-        default="text",
-        metadata={
-            "help": "text, or json: one JSON object a line (time, level, logger, message, "
-            "request_id and trace_id when known)"
-        },
-    )
     upstream_tls_ca: str = field(
         default="",
         metadata={
@@ -138,14 +113,6 @@ class BalancerSettings(SecuritySettings):
             "many rows, sent in parallel to several servers and merged in order (0: off)"
         },
     )
-    metrics_port: int = field(
-        default=0,
-        metadata={
-            "help": "serve Prometheus metrics at http://HOST:THIS/metrics on --host (0: off); "
-            "with --workers N each process is its own scrape target: worker i (0 the first "
-            "process) on this + i, so N ports from this one"
-        },
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -157,12 +124,6 @@ class BalancerSettings(SecuritySettings):
             )
         if self.fanout_rows < 0:
             raise ValueError("--fanout-rows must not be negative (0: off)")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be 0-65535, not {self.port}")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"--metrics-port must be 0-65535, not {self.metrics_port}")
-        if self.log_format not in LOG_FORMATS:
-            raise ValueError(f"--log-format must be text or json, not {self.log_format!r}")
         if not (self.backend or self.backends_file or self.backends_dns):
             raise ValueError(
                 "give backends: --backend HOST:PORT, --backends-file or --backends-dns"
@@ -175,24 +136,33 @@ class BalancerSettings(SecuritySettings):
             raise ValueError("--balance-factor must be at least 1")
         if not 0.1 <= self.keepalive_s <= 300:
             raise ValueError("--keepalive-s must be between 0.1 and 300 seconds")
-        for name in (
-            "workers",
-            "breaker_failures",
-            "breaker_successes",
-            "streams",
-            "max_pending_calls",
-        ):
+        for name in ("workers", "breaker_failures", "breaker_successes", "streams"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.metrics_port and self.metrics_port + self.workers - 1 > 65535:
-            raise ValueError("--metrics-port + --workers - 1 must be at most 65535")
         if not 0 <= self.max_ejection_percent <= 100:
             raise ValueError("--max-ejection-percent must be between 0 and 100")
         if self.outlier_factor != 0 and not 1 < self.outlier_factor < 1e6:
             raise ValueError("--outlier-factor must be 0 (off) or more than 1")
         if not 0.01 <= self.models_refresh_s <= 3600:
             raise ValueError("--models-refresh-s must be between 0.01 and 3600 seconds")
-        if self.default_timeout_s < 0:
-            raise ValueError("--default-timeout-s must not be negative")
-        if not self.node_id:
-            object.__setattr__(self, "node_id", f"balancer@{socket.gethostname()}")
+
+    def processes(self) -> int:
+        return self.workers
+
+    def default_node_id(self) -> str:
+        return f"balancer@{socket.gethostname()}"
+
+    @property
+    def breaker(self) -> BreakerSettings:
+        """Each backend's circuit breaker, as the --breaker-* flags set it."""
+        return BreakerSettings(
+            failures_to_open=self.breaker_failures,
+            successes_to_close=self.breaker_successes,
+            base_cooldown_s=self.breaker_cooldown_s,
+            max_cooldown_s=self.breaker_max_cooldown_s,
+        )
+
+    @property
+    def outlier(self) -> OutlierSettings:
+        """Latency outlier ejection, as --outlier-factor sets it."""
+        return OutlierSettings(factor=self.outlier_factor)

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, field
 
 from sluice.models import DIGITS
-from sluice.runtime.listener import MAX_PENDING_CALLS
-from sluice.runtime.process import LOG_FORMATS
-from sluice.runtime.security import SecuritySettings
+from sluice.runtime import config
+from sluice.runtime.settings import ProgramSettings
 from sluice.server.dataplane.modelsettings import ModelSettings
 
 DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
-class ServerSettings(SecuritySettings):
+class ServerSettings(ProgramSettings):
     model: list[str] = field(
         default_factory=list,
         metadata={
@@ -50,11 +48,7 @@ class ServerSettings(SecuritySettings):
             "RepositoryModelLoad, RepositoryModelUnload): callers may load and unload models"
         },
     )
-    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
-    port: int = field(default=8001, metadata={"help": "port to listen on; 0 picks a free one"})
-    node_id: str = field(
-        default="", metadata={"help": "name reported in x-node-id and Health (default hostname)"}
-    )
+    port: int = config.inherit(ProgramSettings, "port", 8001)
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     intra_op_threads: str = field(
         default="auto",
@@ -85,14 +79,6 @@ class ServerSettings(SecuritySettings):
     max_queue: int = field(
         default=1024, metadata={"help": "requests that may wait; beyond, RESOURCE_EXHAUSTED"}
     )
-    max_pending_calls: int = field(
-        default=MAX_PENDING_CALLS,
-        metadata={
-            "help": "calls grpc may hold before the server takes them; past it grpc drops them "
-            "(CANCELLED, uncounted). Under overload they wait there unseen: about capacity x "
-            "half the usual deadline sheds instead (e.g. 64 for the digits model at 100 ms)"
-        },
-    )
     cache_entries: int = field(default=10_000, metadata={"help": "result cache entries; 0: off"})
     cache_bytes: int = field(default=64 << 20, metadata={"help": "result cache size in bytes"})
     buffer_pool_bytes: int = field(
@@ -116,33 +102,9 @@ class ServerSettings(SecuritySettings):
         default=100.0,
         metadata={"help": "on the CPU, runs expected to take less than this run on the event loop"},
     )
-    default_timeout_s: float = field(
-        default=0.0,
-        metadata={"help": "deadline for calls that carry none, in seconds (0: none)"},
-    )
-    max_message_bytes: int = field(
-        default=64 * 1024 * 1024, metadata={"help": "largest request or response message"}
-    )
-    grace_s: float = field(
-        default=10.0, metadata={"help": "on SIGTERM, how long in-flight calls may take to finish"}
-    )
     drain_delay_s: float = field(
         default=0.0,
         metadata={"help": "on SIGTERM, how long to report NOT_SERVING before refusing calls"},
-    )
-    log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
-    log_format: str = field(
-        default="text",
-        metadata={
-            "help": "text, or json: one JSON object a line (time, level, logger, message, "
-            "request_id and trace_id when known)"
-        },
-    )
-    metrics_port: int = field(
-        default=0,
-        metadata={
-            "help": "serve Prometheus metrics at http://HOST:THIS/metrics on --host (0: off)"
-        },
     )
 
     def provider_options(self) -> dict[str, str]:
@@ -161,13 +123,7 @@ class ServerSettings(SecuritySettings):
         self.provider_options()  # refuse a malformed --cuda-options at start
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, not {self.device!r}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be 0-65535, not {self.port}")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"--metrics-port must be 0-65535, not {self.metrics_port}")
-        if self.log_format not in LOG_FORMATS:
-            raise ValueError(f"--log-format must be text or json, not {self.log_format!r}")
-        for name in ("instances", "max_batch", "max_queue", "max_pending_calls"):
+        for name in ("instances", "max_batch", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         for name in ("cache_entries", "cache_bytes", "buffer_pool_bytes", "batch_budget_ms"):
@@ -175,21 +131,12 @@ class ServerSettings(SecuritySettings):
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative")
         if self.intra_op_threads != "auto" and not self.intra_op_threads.isdigit():
             raise ValueError("--intra-op-threads must be a number (0 or more) or auto")
-        if self.max_message_bytes < 1024:
-            raise ValueError("--max-message-bytes must be at least 1024")
-        if self.grace_s < 0 or self.drain_delay_s < 0:
-            raise ValueError("--grace-s and --drain-delay-s must not be negative")
-        if self.default_timeout_s < 0:
-            raise ValueError("--default-timeout-s must not be negative")
-        if not self.node_id:
-            object.__setattr__(self, "node_id", socket.gethostname())
+        if self.drain_delay_s < 0:
+            raise ValueError("--drain-delay-s must not be negative")
         if self.workers != "auto" and not (self.workers.isdigit() and int(self.workers) >= 1):
             raise ValueError(
                 f"--workers must be a number of processes or auto, not {self.workers!r}"
             )
-        processes = int(self.workers) if self.workers.isdigit() else os.cpu_count() or 1
-        if self.metrics_port and self.metrics_port + processes - 1 > 65535:
-            raise ValueError("--metrics-port + --workers - 1 must be at most 65535")
         if self.repository_poll_s <= 0:
             raise ValueError("--repository-poll-s must be more than 0")
         if self.repository_api and not self.model_repository:
@@ -199,6 +146,9 @@ class ServerSettings(SecuritySettings):
             raise ValueError("two --model entries have one name")
         if not self.model and not self.model_repository:
             object.__setattr__(self, "model", [str(DIGITS)])
+
+    def processes(self) -> int:
+        return int(self.workers) if self.workers.isdigit() else os.cpu_count() or 1
 
     def threads(self) -> int | None:
         """--intra-op-threads as the engine takes it: None to choose at load."""

@@ -44,6 +44,12 @@ def field_type(field: dataclasses.Field[Any]) -> str:
     return "str"
 
 
+def inherit(base: type[Any], name: str, default: Any) -> Any:
+    """`base`'s field `name` with another default, for a subclass that declares it again: its
+    flag, variable and help stay the ones `base` declares."""
+    return dataclasses.field(default=default, metadata=base.__dataclass_fields__[name].metadata)
+
+
 def build_parser(cls: type[Any], prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(parser, cls)
