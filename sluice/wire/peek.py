@@ -11,6 +11,7 @@ Span = tuple[int, int, int]  # the field's tag start, its value's start and end
 # output at most); walking more in Python would let one crafted 64 MiB body of two-byte
 # fields hold the event loop for many seconds.
 MAX_FIELDS = 4096
+_U64 = (1 << 64) - 1  # a varint's value: 64 bits
 
 
 class Malformed(ValueError):
@@ -26,7 +27,7 @@ def _varint(body: bytes, at: int) -> tuple[int, int]:
         at += 1
         value |= (byte & 0x7F) << shift
         if byte < 0x80:
-            return value, at
+            return value & _U64, at  # a tenth byte's bits past 64 drop, as the parser drops them
         shift += 7
 
 
@@ -61,6 +62,13 @@ def fields(body: bytes, start: int, end: int, limit: int = MAX_FIELDS) -> Iterat
         yield number, wire, a, b
 
 
+def walk(
+    body: bytes, start: int, end: int, limit: int = MAX_FIELDS
+) -> Iterator[tuple[int, int, int, int, int]]:
+    """Every field as `fields` gives it, after where it starts (its tag's first byte)."""
+    return _walk(body, start, end, limit)
+
+
 def _walk(
     body: bytes, start: int, end: int, limit: int
 ) -> Iterator[tuple[int, int, int, int, int]]:
@@ -73,11 +81,16 @@ def _walk(
             raise Malformed(f"more than {limit} fields")
         tag = at
         key, at = _varint(body, at)
+        if at - tag > 5 or key >> 32:  # the parser reads a tag as 32 bits in at most 5 bytes
+            raise Malformed("a tag over 5 bytes or 32 bits")
         number, wire = key >> 3, key & 7
         if number == 0:
             raise Malformed("field number 0")
         if wire == 2:
+            mark = at
             length, at = _varint(body, at)
+            if at - mark > 5:  # and a length in at most 5, as its sizes are under 2 GiB
+                raise Malformed("a length over 5 bytes")
             if at + length > end:
                 raise Malformed("a field runs past the end")
             yield tag, number, wire, at, at + length

@@ -1,0 +1,170 @@
+"""What a request body says about where it goes, read off the wire in one pass over its
+top-level fields (sluice.wire.peek), nothing decoded: the model and version it names, its
+per-call id (KServe's `id`) and where that sits, and, when asked, the first dimension its
+inputs share (the rows fan-out splits on). The balancer routes on these facts, the server
+keys its cache on them, fan-out splits on them.
+
+The field numbers of the request messages live here and in the generated code only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from sluice.kserve import grpc_predict_v2_pb2 as kpb
+from sluice.v1 import inference_pb2 as pb
+from sluice.wire import peek
+
+# sluice.v1.Tensor's fields (codec.decode_predict reads them too).
+TENSOR_NAME = pb.Tensor.NAME_FIELD_NUMBER
+TENSOR_DATATYPE = pb.Tensor.DATATYPE_FIELD_NUMBER
+TENSOR_SHAPE = pb.Tensor.SHAPE_FIELD_NUMBER
+TENSOR_RAW_DATA = pb.Tensor.RAW_DATA_FIELD_NUMBER
+TENSOR_TYPED = frozenset(
+    {
+        pb.Tensor.BOOL_DATA_FIELD_NUMBER,
+        pb.Tensor.INT_DATA_FIELD_NUMBER,
+        pb.Tensor.INT64_DATA_FIELD_NUMBER,
+        pb.Tensor.UINT_DATA_FIELD_NUMBER,
+        pb.Tensor.UINT64_DATA_FIELD_NUMBER,
+        pb.Tensor.FP32_DATA_FIELD_NUMBER,
+        pb.Tensor.FP64_DATA_FIELD_NUMBER,
+    }
+)
+# sluice.v1.PredictRequest's.
+PREDICT_INPUTS = pb.PredictRequest.INPUTS_FIELD_NUMBER
+PREDICT_OUTPUTS = pb.PredictRequest.OUTPUTS_FIELD_NUMBER
+PREDICT_TYPED_OUTPUTS = pb.PredictRequest.TYPED_OUTPUTS_FIELD_NUMBER
+PREDICT_MODEL = pb.PredictRequest.MODEL_FIELD_NUMBER
+PREDICT_VERSION = pb.PredictRequest.VERSION_FIELD_NUMBER
+
+MAX_RANK = 64  # a tensor's most dimensions: numpy's own limit (NPY_MAXDIMS)
+# A packed shape of MAX_RANK dimensions takes at most 10 bytes each.
+MAX_SHAPE_BYTES = 10 * MAX_RANK
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """A request message `read` takes: its full name (for messages) and the numbers of the
+    fields that hold the facts (0: it has none)."""
+
+    message: str
+    model: int  # a string
+    version: int  # a string
+    id: int = 0  # a string that changes no answer: left out of the cache and affinity keys
+    inputs: int = 0  # repeated tensor messages ...
+    shape: int = 0  # ... whose repeated int64 shape starts with their rows
+
+
+PREDICT = Kind(
+    pb.PredictRequest.DESCRIPTOR.full_name,
+    PREDICT_MODEL,
+    PREDICT_VERSION,
+    inputs=PREDICT_INPUTS,
+    shape=TENSOR_SHAPE,
+)
+_Infer = kpb.ModelInferRequest
+MODEL_INFER = Kind(
+    _Infer.DESCRIPTOR.full_name,
+    _Infer.MODEL_NAME_FIELD_NUMBER,
+    _Infer.MODEL_VERSION_FIELD_NUMBER,
+    _Infer.ID_FIELD_NUMBER,
+    _Infer.INPUTS_FIELD_NUMBER,
+    _Infer.InferInputTensor.SHAPE_FIELD_NUMBER,
+)
+METADATA = Kind(
+    pb.MetadataRequest.DESCRIPTOR.full_name,
+    pb.MetadataRequest.MODEL_FIELD_NUMBER,
+    pb.MetadataRequest.VERSION_FIELD_NUMBER,
+)
+
+
+class Facts(NamedTuple):
+    """What one body says about its routing (a tuple: made on every call, it must be cheap)."""
+
+    model: str  # empty: the default model
+    version: str  # empty: its newest ready version
+    request_id: str  # KServe's `id`; '' where the message has none
+    # The id field, its tag to its value's end (None: absent): left out of the cache and
+    # affinity keys, and put in front of the answer.
+    id_span: tuple[int, int] | None
+    # With `rows`: the first dimension every input shares; None when not asked, or when
+    # there is none to split on (no inputs, a scalar, dimensions that differ, an input the
+    # walk cannot read: the server judges it).
+    rows: int | None
+
+    def keyed(self, body: bytes) -> bytes:
+        """The body less its id field: what cache and affinity keys are taken of."""
+        span = self.id_span
+        return body if span is None else body[: span[0]] + body[span[1] :]
+
+
+def read(body: bytes, kind: Kind, rows: bool = False) -> Facts:
+    """The facts a `kind` message's body holds, in one walk of its top-level fields (the
+    last occurrence of each, as a parser keeps; `rows`: the inputs' first dimension too).
+    Raises peek.Malformed, its message naming the message, on top-level bytes no parser
+    would take or a string fact that is not UTF-8; what lies inside the inputs is left to
+    the parser (rows None)."""
+    try:
+        return _read(body, kind, rows)
+    except peek.Malformed as exc:
+        raise peek.Malformed(f"request body is not a valid {kind.message}: {exc}") from None
+
+
+def _read(body: bytes, kind: Kind, rows: bool) -> Facts:
+    model = version = call_id = None
+    tag_at = 0
+    found: int | None = None
+    # One budget of fields for the whole walk, inputs' fields included, as the server's
+    # own wire reader keeps (codec.decode_predict).
+    budget = peek.MAX_FIELDS
+    for tag, number, wire, a, b in peek.walk(body, 0, len(body), peek.MAX_FIELDS):
+        budget -= 1
+        if wire != 2:
+            continue
+        if number == kind.model:
+            model = (a, b)
+        elif number == kind.version:
+            version = (a, b)
+        elif number == kind.id:
+            call_id, tag_at = (a, b), tag
+        elif number == kind.inputs and rows:
+            first, budget = _first(body, a, b, kind.shape, budget)
+            if first is None or (found is not None and first != found):
+                rows, found = False, None  # nothing to split on
+            else:
+                found = first
+    return Facts(
+        _text(body, model),
+        _text(body, version),
+        _text(body, call_id),
+        None if call_id is None else (tag_at, call_id[1]),
+        found,
+    )
+
+
+def _text(body: bytes, span: tuple[int, int] | None) -> str:
+    if span is None:
+        return ""
+    try:
+        return body[span[0] : span[1]].decode()
+    except UnicodeDecodeError:
+        raise peek.Malformed("a string field is not UTF-8") from None
+
+
+def _first(body: bytes, start: int, end: int, shape: int, budget: int) -> tuple[int | None, int]:
+    """The first dimension of the tensor message in body[start:end] (the first value of its
+    first `shape` field), or None; and the budget left."""
+    try:
+        for number, wire, a, b in peek.fields(body, start, end, budget):
+            budget -= 1
+            if number != shape:
+                continue
+            if wire == 0:
+                return peek.int64(a), budget
+            if wire != 2 or not a < b <= a + MAX_SHAPE_BYTES:
+                return None, budget  # no dimension, or surely over the rank limit
+            return peek.varints(body, a, b)[0], budget
+    except peek.Malformed:
+        pass
+    return None, budget

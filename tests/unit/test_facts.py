@@ -1,0 +1,239 @@
+"""A body's routing facts read off the wire (sluice.wire.facts) against protobuf's own parser:
+the same model, version, id and rows on any message, the id's span where the parser finds
+the id, and a refusal exactly where the parser refuses the top-level framing."""
+
+from __future__ import annotations
+
+import pytest
+from google.protobuf.message import DecodeError, Message
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice.kserve import grpc_predict_v2_pb2 as kpb
+from sluice.v1 import inference_pb2 as pb
+from sluice.wire import facts, peek
+
+Infer = kpb.ModelInferRequest
+InferInput = kpb.ModelInferRequest.InferInputTensor
+
+texts = st.text(max_size=6)
+# Small first dimensions, so that inputs often share one; any int64 beyond them.
+dims = st.lists(st.integers(-2, 3) | st.integers(-(2**63), 2**63 - 1), max_size=4)
+
+
+def varint(value: int) -> bytes:
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field."""
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+
+@st.composite
+def tensor_bytes(draw: st.DrawFn, kind: type[Message]) -> bytes:
+    """A tensor message's bytes: one serialized message, or several run together (what a
+    parser merges: their shapes concatenated, the first shape field first), some with the
+    shape unpacked."""
+    parts = []
+    for _ in range(draw(st.integers(1, 2))):
+        shape = draw(dims)
+        tensor = kind(name=draw(texts), datatype=draw(st.sampled_from(["FP32", "INT64", ""])))
+        if draw(st.booleans()):
+            tensor.shape.extend(shape)  # type: ignore[attr-defined]
+            shape = []
+        if kind is pb.Tensor and draw(st.booleans()):
+            tensor.raw_data = draw(st.binary(max_size=8))  # type: ignore[attr-defined]
+        # Unpacked values (wire type 0), as a parser takes them too.
+        unpacked = b"".join(varint(3 << 3) + varint(d) for d in shape)
+        parts.append(tensor.SerializeToString() + unpacked)
+    return b"".join(parts)
+
+
+@st.composite
+def predicts(draw: st.DrawFn) -> bytes:
+    inputs = [field(1, t) for t in draw(st.lists(tensor_bytes(pb.Tensor), max_size=4))]
+    rest = pb.PredictRequest(
+        outputs=draw(st.lists(texts, max_size=2)),
+        typed_outputs=draw(st.booleans()),
+        model=draw(texts),
+        version=draw(texts),
+    ).SerializeToString()
+    return _shuffled(draw, [*inputs, rest])
+
+
+@st.composite
+def infers(draw: st.DrawFn) -> bytes:
+    inputs = [field(5, t) for t in draw(st.lists(tensor_bytes(InferInput), max_size=3))]
+    rest = Infer(
+        model_name=draw(texts),
+        model_version=draw(texts),
+        id=draw(texts),
+        outputs=[Infer.InferRequestedOutputTensor(name=n) for n in draw(st.lists(texts))],
+        raw_input_contents=draw(st.lists(st.binary(max_size=4), max_size=2)),
+    ).SerializeToString()
+    return _shuffled(draw, [*inputs, rest])
+
+
+def _shuffled(draw: st.DrawFn, parts: list[bytes]) -> bytes:
+    """The parts in any order: a parser takes fields in any order."""
+    return b"".join(draw(st.permutations(parts)))
+
+
+def parsed_rows(inputs: list[pb.Tensor] | list[InferInput]) -> int | None:
+    firsts = {t.shape[0] if len(t.shape) else None for t in inputs}
+    return None if len(firsts) != 1 else firsts.pop()
+
+
+def check(body: bytes, kind: facts.Kind) -> None:
+    """read's facts are the parser's, wherever the parser takes the body."""
+    got = facts.read(body, kind, rows=True)
+    if kind is facts.PREDICT:
+        request = pb.PredictRequest.FromString(body)
+        parsed = (request.model, request.version, "", parsed_rows(list(request.inputs)))
+        assert got.id_span is None
+    else:
+        infer = Infer.FromString(body)
+        parsed = (infer.model_name, infer.model_version, infer.id, parsed_rows(list(infer.inputs)))
+        if got.id_span is None:
+            assert infer.id == ""
+        else:
+            start, end = got.id_span
+            assert Infer.FromString(body[start:end]).id == infer.id
+    assert (got.model, got.version, got.request_id, got.rows) == parsed
+    assert facts.read(body, kind).rows is None  # not asked
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=predicts(), more=predicts())
+def test_a_predicts_facts_are_the_parsers(body: bytes, more: bytes) -> None:
+    check(body, facts.PREDICT)
+    check(body + more, facts.PREDICT)  # two messages run together are one, merged
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=infers(), more=infers())
+def test_a_model_infers_facts_are_the_parsers(body: bytes, more: bytes) -> None:
+    check(body, facts.MODEL_INFER)
+    check(body + more, facts.MODEL_INFER)
+
+
+@settings(max_examples=100, deadline=None)
+@given(model=texts, version=texts)
+def test_a_metadata_requests_facts_are_the_parsers(model: str, version: str) -> None:
+    body = pb.MetadataRequest(model=model, version=version).SerializeToString()
+    assert facts.read(body, facts.METADATA, rows=True) == (model, version, "", None, None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    case=st.tuples(st.just(facts.PREDICT), predicts())
+    | st.tuples(st.just(facts.MODEL_INFER), infers()),
+    data=st.data(),
+)
+def test_a_cut_body_is_refused_exactly_where_the_parser_refuses_it(
+    case: tuple[facts.Kind, bytes], data: st.DataObject
+) -> None:
+    kind, body = case
+    cut = body[: data.draw(st.integers(0, len(body)))]
+    message = pb.PredictRequest if kind is facts.PREDICT else Infer
+    try:
+        message.FromString(cut)
+    except DecodeError:
+        with pytest.raises(peek.Malformed, match=f"not a valid {kind.message}: "):
+            facts.read(cut, kind, rows=True)
+    else:
+        check(cut, kind)
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=infers())
+def test_the_key_leaves_the_id_out(body: bytes) -> None:
+    request = Infer.FromString(body)
+    got = facts.read(body, facts.MODEL_INFER)
+    if got.id_span is None:
+        assert got.keyed(body) is body
+        return
+    request.ClearField("id")
+    assert Infer.FromString(got.keyed(body)) == request
+    # Two messages that differ in their id only have one key.
+    other = Infer.FromString(body)
+    other.id = got.request_id + "-other"
+    again = other.SerializeToString()
+    assert facts.read(again, facts.MODEL_INFER).keyed(again) == request.SerializeToString()
+
+
+def body_of(*tensors: pb.Tensor) -> bytes:
+    return pb.PredictRequest(inputs=tensors).SerializeToString()
+
+
+def rows(body: bytes) -> int | None:
+    return facts.read(body, facts.PREDICT, rows=True).rows
+
+
+def test_rows_is_the_first_dimension_the_inputs_share() -> None:
+    x = [pb.Tensor(name="x", shape=[5, 2]), pb.Tensor(name="y", shape=[5])]
+    assert rows(body_of(*x)) == 5
+    # Unpacked shape values are read too, as a parser reads them.
+    unpacked = b"\x0a\x08\x1a\x01\x07\x1a\x01\x03\x12\x00"  # Tensor{shape: 7, shape: 3, ...}
+    assert rows(unpacked) == 7
+    assert rows(body_of(x[0], pb.Tensor(name="y", shape=[3]))) is None
+    assert rows(body_of(pb.Tensor(name="x"))) is None  # a scalar
+    assert rows(pb.PredictRequest(model="m").SerializeToString()) is None
+
+
+def test_an_input_the_walk_cannot_read_leaves_the_rows_to_the_server() -> None:
+    """Bytes inside an input are the parser's to judge: the facts still route the body."""
+    body = field(1, b"\x1a\x05\x07") + pb.PredictRequest(model="m").SerializeToString()
+    got = facts.read(body, facts.PREDICT, rows=True)
+    assert (got.model, got.rows) == ("m", None)
+    with pytest.raises(DecodeError):
+        pb.PredictRequest.FromString(body)
+    # A packed shape longer than MAX_RANK dimensions could take is not read.
+    long = field(1, field(3, b"\x08" * (facts.MAX_SHAPE_BYTES + 1)))
+    assert rows(long) is None
+    assert rows(field(1, field(3, b"\x08" * facts.MAX_SHAPE_BYTES))) == 8
+
+
+def test_the_id_field_is_the_responses_too() -> None:
+    """The server puts the request's id field in front of a cached answer as it is."""
+    assert facts.MODEL_INFER.id == kpb.ModelInferResponse.ID_FIELD_NUMBER
+    field_ = kpb.ModelInferResponse.DESCRIPTOR.fields_by_name["id"]
+    assert field_.type == Infer.DESCRIPTOR.fields_by_name["id"].type
+
+
+def test_the_last_of_each_field_is_the_one_a_parser_keeps() -> None:
+    twice = Infer(id="a", model_name="m").SerializeToString() + (Infer(id="b").SerializeToString())
+    assert Infer.FromString(twice).id == "b"
+    got = facts.read(twice, facts.MODEL_INFER)
+    assert (got.model, got.request_id) == ("m", "b")
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"\x22\x05ab", "runs past the end"),  # length 5, 2 bytes left
+        (b"\x22", "truncated varint"),
+        (b"\x80" * 11, "truncated varint"),
+        (b"\x00\x01", "field number 0"),
+        (b"\x23", "wire type 3"),  # groups are not in these messages
+        (b"\x78\x00" * (peek.MAX_FIELDS + 1), "more than"),  # a flood of tiny fields
+        (b"\x22\x02\xff\xfe", "not UTF-8"),  # the model
+        (b"\x2a\x01\xff", "not UTF-8"),  # the version
+    ],
+)
+def test_malformed_bodies_are_refused(body: bytes, why: str) -> None:
+    with pytest.raises(peek.Malformed, match=f"sluice.v1.PredictRequest: .*{why}"):
+        facts.read(body, facts.PREDICT, rows=True)
+
+
+def test_an_id_that_is_not_utf8_is_refused() -> None:
+    with pytest.raises(peek.Malformed, match=r"inference\.ModelInferRequest: a string field"):
+        facts.read(b"\x1a\x02\xc3\x28", facts.MODEL_INFER)
+    assert facts.read(b"\x1a\x02\xc3\x28", facts.PREDICT).model == ""  # not Predict's
