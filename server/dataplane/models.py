@@ -33,7 +33,7 @@ class Model:
     ) -> None:
         self.name = name or engine.name
         self.version = version
-        self.tag = tag  # what else tells this load apart (its file's mtime and size)
+        self.tag = tag  # what else tells this load apart (its file's stamp)
         self.engine = engine
         self.batcher = batcher
         self.inputs = engine.inputs
