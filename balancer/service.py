@@ -3,7 +3,8 @@ bytes (the body is not parsed: its model and version are read off the wire, slui
 only a Predict that fan-out splits, `--fanout-rows`, is, in sluice.balancer.fanout) to the
 backend the pool chooses among those that serve the model. The attempt loop (retries within a
 retry budget and the caller's deadline, what counts against a backend) is the shared call
-planner, sluice.routing.planner. KServe v2 ModelInfer bodies take the same way
+planner, sluice.routing.planner, called from one place (`_call`); tracing hangs on it as
+observers (sluice.runtime.spans). KServe v2 ModelInfer bodies take the same way
 (`forward(..., method=INFER)`; the facade is sluice.balancer.kserve)."""
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 
 import grpc
 from google.protobuf.message import DecodeError
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind
 
 from sluice.balancer import fanout
 from sluice.balancer.upstream import Upstream
@@ -41,9 +40,9 @@ from sluice.core.stats import ServingStats, health_fields
 from sluice.core.tenants import HEADER, Account, Tenants
 from sluice.core.versions import version_key
 from sluice.routing.budget import RetryBudget
-from sluice.routing.planner import Planner, rule_of
+from sluice.routing.planner import Observer, Planner, rule_of
 from sluice.routing.pool import Backend, Pool, Want
-from sluice.runtime import door, tracing
+from sluice.runtime import door, spans, tracing
 from sluice.runtime.status import grpc_code
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import peek, stream
@@ -278,98 +277,106 @@ class BalancerService:
             return Reply(Code.INVALID_ARGUMENT, str(exc))
         # Only Predict bodies fan out: a KServe ModelInfer goes whole (out of fan-out's scope).
         parts = fanout.split(body, self.fanout_rows) if self.fanout_rows and not method else None
+        served = self._served(metadata, forwarded, stream, method, parts) if tracing.ON else None
         try:
             reply = None
             if parts is not None:
-                reply = await self._fan_out(parts, metadata, forwarded, deadline, want, stream)
-            if reply is None and tracing.ON:  # whole: not split, or its outputs are not per row
-                label = method or ("PredictStream" if stream else "Predict")
-                reply = await self._traced(
-                    body, keyed, metadata, forwarded, deadline, want, label, method
-                )
-            elif reply is None:
-                reply = await self.planner.run(
-                    affinity_key(keyed, metadata),
-                    deadline,
-                    lambda backend, left: send(backend, body, forwarded, left, method),
-                    want,
-                )
-        except BaseException:  # cancelled by its caller: it is not in flight any more
+                reply = await self._fan_out(parts, forwarded, deadline, want, served)
+            if reply is None:  # whole: not split, or its outputs are not per row
+                key = affinity_key(keyed, metadata)
+                observer = None
+                if served is not None:
+                    observer = spans.Attempts(
+                        ATTEMPT, served.span, forwarded, lambda b: self._routing(key, want, b)
+                    )
+                reply = await self._call(body, key, deadline, want, forwarded, method, observer)
+        except BaseException as exc:  # cancelled by its caller: it is not in flight any more
+            if served is not None:
+                served.failed(exc)
             self.stats.end(started, "CANCELLED")
             raise
         code = reply.code
+        if served is not None:
+            served.end(code, reply.message)
         self.stats.end(
             started, None if code == 0 else status_name(code), reason_of(code, reply.message)
         )
         return reply
 
+    def _call(
+        self,
+        body: bytes,
+        key: int | None,
+        deadline: float | None,
+        want: Want,
+        headers: dict[str, str],
+        method: str,
+        observer: Observer[Reply] | None,
+    ) -> Awaitable[Reply]:
+        """The one way a call goes through the planner: each attempt sends `body` and
+        `headers` over the chosen backend's streams with the time left. `observer` (tracing)
+        is told of each attempt, and may put its trace context into `headers` first."""
+        return self.planner.run(
+            key,
+            deadline,
+            lambda backend, left: send(backend, body, headers, left, method),
+            want,
+            observer,
+        )
+
+    def _served(
+        self,
+        metadata: Mapping[str, str],
+        forwarded: dict[str, str],
+        stream: bool,
+        method: str,
+        parts: fanout.Split | None,
+    ) -> spans.Served | None:
+        """With tracing on, the call's SERVER span, the child of the caller's span that
+        `metadata` names; None when the call is not sampled (its context goes on in
+        `forwarded`, in place of the caller's). Each attempt is a CLIENT span of its own, or,
+        fanned out, each chunk."""
+        name, service = SPANS.get(method, (SPAN, SERVICE))
+        attributes: dict[str, str | int | bool] = {"sluice.node_id": self.node_id}
+        if parts is not None:
+            attributes[FANOUT_CHUNKS] = len(parts.bodies)
+        if stream:
+            attributes[tracing.STREAM] = True
+        if "x-request-id" in metadata:
+            attributes[tracing.REQUEST_ID] = metadata["x-request-id"]
+        label = method or ("PredictStream" if stream else "Predict")
+        return spans.served(name, metadata, label, service, attributes, headers=forwarded)
+
     async def _fan_out(
         self,
         parts: fanout.Split,
-        metadata: Mapping[str, str],
         forwarded: dict[str, str],
         deadline: float | None,
         want: Want,
-        stream: bool,
-    ) -> Reply | None:
-        """`_chunks`, in a SERVER span with a CLIENT span per chunk when tracing is on."""
-        if not tracing.ON:
-            return await self._chunks(parts, forwarded, deadline, want, None)
-        with tracing.server_span(SPAN, metadata, "PredictStream" if stream else "Predict") as span:
-            span.set_attribute("sluice.node_id", self.node_id)
-            span.set_attribute(FANOUT_CHUNKS, len(parts.bodies))
-            if stream:
-                span.set_attribute(tracing.STREAM, True)
-            if "x-request-id" in metadata:
-                span.set_attribute(tracing.REQUEST_ID, metadata["x-request-id"])
-            reply = await self._chunks(parts, forwarded, deadline, want, span)
-            if reply is not None:
-                tracing.set_code(span, reply.code, reply.message)
-        return reply
-
-    async def _chunks(
-        self,
-        parts: fanout.Split,
-        forwarded: dict[str, str],
-        deadline: float | None,
-        want: Want,
-        span: trace.Span | None,
+        served: spans.Served | None,
     ) -> Reply | None:
         """The chunks of a split Predict in parallel, each a call of its own through the
         planner (its own retries, the call's deadline), spread over the backends (`Pool.spread`);
         their answers merged in order. The first chunk to fail fails the call with its
         status, and the others are cancelled. None when the model's outputs do not follow
-        the rows: the request must go whole. `span`: the call's, with tracing on."""
+        the rows: the request must go whole. `served`: the call's span (tracing on)."""
         self.fanned.calls += 1
         self.fanned.chunks += len(parts.bodies)
         keys = self.pool.spread(want, len(parts.bodies))
-        if span is not None and not span.is_recording():  # its context goes on, no spans
-            forwarded = tracing.inject(dict(forwarded), trace.set_span_in_context(span))
-            span = None
         failed: list[tuple[int, Reply]] = []
 
-        async def run(index: int, headers: dict[str, str]) -> Reply:
-            body = parts.bodies[index]
-            return await self.planner.run(
-                keys[index],
-                deadline,
-                lambda backend, left: send(backend, body, headers, left, ""),
-                want,
-            )
-
         async def chunk(index: int) -> Reply:
-            if span is None:
-                reply = await run(index, forwarded)
-            else:
+            headers, observer = forwarded, None
+            if served is not None:  # a CLIENT span per chunk, its context for each attempt
                 start, stop = parts.bounds[index]
                 attributes: tracing.Attributes = {
                     FANOUT_CHUNK: index + 1,
                     FANOUT_ROWS: f"{start}-{stop - 1}",
                 }
-                kind = SpanKind.CLIENT
-                with tracing.span(CHUNK, attributes, kind=kind, parent=span) as sending:
-                    reply = await run(index, tracing.inject(dict(forwarded)))
-                    tracing.set_code(sending, reply.code, reply.message, server=False)
+                headers = dict(forwarded)
+                observer = spans.Sending(CHUNK, served.span, attributes, headers)
+            body = parts.bodies[index]
+            reply = await self._call(body, keys[index], deadline, want, headers, "", observer)
             if reply.code != 0:
                 failed.append((index, reply))
                 raise ChunkFailed  # the group cancels the other chunks
@@ -398,86 +405,16 @@ class BalancerService:
         except fanout.MergeError as exc:
             return Reply(exc.code, str(exc), trailers=trailers)
 
-    async def _traced(
-        self,
-        body: bytes,
-        keyed: bytes,
-        metadata: Mapping[str, str],
-        forwarded: dict[str, str],
-        deadline: float | None,
-        want: Want,
-        label: str,
-        method: str,
-    ) -> Reply:
-        """`forward`'s planner run in a SERVER span, the child of the caller's span that
-        `metadata` names (tracing on). Each attempt is a CLIENT span of its own, with the
-        routing decision (backend, affinity or least-loaded, why; a retry says after what),
-        and its context goes to the server in place of the caller's."""
-        key = affinity_key(keyed, metadata)
-        stream = label == "PredictStream"
-        name, service = SPANS.get(method, (SPAN, SERVICE))
-        with tracing.server_span(name, metadata, label, service) as span:
-            span.set_attribute("sluice.node_id", self.node_id)
-            if stream:
-                span.set_attribute(tracing.STREAM, True)
-            if "x-request-id" in metadata:
-                span.set_attribute(tracing.REQUEST_ID, metadata["x-request-id"])
-            tried: list[str] = []  # each attempt so far: "address: outcome"
-
-            async def attempt(backend: Backend, left: float | None) -> Reply:
-                routing, why = self._routing(key, want, backend, tried)
-                attributes: tracing.Attributes = {
-                    "server.address": backend.address,
-                    "sluice.attempt": len(tried) + 1,
-                    "sluice.routing": routing,
-                    "sluice.routing.why": why,
-                }
-                kind = SpanKind.CLIENT
-                with tracing.span(ATTEMPT, attributes, kind=kind, parent=span) as sending:
-                    try:
-                        reply: Reply = await send(
-                            backend, body, tracing.inject(dict(forwarded)), left, method
-                        )
-                    except BaseException as exc:  # the planner decides what it means
-                        tried.append(f"{backend.address}: {type(exc).__name__}")
-                        raise
-                    tried.append(f"{backend.address}: {status_name(reply.code)}")
-                    tracing.set_code(sending, reply.code, reply.message, server=False)
-                    if reply.retryable:
-                        sending.set_attribute("sluice.retryable", True)
-                return reply
-
-            if span.is_recording():
-                reply = await self.planner.run(key, deadline, attempt, want)
-            else:  # not sampled: its context goes on (the flag says so), and no spans
-                headers = tracing.inject(dict(forwarded), trace.set_span_in_context(span))
-                reply = await self.planner.run(
-                    key,
-                    deadline,
-                    lambda backend, left: send(backend, body, headers, left, method),
-                    want,
-                )
-            span.set_attribute("sluice.attempts", len(tried))
-            tracing.set_code(span, reply.code, reply.message)
-        return reply
-
-    def _routing(
-        self, key: int | None, want: Want, backend: Backend, tried: list[str]
-    ) -> tuple[str, str]:
+    def _routing(self, key: int | None, want: Want, backend: Backend) -> tuple[str, str]:
         """How the pool chose `backend` for a call with affinity `key`, and why."""
         if key is None:
-            routing = "least-loaded"
-            why = "the call skips the cache: two random choices by in-flight x EWMA latency"
-        else:
-            routing, owner = "affinity", self.pool.route(want).ring.owner(key)
-            why = (
-                "the key's owner on the ring"
-                if owner == backend.address
-                else f"the key's owner {owner} was tried, is out or is over its load bound"
+            return "least-loaded", (
+                "the call skips the cache: two random choices by in-flight x EWMA latency"
             )
-        if tried:
-            why = f"retry after {tried[-1]}; {why}"
-        return routing, why
+        owner = self.pool.route(want).ring.owner(key)
+        if owner == backend.address:
+            return "affinity", "the key's owner on the ring"
+        return "affinity", f"the key's owner {owner} was tried, is out or is over its load bound"
 
     async def gate(self, context: Context, access: str) -> tuple[Account | None, dict[str, str]]:
         """A control call's caller (auth on) and the metadata to forward with it (its key);

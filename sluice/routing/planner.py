@@ -22,7 +22,10 @@ retried, only where a backend has headroom, and when none has, the call is refus
 A call names the model it wants (`Want`): only backends that serve it are tried. One that
 answers NOT_FOUND no longer serves it (unloaded since the pool learned what it serves): the
 call goes on to another that does, and the server's NOT_FOUND is the answer when none is
-left. When no backend serves the model at all, the pool's NOT_FOUND is the answer at once."""
+left. When no backend serves the model at all, the pool's NOT_FOUND is the answer at once.
+
+What else watches a call (tracing, metrics) hangs on this one loop as an `Observer`, told of
+each attempt and of the answer; with none, a driver does no more than check for one."""
 
 from __future__ import annotations
 
@@ -140,6 +143,7 @@ class ReplyLike(Protocol):
 
 R = TypeVar("R", bound=ReplyLike)
 R_co = TypeVar("R_co", bound=ReplyLike, covariant=True)
+R_contra = TypeVar("R_contra", bound=ReplyLike, contravariant=True)
 
 
 class MakeReply(Protocol[R_co]):
@@ -155,6 +159,24 @@ class Attempt:
     backend: Backend
     timeout: float | None  # the time left before the caller's deadline
     sent: float
+
+
+class Observer(Protocol[R_contra]):
+    """Watches one call's way through the planner (one per call: the caller makes it). The
+    planner's decisions stay its own: an observer is told, and cannot change them."""
+
+    def attempt_started(self, attempt: Attempt) -> None:
+        """An attempt is about to go to `attempt.backend`."""
+
+    def attempt_ended(
+        self, attempt: Attempt, reply: R_contra | None, error: BaseException | None
+    ) -> None:
+        """The attempt's `reply`, or what it raised: TimeoutError, a `broken` error (the
+        planner may retry either), or anything else (it leaves the call, as `ended` says)."""
+
+    def ended(self, answer: R_contra | None, error: BaseException | None) -> None:
+        """The call's answer (a backend's, or the planner's own), or the error it left with
+        (the caller cancelled it, or the transport failed)."""
 
 
 class Plan(Generic[R]):
@@ -306,24 +328,44 @@ class Planner(Generic[R]):
         deadline: float | None,
         attempt: Callable[[Backend, float | None], Awaitable[R]],
         want: Want = ANY,
+        observer: Observer[R] | None = None,
     ) -> R:
-        """The call, sending each attempt with `attempt(backend, time_left)`."""
+        """The call, sending each attempt with `attempt(backend, time_left)`; `observer`, if
+        given, is told of each attempt and of the end."""
         plan = Plan(self, key, deadline, want)
-        while True:
-            step = plan.next()
-            if not isinstance(step, Attempt):
-                return step
-            try:
-                answer = await attempt(step.backend, step.timeout)
-            except self._known as exc:
-                final = plan.failed(step, exc)
-            except BaseException:
-                plan.abandon(step)
-                raise
-            else:
-                final = plan.answered(step, answer)
-            if final is not None:
-                return final
+        try:
+            while True:
+                step = plan.next()
+                if not isinstance(step, Attempt):
+                    result = step
+                    break
+                if observer is not None:
+                    observer.attempt_started(step)
+                try:
+                    answer = await attempt(step.backend, step.timeout)
+                except self._known as exc:
+                    if observer is not None:
+                        observer.attempt_ended(step, None, exc)
+                    final = plan.failed(step, exc)
+                except BaseException as exc:
+                    plan.abandon(step)
+                    if observer is not None:
+                        observer.attempt_ended(step, None, exc)
+                    raise
+                else:
+                    if observer is not None:
+                        observer.attempt_ended(step, answer, None)
+                    final = plan.answered(step, answer)
+                if final is not None:
+                    result = final
+                    break
+        except BaseException as exc:
+            if observer is not None:
+                observer.ended(None, exc)
+            raise
+        if observer is not None:
+            observer.ended(result, None)
+        return result
 
     def run_sync(
         self,
@@ -332,26 +374,46 @@ class Planner(Generic[R]):
         attempt: Callable[[Backend, float | None], R],
         lock: AbstractContextManager[object] = NO_LOCK,
         want: Want = ANY,
+        observer: Observer[R] | None = None,
     ) -> R:
-        """`run` for blocking transports; `lock` guards each step (not the sending)."""
+        """`run` for blocking transports; `lock` guards each step (not the sending, nor the
+        observer: it is the call's own)."""
         with lock:
             plan = Plan(self, key, deadline, want)
-        while True:
-            with lock:
-                step = plan.next()
-            if not isinstance(step, Attempt):
-                return step
-            try:
-                answer = attempt(step.backend, step.timeout)
-            except self._known as exc:
+        try:
+            while True:
                 with lock:
-                    final = plan.failed(step, exc)
-            except BaseException:
-                with lock:
-                    plan.abandon(step)
-                raise
-            else:
-                with lock:
-                    final = plan.answered(step, answer)
-            if final is not None:
-                return final
+                    step = plan.next()
+                if not isinstance(step, Attempt):
+                    result = step
+                    break
+                if observer is not None:
+                    observer.attempt_started(step)
+                try:
+                    answer = attempt(step.backend, step.timeout)
+                except self._known as exc:
+                    if observer is not None:
+                        observer.attempt_ended(step, None, exc)
+                    with lock:
+                        final = plan.failed(step, exc)
+                except BaseException as exc:
+                    with lock:
+                        plan.abandon(step)
+                    if observer is not None:
+                        observer.attempt_ended(step, None, exc)
+                    raise
+                else:
+                    if observer is not None:
+                        observer.attempt_ended(step, answer, None)
+                    with lock:
+                        final = plan.answered(step, answer)
+                if final is not None:
+                    result = final
+                    break
+        except BaseException as exc:
+            if observer is not None:
+                observer.ended(None, exc)
+            raise
+        if observer is not None:
+            observer.ended(result, None)
+        return result

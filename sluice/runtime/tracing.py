@@ -287,6 +287,38 @@ def span(
     return tracer().start_as_current_span(name, context, kind, attributes)
 
 
+def opened(
+    name: str,
+    attributes: Attributes | None = None,
+    *,
+    kind: SpanKind = SpanKind.INTERNAL,
+    parent: Span | None = None,
+) -> Opened:
+    """`span` for an observer: current from now until its `end` (in the same task)."""
+    context = None if parent is None else trace.set_span_in_context(parent)
+    return Opened(tracer().start_span(name, context, kind, attributes))
+
+
+class Opened:
+    """A span made current until `end`: for an observer whose hooks start and end it (a
+    `with` cannot span two hooks). Ends as a `span` block does."""
+
+    __slots__ = ("_token", "span")
+
+    def __init__(self, span: Span) -> None:
+        self.span = span
+        self._token = context_api.attach(trace.set_span_in_context(span))
+
+    def end(self, error: BaseException | None = None) -> None:
+        """End it; an Exception that ended it (not a cancellation) is recorded and sets its
+        status, as OpenTelemetry's `use_span` does."""
+        context_api.detach(self._token)
+        if isinstance(error, Exception):
+            self.span.record_exception(error)
+            self.span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        self.span.end()
+
+
 def timed(name: str, start_ns: int, end_ns: int, attributes: Attributes | None = None) -> None:
     """A span, child of the current one, that began and ended at the times given (ns since
     the epoch, as `time.time_ns`): for steps timed elsewhere, such as in the batcher."""
