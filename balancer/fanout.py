@@ -2,12 +2,12 @@
 first dimension into chunks, each a Predict of its own (sent in parallel to several servers),
 and their answers are merged back in order. The only place the balancer parses tensors.
 
-Whether a body needs it is read off the wire (its inputs' first dimensions, sluice.wire.peek)
-without parsing it; only a body over the threshold is parsed. A body the split cannot cut
-faithfully (inputs whose first dimensions differ, a tensor whose bytes do not match its shape,
-an unknown datatype, a repeated name, bytes no parser takes) is forwarded whole: the server's
-word on it, its message about the request as sent, is the answer. Some models take inputs
-whose first dimensions differ; the balancer cannot tell, the server can.
+Whether a body needs it is read off the wire with its model (its inputs' first dimensions,
+sluice.wire.facts) without parsing it; only a body over the threshold is parsed. A body the
+split cannot cut faithfully (inputs whose first dimensions differ, a tensor whose bytes do not
+match its shape, an unknown datatype, a repeated name, bytes no parser takes) is forwarded
+whole: the server's word on it, its message about the request as sent, is the answer. Some
+models take inputs whose first dimensions differ; the balancer cannot tell, the server can.
 
 The answers merge only when one model version gave them all (else ABORTED: a new version
 went live mid-call, and mixing versions in one answer would be wrong) and every output
@@ -26,7 +26,7 @@ from google.protobuf.message import DecodeError
 from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import Code
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import codec, peek
+from sluice.wire import facts, peek
 
 TYPED_FIELDS = sorted({d.typed_field for d in DATATYPES.values()})
 NODE_ID = "x-node-id"
@@ -74,45 +74,16 @@ class MergeError(Exception):
         self.code = code
 
 
-def rows(body: bytes) -> int | None:
-    """The first dimension the inputs of a PredictRequest body share, read off the wire;
-    None when there is none to split on (no inputs, a scalar, dimensions that differ, bytes
-    that are no message)."""
-    found: int | None = None
-    # One budget of fields for the whole walk, as the server's own wire reader keeps.
-    budget = peek.MAX_FIELDS
-    try:
-        for number, wire, start, end in peek.fields(body, 0, len(body)):
-            budget -= 1
-            if number != 1 or wire != 2:
-                continue
-            first = None
-            for field_number, field_wire, a, b in peek.fields(body, start, end, budget):
-                budget -= 1
-                if field_number == 3:  # the first `shape` field holds the first dimension
-                    first = _first(body, field_wire, a, b)
-                    break
-            if first is None or (found is not None and first != found):
-                return None
-            found = first
-    except peek.Malformed:
-        return None
-    return found
-
-
-def _first(body: bytes, wire: int, start: int, end: int) -> int | None:
-    """The first value of a `shape` field: a varint, or packed varints."""
-    if wire == 0:
-        return peek.int64(start)
-    if wire != 2 or not start < end <= start + codec.MAX_SHAPE_BYTES:
-        return None  # no dimension, or surely over the rank limit: the server judges it
-    return peek.varints(body, start, end)[0]
-
-
-def split(body: bytes, most: int) -> Split | None:
+def split(body: bytes, most: int, read: facts.Facts | None = None) -> Split | None:
     """The request cut into chunks of at most `most` rows, or None when it has no more rows
-    than that or cannot be cut faithfully (forward it whole)."""
-    total = rows(body)
+    than that or cannot be cut faithfully (forward it whole). `read`: the body's facts with
+    its rows, when the caller has read them."""
+    if read is None:
+        try:
+            read = facts.read(body, facts.PREDICT, rows=True)
+        except peek.Malformed:
+            return None
+    total = read.rows
     if total is None or total <= most:
         return None
     try:

@@ -1,6 +1,6 @@
 """The KServe v2 / Open Inference Protocol over gRPC (`inference.GRPCInferenceService`, the API
 of Triton and MLServer), served beside sluice.v1 so their clients work unchanged: the
-ModelInferRequest wire format as a dataplane codec, and a thin servicer for the protocol's
+ModelInferRequest wire format as a dataplane protocol, and a thin servicer for the protocol's
 calls. ModelInfer takes Predict's path (validation, cache, batching, status codes)."""
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from sluice.core.errors import InvalidInput, ModelNotFound, Unimplemented
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.runtime.door import ADMIN, OPEN, TENANT
 from sluice.runtime.process import package_version
-from sluice.server.convert import parse
 from sluice.server.dataplane.batcher import Arrays
 from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.models import Model
-from sluice.server.dataplane.plane import Request, Route
+from sluice.server.dataplane.plane import Asked, Request
 from sluice.server.service import Call, InferenceService, Method
-from sluice.wire import codec, peek
+from sluice.server.v1 import parse
+from sluice.wire import codec, facts, peek
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 INFER = "ModelInfer"  # the method name, also a PredictStream message's `method`
@@ -45,8 +45,6 @@ REPOSITORY_OFF = (
 )
 READY = "READY"
 
-# ModelInferRequest's model_name, model_version and id.
-_NAME, _VERSION, _ID = 1, 2, 3
 # KServe's typed fields are sluice.v1's, renamed: int_data is int_contents, and so on.
 _CONTENTS = sorted({d.typed_field.replace("_data", "_contents") for d in DATATYPES.values()})
 _ALL_CONTENTS = [*_CONTENTS, "bytes_contents"]
@@ -60,7 +58,7 @@ def _contents_field(dt: DataType) -> str | None:
     return None if dt.name == "FP16" else dt.typed_field.replace("_data", "_contents")
 
 
-class KServeCodec:
+class KServeV2:
     """ModelInfer's bodies. The request's `id` is echoed, not computed: it is left out of the
     cache key and the dataplane puts the request's id field in front of the answer, where it
     is ModelInferResponse's `id` (the same field number and type), so `encode` leaves it out
@@ -68,21 +66,12 @@ class KServeCodec:
 
     name = "kserve.v2"
 
-    def route(self, body: bytes) -> Route:
+    def route(self, body: bytes) -> Asked:
         try:
-            found = peek.spans(body, (_NAME, _VERSION, _ID))
-            # Read for its check only: an id that is not UTF-8 must not be echoed.
-            peek.text(body, found.get(_ID))
+            read = facts.read(body, facts.MODEL_INFER)  # an id that is not UTF-8 is refused
         except peek.Malformed as exc:
-            raise InvalidInput(
-                f"request body is not a valid inference.ModelInferRequest: {exc}"
-            ) from None
-        span = found.get(_ID)
-        return Route(
-            peek.text(body, found.get(_NAME)),
-            peek.text(body, found.get(_VERSION)),
-            None if span is None else (span[0], span[2]),
-        )
+            raise InvalidInput(str(exc)) from None
+        return Asked(read.model, read.version, read.id_span)
 
     def decode(self, body: bytes) -> Request[None]:
         request = parse(kpb.ModelInferRequest, body)
@@ -134,7 +123,7 @@ class KServeCodec:
         return response.SerializeToString()
 
 
-KSERVE = KServeCodec()
+KSERVE = KServeV2()
 
 
 def _decode(tensor: kpb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> np.ndarray:

@@ -35,10 +35,10 @@ from sluice.core.tenants import HEADER, INTERACTIVE, Account, Tenants
 from sluice.runtime import door, tracing
 from sluice.runtime.door import OPEN, TENANT
 from sluice.runtime.status import status_of
-from sluice.server.convert import V1, model_info, model_statuses, parse
 from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Codec, Dataplane
+from sluice.server.v1 import V1, model_info, model_statuses, parse
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import stream
 

@@ -34,8 +34,8 @@ MODEL_RUN = "sluice.model.run"
 
 
 @dataclass(slots=True, frozen=True)
-class Route:
-    """Which model a request body asks for, read without decoding it (sluice.wire.peek)."""
+class Asked:
+    """Which model a request body asks for, read without decoding it (sluice.wire.facts)."""
 
     model: str = ""  # empty: the default model
     version: str = ""  # empty: its newest ready version
@@ -59,7 +59,7 @@ class Codec(Protocol[Opts]):
     @property
     def name(self) -> str: ...  # in the cache key
 
-    def route(self, body: bytes) -> Route: ...
+    def route(self, body: bytes) -> Asked: ...
 
     def decode(self, body: bytes) -> Request[Opts]: ...
 
@@ -90,8 +90,8 @@ class Dataplane:
         caller's)."""
         if deadline is not None and deadline <= self.clock():
             raise DeadlineExpired(EXPIRED)
-        route = codec.route(body)
-        found = self.models.get(route.model, route.version)
+        asked = codec.route(body)
+        found = self.models.get(asked.model, asked.version)
         if not cache or not self.cache.enabled:
             if tracing.ON:
                 tracing.annotate(tracing.CACHE, "off")
@@ -100,11 +100,11 @@ class Dataplane:
             )
         else:
             digest = xxhash.xxh3_128(found.scope(codec.name))
-            if route.echo is None:
+            if asked.echo is None:
                 digest.update(body)
             else:
-                digest.update(body[: route.echo[0]])
-                digest.update(body[route.echo[1] :])
+                digest.update(body[: asked.echo[0]])
+                digest.update(body[asked.echo[1] :])
             key = digest.digest()
             hit = self.cache.get(key)
             if hit is not None:
@@ -115,8 +115,8 @@ class Dataplane:
                 entry, cached = await self._held(
                     found, self._once(key, found, body, codec, deadline, priority)
                 )
-        if route.echo is not None:
-            entry = Entry(body[route.echo[0] : route.echo[1]] + entry.body, entry.nonfinite)
+        if asked.echo is not None:
+            entry = Entry(body[asked.echo[0] : asked.echo[1]] + entry.body, entry.nonfinite)
         return entry, cached
 
     async def _held(self, model: Model, work: Awaitable[T]) -> T:

@@ -16,14 +16,14 @@ import numpy as np
 from sluice.core.datatypes import DATATYPES, DataType
 from sluice.core.datatypes import datatype_of as _datatype_of
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import peek
+from sluice.wire import facts, peek
 
 
 class TensorError(ValueError):
     """A tensor message that cannot be decoded; the message says why."""
 
 
-MAX_RANK = 64  # numpy's own limit (NPY_MAXDIMS)
+MAX_RANK = facts.MAX_RANK
 # The most elements a shape may describe, counting its non-zero dimensions only (numpy
 # refuses even an empty array whose other dimensions overflow its sizes); far beyond any
 # message gRPC lets through, and far within numpy's byte count.
@@ -139,12 +139,25 @@ def decode_predict(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool]
         return None
 
 
-# A packed shape of MAX_RANK dimensions takes at most 10 bytes each.
-MAX_SHAPE_BYTES = 10 * MAX_RANK
-
-
 class _FullParse(Exception):
     """What this reader leaves to the full parser."""
+
+
+# The wire type each PredictRequest field takes here (bool: varint; the rest: length-
+# delimited), and each Tensor field it reads (shape: packed or not).
+_PREDICT_FIELDS = {
+    facts.PREDICT_INPUTS: 2,
+    facts.PREDICT_OUTPUTS: 2,
+    facts.PREDICT_TYPED_OUTPUTS: 0,
+    facts.PREDICT_MODEL: 2,
+    facts.PREDICT_VERSION: 2,
+}
+_TENSOR_FIELDS = {
+    facts.TENSOR_NAME: (2,),
+    facts.TENSOR_DATATYPE: (2,),
+    facts.TENSOR_SHAPE: (0, 2),
+    facts.TENSOR_RAW_DATA: (2,),
+}
 
 
 def _predict(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool]:
@@ -157,16 +170,15 @@ def _predict(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool]:
     budget = peek.MAX_FIELDS
     for number, wire, a, b in peek.fields(body, 0, len(body), budget):
         budget -= 1
-        expected = 0 if number == 3 else 2
-        if number <= 5 and wire != expected:
+        if number in _PREDICT_FIELDS and wire != _PREDICT_FIELDS[number]:
             raise _FullParse
-        if number == 1:
+        if number == facts.PREDICT_INPUTS:
             tensors.append((a, b))
-        elif number == 2:
+        elif number == facts.PREDICT_OUTPUTS:
             outputs.append(body[a:b].decode())
-        elif number == 3:
+        elif number == facts.PREDICT_TYPED_OUTPUTS:
             typed = bool(a)
-        elif number in (4, 5):
+        elif number in (facts.PREDICT_MODEL, facts.PREDICT_VERSION):
             body[a:b].decode()  # the parser refuses a name that is not UTF-8
     # Every tensor's fields are read before any is judged: a body the parser refuses gets
     # its message, whatever the tensors before the fault hold.
@@ -175,19 +187,19 @@ def _predict(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool]:
         name, datatype, shape, raw = "", "", [], (0, 0)
         for number, wire, a, b in peek.fields(body, start, end, budget):
             budget -= 1
-            if (number in (1, 2, 4) and wire != 2) or (number == 3 and wire not in (0, 2)):
+            if number in _TENSOR_FIELDS and wire not in _TENSOR_FIELDS[number]:
                 raise _FullParse  # a wire type the parser would judge
-            if 5 <= number <= 11:
+            if number in facts.TENSOR_TYPED:
                 raise _FullParse  # typed values: the parser reads them
-            if number == 1:
+            if number == facts.TENSOR_NAME:
                 name = body[a:b].decode()
-            elif number == 2:
+            elif number == facts.TENSOR_DATATYPE:
                 datatype = body[a:b].decode()
-            elif number == 3:
-                if wire == 2 and b - a > MAX_SHAPE_BYTES:
+            elif number == facts.TENSOR_SHAPE:
+                if wire == 2 and b - a > facts.MAX_SHAPE_BYTES:
                     raise _FullParse  # surely over MAX_RANK: the parser counts, in C
                 shape += peek.varints(body, a, b) if wire == 2 else [peek.int64(a)]
-            elif number == 4:
+            elif number == facts.TENSOR_RAW_DATA:
                 raw = (a, b)
         found.append((name, datatype, shape, raw))
     arrays: dict[str, np.ndarray] = {}

@@ -15,12 +15,12 @@ import pytest
 
 from sluice import models
 from sluice.core.errors import DeadlineExpired, InvalidInput, ModelNotFound
-from sluice.server.convert import V1
 from sluice.server.dataplane.batcher import Arrays, Batcher, Pending
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine, Instance
 from sluice.server.dataplane.models import Model, Models
-from sluice.server.dataplane.plane import Dataplane, Request, Route
+from sluice.server.dataplane.plane import Asked, Dataplane, Request
+from sluice.server.v1 import V1
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 from tests.conftest import SAMPLES
@@ -43,8 +43,8 @@ class Raw:
     name: str = "raw"
     decoded: int = 0
 
-    def route(self, body: bytes) -> Route:
-        return Route()
+    def route(self, body: bytes) -> Asked:
+        return Asked()
 
     def decode(self, body: bytes) -> Request[None]:
         self.decoded += 1
@@ -62,7 +62,7 @@ class CountingV1:
     def __init__(self) -> None:
         self.decoded = 0
 
-    def route(self, body: bytes) -> Route:
+    def route(self, body: bytes) -> Asked:
         return V1.route(body)
 
     def decode(self, body: bytes) -> Request[bool]:

@@ -13,12 +13,12 @@ import pytest
 
 from sluice import models
 from sluice.core.errors import Unavailable
-from sluice.server.convert import model_statuses
 from sluice.server.dataplane import gpu
 from sluice.server.dataplane.batcher import Batcher, Pending
 from sluice.server.dataplane.buffers import BufferPool
 from sluice.server.dataplane.engine import MAX_AUTO_THREADS, Engine, Instance, choose_providers
 from sluice.server.dataplane.models import Model, Models
+from sluice.server.v1 import model_statuses
 from tests.conftest import SAMPLES
 
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"

@@ -169,23 +169,8 @@ def test_the_key_leaves_the_id_out(body: bytes) -> None:
     assert facts.read(again, facts.MODEL_INFER).keyed(again) == request.SerializeToString()
 
 
-def body_of(*tensors: pb.Tensor) -> bytes:
-    return pb.PredictRequest(inputs=tensors).SerializeToString()
-
-
 def rows(body: bytes) -> int | None:
     return facts.read(body, facts.PREDICT, rows=True).rows
-
-
-def test_rows_is_the_first_dimension_the_inputs_share() -> None:
-    x = [pb.Tensor(name="x", shape=[5, 2]), pb.Tensor(name="y", shape=[5])]
-    assert rows(body_of(*x)) == 5
-    # Unpacked shape values are read too, as a parser reads them.
-    unpacked = b"\x0a\x08\x1a\x01\x07\x1a\x01\x03\x12\x00"  # Tensor{shape: 7, shape: 3, ...}
-    assert rows(unpacked) == 7
-    assert rows(body_of(x[0], pb.Tensor(name="y", shape=[3]))) is None
-    assert rows(body_of(pb.Tensor(name="x"))) is None  # a scalar
-    assert rows(pb.PredictRequest(model="m").SerializeToString()) is None
 
 
 def test_an_input_the_walk_cannot_read_leaves_the_rows_to_the_server() -> None:

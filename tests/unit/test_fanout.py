@@ -24,7 +24,7 @@ from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Pool
 from sluice.runtime import tracing
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import codec
+from sluice.wire import codec, facts
 from sluice.wire.mux import Reply, StreamBroken
 
 DTYPES = [d.dtype.newbyteorder("=") for d in DATATYPES.values()]
@@ -64,7 +64,7 @@ def test_merge_of_the_answers_to_the_chunks_is_the_answer_to_the_whole(
     whole.model, whole.version, whole.typed_outputs = "m", "7", typed_out
     body = whole.SerializeToString()
     total = len(next(iter(inputs.values())))
-    assert fanout.rows(body) == total
+    assert rows(body) == total
     parts = fanout.split(body, most)
     if total <= most:
         assert parts is None
@@ -96,16 +96,21 @@ def body_of(*tensors: pb.Tensor) -> bytes:
     return pb.PredictRequest(inputs=tensors).SerializeToString()
 
 
+def rows(body: bytes) -> int | None:
+    """The rows fan-out splits on, read with the body's other facts (sluice.wire.facts)."""
+    return facts.read(body, facts.PREDICT, rows=True).rows
+
+
 def test_rows_is_the_first_dimension_the_inputs_share() -> None:
     x = np.zeros((5, 2), np.float32)
-    assert fanout.rows(body_of(codec.encode("x", x), codec.encode("y", x[:, 0]))) == 5
+    assert rows(body_of(codec.encode("x", x), codec.encode("y", x[:, 0]))) == 5
     # Unpacked shape values are read too, as a parser reads them.
     unpacked = b"\x0a\x08\x1a\x01\x07\x1a\x01\x03\x12\x00"  # Tensor{shape: 7, shape: 3, ...}
-    assert fanout.rows(unpacked) == 7
-    assert fanout.rows(body_of(codec.encode("x", x), codec.encode("y", x[:3]))) is None
-    assert fanout.rows(body_of(codec.encode("x", np.float32(1)))) is None  # a scalar
-    assert fanout.rows(pb.PredictRequest(model="m").SerializeToString()) is None
-    assert fanout.rows(b"\x0a\xff") is None  # no protobuf message
+    assert rows(unpacked) == 7
+    assert rows(body_of(codec.encode("x", x), codec.encode("y", x[:3]))) is None
+    assert rows(body_of(codec.encode("x", np.float32(1)))) is None  # a scalar
+    assert rows(pb.PredictRequest(model="m").SerializeToString()) is None
+    assert fanout.split(b"\x0a\xff", 1) is None  # no protobuf message
 
 
 @pytest.mark.parametrize(

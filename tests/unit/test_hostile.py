@@ -23,13 +23,13 @@ from sluice.balancer.service import refusal
 from sluice.core.calls import stream_timeout
 from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import Code, InvalidInput, SluiceError
-from sluice.server.convert import V1
 from sluice.server.dataplane.batcher import Batcher
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Dataplane
 from sluice.server.service import InferenceService
+from sluice.server.v1 import V1
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 from tests.conftest import SAMPLES

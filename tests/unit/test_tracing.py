@@ -32,7 +32,7 @@ from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL, Batcher, Pend
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine
 from sluice.server.dataplane.models import Model, Models
-from sluice.server.dataplane.plane import MODEL_RUN, Dataplane, Request, Route
+from sluice.server.dataplane.plane import MODEL_RUN, Asked, Dataplane, Request
 from sluice.server.service import SPAN as SERVER_SPAN
 from sluice.server.service import InferenceService
 from sluice.v1 import inference_pb2 as pb
@@ -500,8 +500,8 @@ class Raw:
 
     name = "raw"
 
-    def route(self, body: bytes) -> Route:
-        return Route()
+    def route(self, body: bytes) -> Asked:
+        return Asked()
 
     def decode(self, body: bytes) -> Request[None]:
         return Request({"input": np.frombuffer(body, np.float32).reshape(1, 64)}, (), None)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.core.errors import InvalidInput
-from sluice.server.convert import V1, WIRE_READ_FROM
+from sluice.server.v1 import V1, WIRE_READ_FROM
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 

@@ -1,5 +1,5 @@
-"""The sluice.v1 wire format as a dataplane codec: PredictRequest bytes to a core request,
-outputs to PredictResponse bytes, a model's specs to a ModelInfo."""
+"""The sluice.v1 protocol on the dataplane: PredictRequest bytes to a core request, outputs
+to PredictResponse bytes (the tensors by sluice.wire.codec), a model's specs to a ModelInfo."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from sluice.core.errors import InvalidInput
 from sluice.server.dataplane.batcher import Arrays
 from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.models import Model, Models
-from sluice.server.dataplane.plane import Request, Route
+from sluice.server.dataplane.plane import Asked, Request
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import codec, peek
+from sluice.wire import codec, facts, peek
 
 M = TypeVar("M", bound=Message)
 
@@ -32,23 +32,18 @@ def parse(kind: type[M], body: bytes) -> M:
 # parser is the faster (8.8 us against 10.2 for the digits model's 300 bytes).
 WIRE_READ_FROM = 16 << 10
 
-# PredictRequest's `model` and `version` fields.
-_ROUTE = (4, 5)
-
 
 class SluiceV1:
     """Predict's bodies; the option is `typed_outputs`."""
 
     name = "sluice.v1"
 
-    def route(self, body: bytes) -> Route:
+    def route(self, body: bytes) -> Asked:
         try:
-            found = peek.spans(body, _ROUTE)
-            return Route(peek.text(body, found.get(4)), peek.text(body, found.get(5)))
+            read = facts.read(body, facts.PREDICT)
         except peek.Malformed as exc:
-            raise InvalidInput(
-                f"request body is not a valid sluice.v1.PredictRequest: {exc}"
-            ) from None
+            raise InvalidInput(str(exc)) from None
+        return Asked(read.model, read.version)
 
     def decode(self, body: bytes) -> Request[bool]:
         if len(body) >= WIRE_READ_FROM:  # straight off the wire, where it can
