@@ -1,10 +1,12 @@
 """The standard grpc.health.v1 service, with Watch streams that end when the process shuts
 down: grpc's own servicer keeps them open forever, so a server with a balancer watching it
-would wait out its whole grace period before it could stop."""
+would wait out its whole grace period before it could stop. And what it says: a program's
+readiness."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from grpc_health.v1 import health, health_pb2
@@ -32,3 +34,36 @@ class HealthService(health.aio.HealthServicer):  # type: ignore[misc,name-define
         await self.enter_graceful_shutdown()
         await asyncio.sleep(0)  # let each watcher write the NOT_SERVING it was woken for
         self._closing.set()
+
+
+class Readiness:
+    """What grpc.health.v1 says of a program's services: SERVING while `ready()` holds (a
+    server: a model is loaded; a balancer: a backend can take calls), so orchestrators and
+    balancers send calls only then. The program calls `changed` whenever what `ready` reads
+    may have changed (also as a listener of a served set: `installed`, `removed`); the
+    lifecycle attaches the health service once listening and stops it at the drain, after
+    which nothing more is said."""
+
+    def __init__(self, ready: Callable[[], bool]) -> None:
+        self.ready = ready
+        self.health: HealthService | None = None
+        self.names: tuple[str, ...] = ()
+        self.draining = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def attach(self, health: HealthService, names: Iterable[str]) -> None:
+        self.health, self.names = health, ("", *names)
+
+    async def publish(self) -> None:
+        if self.draining or self.health is None:
+            return
+        status = SERVING if self.ready() else NOT_SERVING
+        for name in self.names:
+            await self.health.set(name, status)
+
+    def changed(self, *_: object) -> None:
+        task = asyncio.ensure_future(self.publish())
+        self._tasks.add(task)  # held until done: a task nobody holds can be collected
+        task.add_done_callback(self._tasks.discard)
+
+    installed = removed = changed

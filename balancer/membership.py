@@ -1,0 +1,120 @@
+"""The balancer's backends as discovery lists them (flags, a file, DNS): each new address
+gets a transport that watches the server's health and learns its models, each address gone
+has its transport closed, and the balancer's own readiness is told of every change (and,
+as breakers reopen to probes by time alone, on a clock). It opens nothing itself: the
+transports come from a factory, so tests hand it fakes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from sluice.balancer.settings import BalancerSettings
+from sluice.balancer.upstream import Models, Upstream, upstream_tls
+from sluice.routing.pool import Backend, Pool
+
+log = logging.getLogger("sluice.balancer")
+BREAKER_TICK_S = 0.5  # how often readiness is re-told while breakers may reopen
+
+
+class Transport(Protocol):
+    """What a backend's connection does for membership (sluice.balancer.upstream.Upstream)."""
+
+    def watch_health(self, report: Callable[[str, bool], None]) -> None: ...
+
+    def watch_models(
+        self, every_s: float, report: Callable[[Models | None, str], None]
+    ) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def upstreams(settings: BalancerSettings) -> Callable[[str], Upstream]:
+    """The transport to one server as the flags say; SluiceError now if the upstream TLS
+    files do not load, so a bad flag stops the balancer at start."""
+    tls = upstream_tls(settings)
+
+    def connect(address: str) -> Upstream:
+        return Upstream(
+            address,
+            streams=settings.streams,
+            max_in_flight=settings.stream_max_in_flight,
+            keepalive_s=settings.keepalive_s,
+            tls=tls,
+        )
+
+    return connect
+
+
+class Membership:
+    def __init__(
+        self,
+        pool: Pool,
+        connect: Callable[[str], Transport],
+        changed: Callable[[], None],
+        *,
+        models_refresh_s: float,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+    ) -> None:
+        self.pool = pool
+        self.connect = connect
+        self.changed = changed  # the balancer's readiness may have changed
+        self.models_refresh_s = models_refresh_s
+        self._sleep = sleep
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def apply(self, addresses: list[str]) -> None:
+        """Make the pool hold exactly `addresses`: connect the new, close the gone."""
+        added, removed = self.pool.set_addresses(addresses)
+        for backend in added:
+            transport = self.connect(backend.address)
+            backend.transport = transport
+            transport.watch_health(self._reporter(backend))
+            transport.watch_models(self.models_refresh_s, self._learner(backend))
+            log.info("backend %s added", backend.address)
+        for backend in removed:
+            task = asyncio.ensure_future(backend.transport.close())
+            self._closing.add(task)  # held until done: a task nobody holds can be collected
+            task.add_done_callback(self._closing.discard)
+            log.info("backend %s removed", backend.address)
+        self.changed()
+
+    def _reporter(self, backend: Backend) -> Callable[[str, bool], None]:
+        def report(state: str, unreachable: bool) -> None:
+            if backend.health != state:
+                log.info("backend %s is %s", backend.address, state)
+            backend.health = state
+            if unreachable:
+                self.pool.unreachable(backend)
+            self.changed()
+
+        return report
+
+    def _learner(self, backend: Backend) -> Callable[[Models | None, str], None]:
+        def learn(models: Models | None, default: str) -> None:
+            if not self.pool.learn(backend, models, default):
+                return
+            if models is None:
+                log.info("backend %s lists no models: it may take any call", backend.address)
+                return
+            listed = ", ".join(f"{m} (versions {', '.join(v)})" for m, v in models.items())
+            default_is = f"; default {default}" if default else ""
+            log.info("backend %s serves %s%s", backend.address, listed or "no model", default_is)
+
+        return learn
+
+    async def tick(self, every_s: float = BREAKER_TICK_S) -> None:
+        """Tell readiness every `every_s`, until cancelled: a breaker reopens to probes by
+        time alone, with nothing else to say so."""
+        while True:
+            await self._sleep(every_s)
+            self.changed()
+
+    async def close(self) -> None:
+        """Close every backend's transport, and those still closing."""
+        for backend in self.pool.backends.values():
+            await backend.transport.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

@@ -1,0 +1,180 @@
+"""The lifecycle every serving program shares, from the command line to the last log line.
+
+`main` parses the settings (flags, then `SLUICE_` variables), sets up logging and the
+allocator, and runs the program's `serve` on the event loop. `serve` builds what is the
+program's own (services, collectors, readiness, background work, close steps: a `Program`)
+and hands it to `run`, which listens, waits for SIGTERM or SIGINT, then drains in order:
+health NOT_SERVING first, so balancers stop sending; the drain delay, for calls already
+routed here; stop accepting and give calls in flight the grace period; cancel what runs in
+the background; the program's own close steps; its workers; the metrics exporter."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from prometheus_client.registry import Collector
+
+from sluice.core.errors import SluiceError
+from sluice.core.stats import ServingStats
+from sluice.core.tenants import Tenants
+from sluice.runtime import config, door, metrics, refusals, tracing
+from sluice.runtime.health import Readiness
+from sluice.runtime.listener import Methods, bind, check_port_free, new_server
+from sluice.runtime.process import event_loop, return_large_blocks, setup_logging
+from sluice.runtime.settings import ProgramSettings
+from sluice.runtime.supervise import attach_to_parent
+from sluice.runtime.tls import PLAINTEXT_WARNING, server_credentials
+from sluice.runtime.workers import Workers
+
+S = TypeVar("S", bound=ProgramSettings)
+WORKERS_STOP_S = 5.0  # past the drain, how long workers get before they are killed
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Program:
+    """What one program brings to the lifecycle; the rest is the same for every program."""
+
+    settings: ProgramSettings
+    workers: Workers
+    log: logging.Logger
+    services: Mapping[str, Methods]  # full service name -> its handlers by method name
+    stats: ServingStats  # its calls: the refusal log, the metrics, the last line
+    readiness: Readiness
+    processes: int  # how many processes --workers asks for, this one included
+    banner: Callable[[], str]  # what it serves, logged before ", listening on HOST:PORT"
+    collectors: Sequence[Collector] = ()  # metrics beyond the calls and the tenants
+    tenants: Tenants | None = None  # watched for changes while serving
+    drain_delay_s: float = 0.0
+    background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()  # run while serving
+    draining: Callable[[], None] = _nothing  # the drain's first step, as health goes down
+    refusing: Callable[[], None] = _nothing  # after the drain delay, as the listener stops
+    closing: Sequence[Callable[[], Awaitable[None]]] = ()  # once no call is left
+
+
+async def run(program: Program, argv: Sequence[str], stop: asyncio.Event | None = None) -> int:
+    """Serve until SIGTERM or SIGINT (or, in a worker, until the first process is gone; or,
+    given `stop`, until it is set, with no signal handlers), then drain; 0 once stopped, 1
+    if the metrics port cannot be had. SluiceError if the port cannot be."""
+    settings, log = program.settings, program.log
+    is_worker = program.workers.is_worker()
+    exporter = None
+    if settings.metrics_port:
+        registry = metrics.new_registry(
+            metrics.ServingCollector(program.stats),
+            *program.collectors,
+            *([metrics.TenantCollector(program.tenants)] if program.tenants is not None else []),
+        )
+        ports = program.workers.metrics_ports(settings.metrics_port, is_worker)
+        try:
+            exporter = await metrics.start(registry, settings.host, ports)
+        except OSError as exc:
+            log.error("--metrics-port %d: %s", settings.metrics_port, exc)
+            return 1
+    try:
+        await _serve(program, argv, is_worker, stop)
+    finally:
+        if exporter is not None:
+            exporter.close()
+    log.info("stopped after %d calls", program.stats.requests)
+    return 0
+
+
+async def _serve(
+    program: Program, argv: Sequence[str], is_worker: bool, stop: asyncio.Event | None
+) -> None:
+    settings, log = program.settings, program.log
+    reuseport = program.processes > 1 or is_worker
+    server, health = new_server(
+        program.services,
+        max_message_bytes=settings.max_message_bytes,
+        reuseport=reuseport,
+        max_pending_calls=settings.max_pending_calls,
+    )
+    if reuseport and not is_worker:
+        check_port_free(settings.host, settings.port)  # its workers join it; no one else
+    port = bind(server, settings.host, settings.port, tls=server_credentials(settings))
+    if not is_worker and settings.plaintext_off_loopback(settings.host):
+        log.warning(PLAINTEXT_WARNING, settings.host, port)
+    await server.start()
+    program.readiness.attach(health, program.services)
+    await program.readiness.publish()
+    background = [asyncio.create_task(work()) for work in program.background]
+    background.append(refusals.start(program.stats, log))  # one WARNING line per 10 s, if any
+    if program.tenants is not None:
+        background.append(asyncio.create_task(door.watch(settings.tenants, program.tenants, log)))
+
+    loop = asyncio.get_running_loop()
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    if is_worker:
+        attach_to_parent(loop, stop.set)  # a worker does not outlive the first process
+    workers = program.workers.start(program.processes, argv, port)
+    log.info("%s, listening on %s:%d", program.banner(), settings.host, port)
+    await stop.wait()
+
+    # Tell health watchers first so balancers stop sending, then refuse new calls and
+    # give in-flight ones the grace period.
+    drain_s = program.drain_delay_s + settings.grace_s
+    log.info("shutting down: draining for up to %.1fs", drain_s)
+    if workers is not None:
+        workers.forward(signal.SIGTERM)  # they drain as this one does
+    program.draining()
+    program.readiness.draining = True
+    await health.shut_down()
+    if program.drain_delay_s:
+        await asyncio.sleep(program.drain_delay_s)
+    program.refusing()
+    await server.stop(settings.grace_s)
+    for task in background:
+        task.cancel()
+    for close in program.closing:
+        await close()
+    if workers is not None:
+        await workers.stop(drain_s + WORKERS_STOP_S)
+
+
+def main(
+    settings_class: type[S],
+    serve: Callable[[S, list[str]], Awaitable[int]],
+    argv: Sequence[str] | None,
+    *,
+    prog: str,
+    description: str,
+    log: logging.Logger,
+    errors: tuple[type[Exception], ...] = (SluiceError,),
+) -> int:
+    """A program's command: 2 for settings it cannot take, 1 (logged) for one of `errors`
+    on the way, 130 for Ctrl-C before the signal handlers are in, else what `serve` says."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        settings = config.parse(settings_class, argv, prog, description)
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level, settings.log_format)
+    return_large_blocks()
+
+    async def traced() -> int:
+        tracing.setup(prog)  # on only if OTEL_TRACES_EXPORTER asks for it
+        return await serve(settings, argv)
+
+    try:
+        with asyncio.Runner(loop_factory=event_loop) as runner:
+            return runner.run(traced())
+    except errors as exc:
+        log.error("%s", exc)
+        return 1
+    except KeyboardInterrupt:
+        return 130
