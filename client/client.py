@@ -164,18 +164,20 @@ class _Core:
         body = predict_request(inputs, outputs, model, version).SerializeToString()
         return body, (*call_metadata(request_id, no_cache).items(), *self._auth)
 
-    def _route(self, body: bytes, metadata: Metadata, timeout: float | None) -> Route:
+    def _plan(self, body: bytes, metadata: Metadata, timeout: float | None) -> CallPlan:
         """How one call goes: straight to the one target, or through the planner (each
         attempt gets the time left before the deadline)."""
         timeout = timeout or self.timeout
         if self._router is None:
-            return Route(timeout, None, None)
+            return CallPlan(timeout, None, None)
         deadline = None if timeout is None else self._router.clock() + timeout
-        return Route(timeout, affinity_key(body, dict(metadata)), deadline)
+        return CallPlan(timeout, affinity_key(body, dict(metadata)), deadline)
 
 
 @dataclass(frozen=True, slots=True)
-class Route:
+class CallPlan:
+    """One call's timeout, and with several targets its ring key and planner deadline."""
+
     timeout: float | None
     key: int | None  # with several targets: the ring key ...
     deadline: float | None  # ... and the deadline on the planner's clock
@@ -317,9 +319,9 @@ class AsyncSluiceClient(_Core):
 
     async def _calls(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
         """The call's attempts: one to the one target, or as the planner routes them."""
-        route = self._route(body, metadata, timeout)
+        plan = self._plan(body, metadata, timeout)
         if self._router is None:
-            return await self._send(self.target, body, metadata, route.timeout)
+            return await self._send(self.target, body, metadata, plan.timeout)
 
         async def attempt(backend: Backend, left: float | None) -> Reply:
             try:
@@ -327,7 +329,7 @@ class AsyncSluiceClient(_Core):
             except grpc.aio.AioRpcError as exc:
                 return unary.failure(exc)  # for the planner to classify
 
-        return await self._router.run(route.key, route.deadline, attempt)
+        return await self._router.run(plan.key, plan.deadline, attempt)
 
     async def _send(
         self, target: str, body: bytes, metadata: Metadata, timeout: float | None
@@ -449,9 +451,9 @@ class SluiceClient(_Core):
 
     def _calls(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
         """The call's attempts: one to the one target, or as the planner routes them."""
-        route = self._route(body, metadata, timeout)
+        plan = self._plan(body, metadata, timeout)
         if self._router is None:
-            return self._send(self.target, body, metadata, route.timeout)
+            return self._send(self.target, body, metadata, plan.timeout)
 
         def attempt(backend: Backend, left: float | None) -> Reply:
             try:
@@ -459,7 +461,7 @@ class SluiceClient(_Core):
             except grpc.RpcError as exc:
                 return unary.failure(exc)  # for the planner to classify
 
-        return self._router.run_sync(route.key, route.deadline, attempt, self._lock)
+        return self._router.run_sync(plan.key, plan.deadline, attempt, self._lock)
 
     def _send(self, target: str, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
         """One call to one target: the transport step. Raises grpc.RpcError."""

@@ -118,8 +118,9 @@ class Choice:
 
 
 @dataclass(frozen=True, slots=True)
-class Route:
-    """Where the calls for one Want may go, while the pool's generation holds."""
+class Placement:
+    """Where the calls for one Want may go (the backends that hold it, the model's ring, or
+    why none can), while the pool's generation holds."""
 
     generation: int
     holders: list[Backend]  # the backends that serve it, or may (not learned yet)
@@ -163,7 +164,7 @@ class Pool:
         self.calls = 0
         # Bumped whenever the backends or what they serve change: the routes are then stale.
         self._generation = 0
-        self._routes: dict[Want, Route] = {}
+        self._routes: dict[Want, Placement] = {}
         # Rings by their backends: models served by the same backends share one. Those not
         # used since the last change are dropped at the next (`_changed`).
         self._rings: dict[frozenset[str], MaglevRing] = {}
@@ -231,14 +232,16 @@ class Pool:
             Code.INVALID_ARGUMENT,
         )
 
-    def route(self, want: Want) -> Route:
+    def route(self, want: Want) -> Placement:
         """The backends that may take calls for `want`, and its ring (cached per generation)."""
         found = self._routes.get(want)
         if found is not None and found.generation == self._generation:
             return found
         if len(want.model) > MAX_NAME or len(want.version) > MAX_NAME:
             why = f"a model name or version longer than {MAX_NAME} characters"
-            return Route(self._generation, [], self.ring, Choice(None, why, Code.INVALID_ARGUMENT))
+            return Placement(
+                self._generation, [], self.ring, Choice(None, why, Code.INVALID_ARGUMENT)
+            )
         found = self._route(want)
         if found.refusal is None:
             if len(self._routes) >= MAX_ROUTES:
@@ -246,15 +249,15 @@ class Pool:
             self._routes[want] = found
         return found
 
-    def _route(self, want: Want) -> Route:
+    def _route(self, want: Want) -> Placement:
         backends = list(self.backends.values())
         if not any(b.models is not None for b in backends):  # nothing learned: all may
-            return Route(self._generation, backends, self.ring)
+            return Placement(self._generation, backends, self.ring)
         model, default = want.model, not want.model
         if default:
             resolved = self.default_model()
             if isinstance(resolved, Choice):
-                return Route(self._generation, [], self.ring, resolved)
+                return Placement(self._generation, [], self.ring, resolved)
             model = resolved
         # A backend serves a call naming no model only if that is its own default too.
         serving = [
@@ -270,7 +273,7 @@ class Pool:
         ]
         ring = self._ring(frozenset(b.address for b in serving))
         if holders:
-            return Route(self._generation, holders, ring)
+            return Placement(self._generation, holders, ring)
         if not model:
             what = "a default model"
         else:
@@ -280,7 +283,7 @@ class Pool:
         why = f"no server behind this balancer serves {what}" + (
             f" (they serve {', '.join(map(repr, served))})" if served else ""
         )
-        return Route(self._generation, [], ring, Choice(None, why, Code.NOT_FOUND))
+        return Placement(self._generation, [], ring, Choice(None, why, Code.NOT_FOUND))
 
     def choose(self, key: int | None, exclude: Iterable[Backend] = (), want: Want = ANY) -> Choice:
         route = self.route(want)
