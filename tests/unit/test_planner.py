@@ -14,7 +14,7 @@ import pytest
 from sluice.core.errors import Code
 from sluice.routing.breaker import BreakerSettings, State
 from sluice.routing.budget import RetryBudget
-from sluice.routing.planner import RULES, Outcome, Planner, outcome_of, rule_of
+from sluice.routing.planner import RULES, Attempt, Outcome, Planner, outcome_of, rule_of
 from sluice.routing.pool import Backend, Health, Pool
 from sluice.wire.mux import Reply
 
@@ -454,3 +454,103 @@ def test_with_the_budget_spent_a_servers_overload_refusal_is_the_answer() -> Non
     transport = Transport(clock, {first: [refusal]})
     reply = run(p, transport, deadline=None)
     assert reply is refusal  # RESOURCE_EXHAUSTED, retryable: not "the retry budget is spent"
+
+
+# An observer is told of each attempt and of the end, and changes nothing the planner does.
+
+
+@dataclass
+class Told:
+    """An Observer that writes down what it is told."""
+
+    events: list[tuple[object, ...]] = field(default_factory=list)
+    in_flight: int = 0  # at attempt_started, the backend's calls in flight
+
+    def attempt_started(self, attempt: Attempt) -> None:
+        self.in_flight = attempt.backend.in_flight
+        self.events.append(("started", attempt.backend.address))
+
+    def attempt_ended(
+        self, attempt: Attempt, reply: Reply | None, error: BaseException | None
+    ) -> None:
+        outcome = reply.code if reply is not None else type(error).__name__
+        self.events.append(("ended", attempt.backend.address, outcome))
+
+    def ended(self, answer: Reply | None, error: BaseException | None) -> None:
+        self.events.append(("answer", answer.code if answer is not None else type(error).__name__))
+
+
+def scripted(clock: FakeClock, p: Planner[Reply]) -> Transport:
+    first, second, third = order(p, 42)
+    return Transport(
+        clock,
+        {
+            first: [status(Code.UNAVAILABLE, "draining", retryable=True)],
+            second: [TimeoutError()],  # TIMEOUT does not retry: the planner's own answer
+            third: [ok()],
+        },
+    )
+
+
+def test_an_observer_is_told_each_attempt_and_the_answer_and_changes_nothing() -> None:
+    outcomes = []
+    for observed in (False, True):
+        clock = FakeClock()
+        p = planner(clock)
+        transport = scripted(clock, p)
+        told = Told()
+        reply = asyncio.run(p.run(42, None, transport, observer=told if observed else None))
+        outcomes.append((reply, transport.sent, p.budget.retries, clock.now))
+    assert outcomes[0] == outcomes[1]  # the same attempts, answer, budget and times
+    first, second, _ = order(planner(FakeClock()), 42)
+    assert told.events == [
+        ("started", first),
+        ("ended", first, Code.UNAVAILABLE),
+        ("started", second),
+        ("ended", second, "TimeoutError"),
+        ("answer", Code.DEADLINE_EXCEEDED),
+    ]
+    assert told.in_flight == 1  # told once the attempt holds its slot
+
+
+def test_an_observer_hears_the_planners_own_answer_and_a_cancelled_call() -> None:
+    clock = FakeClock()
+    p = planner(clock)
+    told = Told()
+    assert asyncio.run(p.run(42, clock.now - 1, Transport(clock, {}), observer=told)).code == (
+        Code.DEADLINE_EXCEEDED
+    )
+    assert told.events == [("answer", Code.DEADLINE_EXCEEDED)]  # no attempt was sent
+
+    first = order(p, 42)[0]
+    told = Told()
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(
+            p.run(42, None, Transport(clock, {first: [asyncio.CancelledError()]}), observer=told)
+        )
+    assert told.events == [
+        ("started", first),
+        ("ended", first, "CancelledError"),
+        ("answer", "CancelledError"),
+    ]
+    assert p.pool.backends[first].in_flight == 0
+
+
+def test_run_sync_tells_an_observer_the_same() -> None:
+    clock = FakeClock()
+    p = planner(clock)
+    transport = scripted(clock, p)
+
+    def blocking(backend: Backend, timeout: float | None) -> Reply:
+        coroutine = transport(backend, timeout)
+        try:
+            coroutine.send(None)
+        except StopIteration as done:
+            reply: Reply = done.value
+            return reply
+        raise AssertionError("the fake transport never waits")
+
+    told = Told()
+    assert p.run_sync(42, None, blocking, observer=told).code == Code.DEADLINE_EXCEEDED
+    assert [e[0] for e in told.events] == ["started", "ended", "started", "ended", "answer"]
+    assert told.events[3][2] == "TimeoutError"
