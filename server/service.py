@@ -32,7 +32,7 @@ from sluice.core.keys import (
 )
 from sluice.core.stats import ServingStats, health_fields
 from sluice.core.tenants import HEADER, INTERACTIVE, Account, Tenants
-from sluice.runtime import door, tracing
+from sluice.runtime import door, spans, tracing
 from sluice.runtime.door import OPEN, TENANT
 from sluice.runtime.status import status_of
 from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL
@@ -160,79 +160,64 @@ class InferenceService:
                 call.priority = call.account.tenant.priority
         return call
 
+    def _served(
+        self, metadata: Mapping[str, str] | Iterable[tuple[str, Any]], method: str, info: Call
+    ) -> spans.Served | None:
+        """With tracing on, the call's SERVER span, the child of the caller's span that
+        `metadata` names (None when not sampled): node id, stream, request id; `_invoke` adds
+        the status and an admission refusal's event, the dataplane the cache's part
+        (`sluice.cache`) and the model run's span."""
+        service, name = SPANS.get(method, (SERVICE, SPAN))
+        attributes: dict[str, str | bool] = {NODE_ID: self.node_id}
+        if method == STREAM:
+            attributes[tracing.STREAM] = True
+        for key, value in info.trailers:
+            if key == "x-request-id":
+                attributes[tracing.REQUEST_ID] = value
+        return spans.served(name, metadata, method, service, attributes)
+
     async def _invoke(
-        self, fn: Method, body: bytes, info: Call, stats: ServingStats
+        self, fn: Method, body: bytes, info: Call, stats: ServingStats, served: spans.Served | None
     ) -> bytes | tuple[grpc.StatusCode, str]:
         """The reply, or the status and message of the failure, counted in `stats` (and in
-        the caller's tenant's account, with auth on)."""
+        the caller's tenant's account, with auth on), and told to `served` (tracing)."""
         started = stats.begin()
         tenants = self.tenants if stats is self.stats else None  # inference calls only
         account = info.account if tenants is not None else None
         entered = False
         status: str | None = None
         reason = ""
+        outcome: bytes | tuple[grpc.StatusCode, str]
         try:
             if info.refused is not None:
                 raise info.refused
             if tenants is not None and account is not None:  # the tenant's quota and share
                 tenants.enter(account)
                 entered = True
-            reply = await fn(body, info)
+            outcome = await fn(body, info)
         except SluiceError as exc:
             status, reason = exc.status, exc.reason
-            stats.end(started, status, reason)
             if isinstance(exc, Overloaded):  # refused before any work: another may take it
                 info.trailers.append((REFUSED_HEADER, OVERLOADED))
             elif isinstance(exc, QuotaExceeded) and exc.retry_after_s:
                 info.trailers.append((RETRY_AFTER_HEADER, str(math.ceil(exc.retry_after_s * 1000))))
-            return status_of(exc), str(exc)
-        except asyncio.CancelledError:
+            outcome = status_of(exc), str(exc)
+        except asyncio.CancelledError as exc:
             status = "CANCELLED"
             stats.end(started, status)
+            if served is not None:
+                served.failed(exc)
             raise
         except Exception:
             log.exception("unexpected failure")
             status = "INTERNAL"
-            stats.end(started, status)
-            return grpc.StatusCode.INTERNAL, "internal error"
+            outcome = grpc.StatusCode.INTERNAL, "internal error"
         finally:
             if account is not None:
                 Tenants.settle(account, entered, status, reason)
-        stats.end(started)
-        return reply
-
-    async def _traced(
-        self,
-        fn: Method,
-        body: bytes,
-        info: Call,
-        stats: ServingStats,
-        metadata: Mapping[str, str] | Iterable[tuple[str, Any]],
-        method: str,
-    ) -> bytes | tuple[grpc.StatusCode, str]:
-        """`_invoke` in a SERVER span, the child of the caller's span that `metadata` names
-        (tracing on): request id, status, an event for an admission refusal; the dataplane
-        adds the cache's part (`sluice.cache`) and the model run's span."""
-        service, name = SPANS.get(method, (SERVICE, SPAN))
-        with tracing.server_span(name, metadata, method, service) as span:
-            outcome = await self._invoke(fn, body, info, stats)
-            if not span.is_recording():  # not sampled
-                return outcome
-            span.set_attribute(NODE_ID, self.node_id)
-            if method == STREAM:
-                span.set_attribute(tracing.STREAM, True)
-            trailers = dict(info.trailers)
-            if "x-request-id" in trailers:
-                span.set_attribute(tracing.REQUEST_ID, trailers["x-request-id"])
-            if isinstance(outcome, bytes):
-                tracing.set_code(span, 0)
-            else:
-                tracing.set_code(span, outcome[0].value[0], outcome[1])
-                if REFUSED_HEADER in trailers:  # refused at the door, before any work
-                    span.add_event(
-                        "sluice.admission.refused",
-                        {"reason": trailers[REFUSED_HEADER], "message": outcome[1]},
-                    )
+        stats.end(started, status, reason)
+        if served is not None:
+            _told(served, info, outcome)
         return outcome
 
     def wrap(
@@ -247,10 +232,8 @@ class InferenceService:
         async def call(body: bytes, context: Context) -> bytes:
             metadata = context.invocation_metadata() or ()
             info = self._call(metadata, context.time_remaining(), access=access)
-            if counted and tracing.ON:
-                outcome = await self._traced(fn, body, info, stats, metadata, method)
-            else:
-                outcome = await self._invoke(fn, body, info, stats)
+            served = self._served(metadata, method, info) if counted and tracing.ON else None
+            outcome = await self._invoke(fn, body, info, stats, served)
             # grpc keeps an aborted call's exception, whose traceback holds this frame: drop
             # the body now, or a refused 25 MB request stays until the next call arrives.
             del body
@@ -285,12 +268,8 @@ class InferenceService:
             if stream_key is not None and HEADER not in message.metadata:
                 metadata = [*metadata, (HEADER, stream_key)]
             info = self._call(metadata, timeout, refused)
-            if tracing.ON:
-                outcome = await self._traced(
-                    fn, message.request, info, self.stats, message.metadata, STREAM
-                )
-            else:
-                outcome = await self._invoke(fn, message.request, info, self.stats)
+            served = self._served(message.metadata, STREAM, info) if tracing.ON else None
+            outcome = await self._invoke(fn, message.request, info, self.stats, served)
             reply = pb.StreamResponse(id=message.id, trailers=dict(info.trailers))
             if isinstance(outcome, bytes):
                 reply.response = outcome
@@ -373,6 +352,18 @@ class InferenceService:
             models=model_statuses(self.plane.models),
         )
         return response.SerializeToString()
+
+
+def _told(served: spans.Served, info: Call, outcome: bytes | tuple[grpc.StatusCode, str]) -> None:
+    """The call's end on its span: the status, and an event for a refusal at the door."""
+    if isinstance(outcome, bytes):
+        served.end(0)
+        return
+    code, message = outcome[0].value[0], outcome[1]
+    refused = dict(info.trailers).get(REFUSED_HEADER)
+    if refused is not None:  # refused at the door, before any work
+        served.event("sluice.admission.refused", {"reason": refused, "message": message})
+    served.end(code, message)
 
 
 def _batcher_stats(model: Model) -> pb.BatcherStats:

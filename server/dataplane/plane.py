@@ -192,38 +192,56 @@ class Dataplane:
         self, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None, priority: int
     ) -> Entry:
         request = codec.decode(body)
-        if tracing.ON and tracing.recording():
-            return await self._traced(model, request, codec, deadline, priority)
-        outputs, nonfinite = await model.run(
-            request.inputs, request.outputs, deadline, priority=priority
-        )
-        return Entry(codec.encode(model, request, outputs), tuple(nonfinite))
-
-    async def _traced(
-        self,
-        model: Model,
-        request: Request[Opts],
-        codec: Codec[Opts],
-        deadline: float | None,
-        priority: int,
-    ) -> Entry:
-        """`_compute` with tracing on: the model run's span, with its steps as children."""
-        attributes = {"sluice.model.name": model.name, "sluice.model.version": model.version}
-        with tracing.span(MODEL_RUN, attributes):
-            trip = Trip()
-            try:
-                outputs, nonfinite = await model.run(
-                    request.inputs, request.outputs, deadline, trip, priority
-                )
-            finally:
-                _steps(trip, model.batcher.clock)
-            with tracing.span(tracing.ENCODE):
-                encoded = codec.encode(model, request, outputs)
+        run = _RunSpans(model) if tracing.ON and tracing.recording() else None
+        try:
+            outputs, nonfinite = await model.run(
+                request.inputs,
+                request.outputs,
+                deadline,
+                None if run is None else run.trip,
+                priority,
+            )
+            if run is not None:
+                run.ran()
+            encoded = codec.encode(model, request, outputs)
+        except BaseException as exc:
+            if run is not None:
+                run.ended(exc)
+            raise
+        if run is not None:
+            run.ended()
         return Entry(encoded, tuple(nonfinite))
 
     async def close(self) -> None:
         for model in self.models:
             await model.close()
+
+
+class _RunSpans:
+    """A model run with tracing on (the call sampled): its span, current from the run to the
+    encoded answer, whose children are the steps: the queue wait and the batch run that the
+    batcher tells `trip` of, then the encode."""
+
+    __slots__ = ("_encode", "_model", "_run", "trip")
+
+    def __init__(self, model: Model) -> None:
+        attributes = {"sluice.model.name": model.name, "sluice.model.version": model.version}
+        self._run = tracing.opened(MODEL_RUN, attributes)
+        self._model = model
+        self.trip = Trip()
+        self._encode: tracing.Opened | None = None
+
+    def ran(self) -> None:
+        """The model ran: its steps, and the encode begins."""
+        _steps(self.trip, self._model.batcher.clock)
+        self._encode = tracing.opened(tracing.ENCODE)
+
+    def ended(self, error: BaseException | None = None) -> None:
+        if self._encode is None:  # the run failed: the steps it took
+            _steps(self.trip, self._model.batcher.clock)
+        else:
+            self._encode.end(error)
+        self._run.end(error)
 
 
 def _steps(trip: Trip, clock: Callable[[], float]) -> None:
