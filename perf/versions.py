@@ -1,6 +1,9 @@
 """Two installs of Sluice side by side in one run: a change's before and after. Each install
 runs its own server (cache off) and its own balancer in front of a second server of its
-own; the same sweep goes to all four in rotating rounds, so drift hits each alike.
+own; the same sweep goes to all four in rotating rounds, so drift hits each alike. Then
+each target's CPU per call (utime + stime of its own process over the calls of one more
+sweep at `--cpu-level` in flight, no warm-up), in rotating rounds too: the steadiest figure
+when the load generator shares the cores.
 
   python -m perf.versions --before ../baseline/.venv/bin --rounds 3 --levels 1,32
 
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from perf import paired
-from perf.launch import BIN, running
+from perf.launch import BIN, cpu_seconds, running
 from sluice.models import DIGITS, SAMPLES
 
 KEYS = ("p50", "p99", "throughput")
@@ -75,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--call", default="predict", choices=("predict", "stream"), help="the sweep's --call"
     )
+    parser.add_argument(
+        "--cpu-level", default="32", help="in flight while CPU per call is counted ('': skip)"
+    )
     parser.add_argument("--blocking-client", action="store_true", help="time the clients")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
@@ -87,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The model by path: an older install may not carry it as package data.
     server = ["--model", str(DIGITS), "--port", "0", "--device", "cpu", "--cache-entries", "0"]
     targets: dict[str, str] = {}
+    pids: dict[str, int] = {}
     with ExitStack() as stack:
         for name, folder in (("before", Path(args.before)), ("after", Path(args.after))):
             direct = stack.enter_context(running([str(folder / "sluice-server"), *server]))
@@ -98,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             targets[f"{name}-server"] = direct.address
             targets[f"{name}-balancer"] = balancer.address
+            pids[f"{name}-server"], pids[f"{name}-balancer"] = direct.pid, balancer.pid
         runs = paired.rounds(
             targets,
             [
@@ -108,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.rounds,
             "versions",
         )
+        cpu = cpu_rounds(targets, pids, args) if args.cpu_level else {}
     levels = args.levels.split(",")
     result: dict[str, Any] = {
         "command": "python -m perf.versions " + " ".join(argv or sys.argv[1:]),
@@ -122,10 +131,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         result[f"{kind}_after_vs_before"] = {
             f"c{c}": {k: after[f"c{c}"][k] / before[f"c{c}"][k] for k in KEYS} for c in levels
         }
+    if cpu:
+        result["cpu_us_per_call"] = cpu
+        for kind in ("server", "balancer"):
+            result[f"{kind}_cpu_after_vs_before"] = cpu[f"after-{kind}"] / cpu[f"before-{kind}"]
     result["saturated"] = paired.saturated(runs)
     print(markdown(result, levels))
     paired.save(result, args.out)
     return 0
+
+
+def cpu_rounds(
+    targets: dict[str, str], pids: dict[str, int], args: argparse.Namespace
+) -> dict[str, float]:
+    """Median over rounds of each target's own CPU microseconds per call (a balancer's alone,
+    not its server's) in a sweep at `--cpu-level` in flight, the order rotating."""
+    spent: dict[str, list[float]] = {name: [] for name in targets}
+    names = list(targets)
+    sweep = ["-c", args.cpu_level, "-z", args.duration, "--warmup", "0s", "--unique"]
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            before = cpu_seconds([pids[name]])
+            run = paired.sweep_once(targets[name], [*sweep, "--call", args.call])
+            calls = sum(level["calls"] for level in run["levels"])
+            spent[name].append((cpu_seconds([pids[name]]) - before) / max(calls, 1) * 1e6)
+            print(f"versions cpu round {r + 1}/{args.rounds}: {name} done", file=sys.stderr)
+    return {name: statistics.median(values) for name, values in spent.items()}
 
 
 def markdown(result: dict[str, Any], levels: Sequence[str]) -> str:
@@ -145,6 +176,14 @@ def markdown(result: dict[str, Any], levels: Sequence[str]) -> str:
             f"{ratio[f'c{c}']['p50']:.2f}x | {ratio[f'c{c}']['throughput']:.2f}x" for c in levels
         ]
         lines.append(f"| {kind}: after / before | " + " | ".join(cells) + " |")
+    if "cpu_us_per_call" in result:
+        cpu = result["cpu_us_per_call"]
+        lines.append("\n| target | CPU us per call |\n|---|---:|")
+        lines += [f"| {name} | {cpu[name]:.0f} |" for name in cpu]
+        for kind in ("server", "balancer"):
+            lines.append(
+                f"| {kind}: after / before | {result[f'{kind}_cpu_after_vs_before']:.2f}x |"
+            )
     if result["saturated"]:
         lines.append("\n**Warning:** the load generator saturated in at least one level.")
     return "\n".join(lines)

@@ -12,7 +12,6 @@ call as what a core can give.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -23,22 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from perf import paired
-from perf.launch import Process, children, running, server_argv
+from perf.launch import Process, children, cpu_seconds, running, server_argv
 from sluice import models
 from sluice.perf import h2engine
 from sluice.perf.sweep import request_body
 
 PREDICT = "/sluice.v1.Inference/Predict"
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """User + system CPU time of these processes so far (Linux /proc)."""
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / TICK
 
 
 def processes(server: Process, count: int, timeout: float = 60.0) -> list[int]:
