@@ -1,5 +1,5 @@
 """The balancer's gRPC face: the same sluice.v1.Inference API as a server, forwarding raw
-bytes (the body is not parsed: its model and version are read off the wire, sluice.wire.peek;
+bytes (the body is not parsed: its model and version are read off the wire, sluice.wire.facts;
 only a Predict that fan-out splits, `--fanout-rows`, is, in sluice.balancer.fanout) to the
 backend the pool chooses among those that serve the model. The attempt loop (retries within a
 retry budget and the caller's deadline, what counts against a backend) is the shared call
@@ -45,7 +45,7 @@ from sluice.routing.pool import Backend, Pool, Want
 from sluice.runtime import door, spans, tracing
 from sluice.runtime.status import grpc_code
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import peek, stream
+from sluice.wire import facts, peek, stream
 from sluice.wire.mux import Reply, StreamBroken
 
 log = logging.getLogger("sluice.balancer")
@@ -53,12 +53,8 @@ log = logging.getLogger("sluice.balancer")
 SERVICE = "sluice.v1.Inference"
 METADATA = f"/{SERVICE}/Metadata"
 INFER = "ModelInfer"  # StreamRequest.method of a KServe v2 ModelInferRequest body
-# Where each kind of body names its model, version and per-call id (0: none), by method,
-# and the message's name.
-ROUTE_FIELDS = {
-    "": ((4, 5, 0), "sluice.v1.PredictRequest"),
-    INFER: ((1, 2, 3), "inference.ModelInferRequest"),
-}
+# The message each method's bodies are ("": Predict).
+KINDS = {"": facts.PREDICT, INFER: facts.MODEL_INFER}
 # Trace context passes through as it came; with tracing on, each attempt's replaces it.
 # The caller's API key goes on too: a server with the tenants file checks it again.
 FORWARDED = ("x-request-id", NO_CACHE_HEADER, HEADER, *tracing.HEADERS)
@@ -71,22 +67,6 @@ FANOUT_CHUNK = "sluice.fanout.chunk"  # which one, from 1
 FANOUT_ROWS = "sluice.fanout.rows"  # its rows of the request's, "first-last"
 NO_METADATA: Mapping[str, str] = {}
 Context = grpc.aio.ServicerContext[bytes, bytes]
-
-
-def wanted(body: bytes, fields: tuple[int, int, int], kind: str) -> tuple[Want, bytes]:
-    """The model and version a `kind` message names in its string fields `fields`, and the
-    bytes its affinity key is taken of: the body less its per-call id field, if it has one
-    (KServe's `id`), so identical inputs meet on one server whatever ids callers give them,
-    as the server's cache keys leave the id out too. InvalidInput when the body is no
-    protobuf message, as the server would refuse it."""
-    model, version, call_id = fields
-    try:
-        found = peek.spans(body, fields)
-        want = Want(peek.text(body, found.get(model)), peek.text(body, found.get(version)))
-    except peek.Malformed as exc:
-        raise InvalidInput(f"request body is not a valid {kind}: {exc}") from None
-    cut = found.get(call_id) if call_id else None
-    return want, body if cut is None else body[: cut[0]] + body[cut[2] :]
 
 
 class ChunkFailed(Exception):
@@ -188,9 +168,9 @@ class BalancerService:
             if stream_key is not None and HEADER not in metadata:
                 metadata[HEADER] = stream_key
             refused = refusal(metadata, timeout)
-            if method not in ROUTE_FIELDS:
+            if method not in KINDS:
                 refused = f"PredictStream carries no method {method!r}; it carries " + ", ".join(
-                    repr(m or "Predict") for m in ROUTE_FIELDS
+                    repr(m or "Predict") for m in KINDS
                 )
             if refused is not None:
                 self._refused()
@@ -270,20 +250,25 @@ class BalancerService:
     ) -> Reply:
         """`forward` past the door."""
         forwarded = {k: metadata[k] for k in FORWARDED if k in metadata}
+        kind = KINDS[method]
+        # One read of the body: its model, its id (out of the affinity key, so identical
+        # inputs meet on one server whatever ids callers give them, as the server's cache
+        # keys leave it out too) and, for fan-out, its rows. Only Predict bodies fan out: a
+        # KServe ModelInfer goes whole (out of fan-out's scope).
         try:
-            want, keyed = wanted(body, *ROUTE_FIELDS[method])
-        except InvalidInput as exc:
+            read = facts.read(body, kind, rows=bool(self.fanout_rows) and kind is facts.PREDICT)
+        except peek.Malformed as exc:  # as the server would refuse it
             self.stats.end(started, "INVALID_ARGUMENT")
             return Reply(Code.INVALID_ARGUMENT, str(exc))
-        # Only Predict bodies fan out: a KServe ModelInfer goes whole (out of fan-out's scope).
-        parts = fanout.split(body, self.fanout_rows) if self.fanout_rows and not method else None
+        want = Want(read.model, read.version)
+        parts = None if read.rows is None else fanout.split(body, self.fanout_rows, read)
         served = self._served(metadata, forwarded, stream, method, parts) if tracing.ON else None
         try:
             reply = None
             if parts is not None:
                 reply = await self._fan_out(parts, forwarded, deadline, want, served)
             if reply is None:  # whole: not split, or its outputs are not per row
-                key = affinity_key(keyed, metadata)
+                key = affinity_key(read.keyed(body), metadata)
                 observer = None
                 if served is not None:
                     observer = spans.Attempts(
@@ -433,9 +418,10 @@ class BalancerService:
         """Metadata from a usable backend that serves the model asked for."""
         _, headers = await self.gate(context, door.TENANT)
         try:
-            want, _ = wanted(body, (1, 2, 0), "sluice.v1.MetadataRequest")
-        except InvalidInput as exc:
+            read = facts.read(body, facts.METADATA)
+        except peek.Malformed as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        want = Want(read.model, read.version)
         reply = await self.ask(METADATA, body, want, context.time_remaining(), headers)
         if reply.code != 0:
             await context.abort(grpc_code(reply.code), reply.message)

@@ -10,9 +10,9 @@ from collections import Counter
 
 import pytest
 
-from sluice.balancer.service import INFER, ROUTE_FIELDS, BalancerService, served, wanted
+from sluice.balancer.service import INFER, KINDS, BalancerService, served
 from sluice.balancer.settings import BalancerSettings
-from sluice.core.errors import Code, InvalidInput
+from sluice.core.errors import Code
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
@@ -20,6 +20,7 @@ from sluice.routing.planner import Planner
 from sluice.routing.pool import Backend, Health, Pool, Want
 from sluice.routing.ring import MaglevRing
 from sluice.v1 import inference_pb2 as pb
+from sluice.wire import facts, peek
 from sluice.wire.mux import Reply
 
 TABLE = 1_009  # prime; small keeps the rings quick to build
@@ -263,19 +264,26 @@ def test_the_pools_refusals_answer_at_once() -> None:
     assert reply.code == Code.INVALID_ARGUMENT and script.sent == []
 
 
+def wanted(body: bytes, kind: facts.Kind) -> tuple[Want, bytes]:
+    """What the balancer routes a body by: the model and version it names, and the bytes of
+    its affinity key (BalancerService._forward)."""
+    read = facts.read(body, kind)
+    return Want(read.model, read.version), read.keyed(body)
+
+
 def test_a_body_names_its_model_and_version_on_the_wire() -> None:
     body = pb.PredictRequest(model="alpha", version="2", typed_outputs=True).SerializeToString()
-    assert wanted(body, *ROUTE_FIELDS[""]) == (Want("alpha", "2"), body)
-    assert wanted(pb.PredictRequest().SerializeToString(), *ROUTE_FIELDS[""])[0] == Want()
+    assert wanted(body, KINDS[""]) == (Want("alpha", "2"), body)
+    assert wanted(pb.PredictRequest().SerializeToString(), KINDS[""])[0] == Want()
     infer = kpb.ModelInferRequest(model_name="beta", model_version="1", id="x")
-    want, keyed = wanted(infer.SerializeToString(), *ROUTE_FIELDS[INFER])
+    want, keyed = wanted(infer.SerializeToString(), KINDS[INFER])
     assert want == Want("beta", "1")
     # The affinity key leaves the call's id out: the same inputs meet on one server.
     other = kpb.ModelInferRequest(model_name="beta", model_version="1", id="another")
-    assert wanted(other.SerializeToString(), *ROUTE_FIELDS[INFER])[1] == keyed
+    assert wanted(other.SerializeToString(), KINDS[INFER])[1] == keyed
     assert keyed == kpb.ModelInferRequest(model_name="beta", model_version="1").SerializeToString()
-    with pytest.raises(InvalidInput, match=r"not a valid inference\.ModelInferRequest"):
-        wanted(b"\xff\xff\xff", *ROUTE_FIELDS[INFER])
+    with pytest.raises(peek.Malformed, match=r"not a valid inference\.ModelInferRequest"):
+        wanted(b"\xff\xff\xff", KINDS[INFER])
 
 
 def test_health_lists_the_models_with_their_versions_merged_newest_first() -> None:
@@ -343,3 +351,23 @@ def test_a_ring_of_the_same_backends_is_the_same_ring() -> None:
     # What lets models share rings, and the pool's all-backends ring stand in when nothing
     # is learned: a ring depends only on its backends.
     assert MaglevRing(["b", "a"], TABLE).table == MaglevRing(["a", "b"], TABLE).table
+
+
+def test_a_body_no_parser_takes_is_refused_before_it_is_forwarded() -> None:
+    pool = fleet()
+    upstreams = {a: Upstream() for a in pool.backends}
+    for address, backend in pool.backends.items():
+        backend.transport = upstreams[address]
+    service = BalancerService(pool, RetryBudget(), node_id="b")
+    bad_id = kpb.ModelInferRequest(model_name="beta").SerializeToString() + b"\x1a\x01\xff"
+    for body, method, message in [
+        (b"\xff\xff\xff", INFER, "inference.ModelInferRequest: truncated varint"),
+        (bad_id, INFER, "inference.ModelInferRequest: a string field is not UTF-8"),
+        (b"\x22\x05ab", "", "sluice.v1.PredictRequest: a field runs past the end"),
+    ]:
+        reply = asyncio.run(service.forward(body, {}, None, method=method))
+        assert (reply.code, reply.message) == (
+            Code.INVALID_ARGUMENT,
+            f"request body is not a valid {message}",
+        )
+    assert not any(u.methods for u in upstreams.values())
