@@ -14,9 +14,12 @@ in each StreamRequest's `metadata` map on PredictStream, so every multiplexed ca
 span of its own (an interceptor would see one long stream).
 
 Off, the cost on a call's path is one check of the module flag `ON`: no span is made and
-no header is read. The client library does not need `setup`: it makes spans and injects
-the context whenever the application has installed a TracerProvider of its own (the check
-is one read of the API's global), and does nothing otherwise.
+no header is read. The programs' spans are observers on their one request path
+(sluice.runtime.spans), None there when tracing is off or the call is not sampled.
+
+The client library does not need `setup`: it makes spans and injects the context whenever
+the application has installed a TracerProvider of its own (the check is one read of the
+API's global), and does nothing otherwise.
 
 Spans: `sluice.client/Predict` (CLIENT); `sluice.balancer/Predict` (SERVER) with one
 `sluice.balancer/attempt` (CLIENT) per attempt, whose context goes to the server;
