@@ -77,14 +77,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return program.main(
-        BalancerSettings,
-        serve,
-        argv,
-        prog="sluice-balancer",
-        description="Balance Sluice servers behind one address.",
-        log=log,
-    )
+    return program.main(BalancerSettings, serve, argv, log)
 
 
 if __name__ == "__main__":

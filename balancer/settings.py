@@ -13,6 +13,9 @@ from sluice.runtime.settings import ProgramSettings
 
 @dataclass(frozen=True)
 class BalancerSettings(ProgramSettings):
+    PROG = "sluice-balancer"
+    DESCRIPTION = "Balance Sluice servers behind one address."
+
     port: int = config.inherit(ProgramSettings, "port", 8000)
     backend: list[str] = field(
         default_factory=list, metadata={"help": "a server HOST:PORT (repeatable)", "list": True}

@@ -102,15 +102,7 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return program.main(
-        ServerSettings,
-        serve,
-        argv,
-        prog="sluice-server",
-        description="Serve an ONNX model over gRPC.",
-        log=log,
-        errors=(SluiceError, FileNotFoundError),
-    )
+    return program.main(ServerSettings, serve, argv, log, (SluiceError, FileNotFoundError))
 
 
 if __name__ == "__main__":

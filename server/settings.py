@@ -15,6 +15,9 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True)
 class ServerSettings(ProgramSettings):
+    PROG = "sluice-server"
+    DESCRIPTION = "Serve an ONNX model over gRPC."
+
     model: list[str] = field(
         default_factory=list,
         metadata={

@@ -149,17 +149,16 @@ def main(
     settings_class: type[S],
     serve: Callable[[S, list[str]], Awaitable[int]],
     argv: Sequence[str] | None,
-    *,
-    prog: str,
-    description: str,
     log: logging.Logger,
     errors: tuple[type[Exception], ...] = (SluiceError,),
 ) -> int:
-    """A program's command: 2 for settings it cannot take, 1 (logged) for one of `errors`
-    on the way, 130 for Ctrl-C before the signal handlers are in, else what `serve` says."""
+    """The command `settings_class` describes: 2 for settings it cannot take, 1 (logged)
+    for one of `errors` on the way, 130 for Ctrl-C before the signal handlers are in, else
+    what `serve` says."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    prog = settings_class.PROG
     try:
-        settings = config.parse(settings_class, argv, prog, description)
+        settings = config.parse(settings_class, argv, prog, settings_class.DESCRIPTION)
     except ValueError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2

@@ -15,6 +15,10 @@ from sluice.runtime.security import SecuritySettings
 
 @dataclass(frozen=True)
 class ProgramSettings(SecuritySettings):
+    # The command these settings are the flags of, and what its --help says it does.
+    PROG = "sluice"
+    DESCRIPTION = ""
+
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     # Each program declares its own default again (config.inherit), keeping this help.
     port: int = field(default=0, metadata={"help": "port to listen on; 0 picks a free one"})

@@ -22,6 +22,12 @@ from sluice.runtime.settings import ProgramSettings
 from sluice.runtime.workers import Workers
 
 log = logging.getLogger("sluice.test.program")
+
+
+class Settings(ProgramSettings):
+    PROG = "test"
+
+
 WORKERS = Workers("nothing", "SLUICE_TEST_PROGRAM_WORKER", "SLUICE_TEST_PROGRAM_WORKERS", "w")
 
 
@@ -120,7 +126,7 @@ def test_main_exit_codes(
         return 7
 
     def main(serve: Callable[[ProgramSettings, list[str]], Awaitable[int]], argv: list[str]) -> int:
-        return program.main(ProgramSettings, serve, argv, prog="test", description="", log=log)
+        return program.main(Settings, serve, argv, log)
 
     assert main(serve, ["--port", "70000"]) == 2
     assert "test: --port must be 0-65535" in capsys.readouterr().err
