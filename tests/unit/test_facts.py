@@ -4,11 +4,16 @@ the id, and a refusal exactly where the parser refuses the top-level framing."""
 
 from __future__ import annotations
 
+import ast
+import os
+from pathlib import Path
+
 import pytest
 from google.protobuf.message import DecodeError, Message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import sluice
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import facts, peek
@@ -222,3 +227,59 @@ def test_an_id_that_is_not_utf8_is_refused() -> None:
     with pytest.raises(peek.Malformed, match=r"inference\.ModelInferRequest: a string field"):
         facts.read(b"\x1a\x02\xc3\x28", facts.MODEL_INFER)
     assert facts.read(b"\x1a\x02\xc3\x28", facts.PREDICT).model == ""  # not Predict's
+
+
+# The modules that walk a message's fields by hand: this reader, and the tensor codec's
+# large-body decoder (its field numbers from here).
+WALKERS = {"facts.py", "codec.py", "peek.py"}
+
+
+def _product_sources() -> list[Path]:
+    """Every module of the installed package (through its links), generated code aside."""
+    found: dict[Path, Path] = {}
+    for root, _, files in os.walk(Path(sluice.__file__).parent, followlinks=True):
+        for name in files:
+            if name.endswith(".py") and "_pb2" not in name:
+                path = Path(root, name)
+                found.setdefault(path.resolve(), path)
+    return sorted(found)
+
+
+def faults_in(name: str, source: str) -> list[str]:
+    """Where a module writes a field number of its own, or walks a body by hand."""
+    faults = []
+    for node in ast.walk(ast.parse(source)):
+        where = f"{name}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Attribute):
+            if node.attr.endswith("_FIELD_NUMBER") and name != "facts.py":
+                faults.append(f"{where}: {node.attr} (take it from sluice.wire.facts)")
+            walks = isinstance(node.value, ast.Name) and node.value.id == "peek"
+            if walks and node.attr in ("fields", "walk", "spans") and name not in WALKERS:
+                faults.append(f"{where}: peek.{node.attr} (read a body with facts.read)")
+        elif isinstance(node, ast.Compare):
+            names = [n for n in (node.left, *node.comparators) if isinstance(n, ast.Name)]
+            numbers = [
+                n.value
+                for n in ast.walk(node)
+                if isinstance(n, ast.Constant) and type(n.value) is int and n.value > 0
+            ]
+            if any("number" in n.id for n in names) and numbers:
+                faults.append(f"{where}: a field number compared with {numbers}")
+    return faults
+
+
+def test_the_check_finds_field_numbers_written_by_hand() -> None:
+    """What the three route reads and fan-out held before this module."""
+    assert faults_in("convert.py", "found = peek.spans(body, (4, 5))")
+    assert faults_in("codec.py", "if number in (4, 5):\n    pass")
+    assert faults_in("fanout.py", "if field_number == 3:\n    pass")
+    assert faults_in("kserve.py", "x = kpb.ModelInferRequest.ID_FIELD_NUMBER")
+    assert not faults_in("peek.py", "if number == 0:\n    pass")  # no field has number 0
+    assert not faults_in("codec.py", "if number == facts.TENSOR_NAME:\n    pass")
+
+
+def test_no_field_number_of_the_request_messages_is_written_outside_this_module() -> None:
+    sources = _product_sources()
+    assert any(p.name == "fanout.py" for p in sources)  # the links are followed
+    faults = [f for p in sources for f in faults_in(p.name, p.read_text())]
+    assert faults == []
