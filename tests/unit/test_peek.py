@@ -4,6 +4,7 @@ and every malformed body refused, cheaply."""
 from __future__ import annotations
 
 import pytest
+from google.protobuf.message import DecodeError
 
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.v1 import inference_pb2 as pb
@@ -44,3 +45,32 @@ def test_a_string_that_is_not_utf8_is_refused() -> None:
     body = b"\x22\x02\xff\xfe"
     with pytest.raises(peek.Malformed, match="not UTF-8"):
         peek.text(body, peek.spans(body, (4,))[4])
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xb1\xff\xff\xff\xff\xff\x00" + bytes(8),  # a 7-byte tag (found by tests/fuzz)
+        b"\xca\x80\x80\x80\x80\x00\x00",  # field 9's tag padded to 6 bytes
+        b"\xc8\x80\x80\x80\x10\x00",  # a 5-byte tag over 32 bits
+        b"\x4a\x80\x80\x80\x80\x80\x00",  # a length padded to 6 bytes
+    ],
+    ids=["long-tag", "padded-tag", "wide-tag", "padded-length"],
+)
+def test_tags_and_lengths_the_parser_refuses_are_refused(body: bytes) -> None:
+    """A tag is at most 5 bytes and 32 bits, a length at most 5 bytes, to protobuf."""
+    with pytest.raises(DecodeError):
+        pb.PredictRequest.FromString(body)
+    with pytest.raises(peek.Malformed):
+        peek.spans(body, (4, 5))
+
+
+def test_the_widest_tags_lengths_and_varints_the_parser_takes_read_as_it_reads_them() -> None:
+    body = b"\xa2\x80\x80\x80\x00" + b"\x81\x80\x80\x80\x00" + b"m"  # 5-byte tag and length
+    assert pb.PredictRequest.FromString(body).model == "m"
+    assert peek.text(body, peek.spans(body, (4,))[4]) == "m"
+    # A tenth byte's bits past 64 are dropped: these ten bytes are -1 to the parser.
+    wide = b"\xff" * 9 + b"\x7f"
+    assert list(pb.Tensor.FromString(b"\x1a\x0a" + wide).shape) == [-1]
+    assert peek.varints(wide, 0, len(wide)) == [-1]
+    assert next(peek.fields(b"\x18" + wide, 0, 11)) == (3, 0, (1 << 64) - 1, 0)

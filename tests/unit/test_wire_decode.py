@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -194,3 +195,34 @@ def _varint(value: int) -> bytes:
         value >>= 7
     out.append(value)
     return bytes(out)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        b"\xb1\xff\xff\xff\xff\xff\x00" + bytes(8),  # a 7-byte tag (found by tests/fuzz)
+        b"\xc8\x80\x80\x80\x80\x00\x01",  # an unknown varint field, its tag padded to 6 bytes
+        b"\x4a\x80\x80\x80\x80\x80\x00",  # an unknown bytes field, its length padded to 6
+    ],
+    ids=["long-tag", "padded-tag", "padded-length"],
+)
+def test_a_body_the_parser_refuses_for_its_tags_or_lengths_is_not_answered(extra: bytes) -> None:
+    body = pb.PredictRequest(inputs=[tensor("x", np.ones((1, 2), np.float32))]).SerializeToString()
+    with pytest.raises(DecodeError):
+        pb.PredictRequest.FromString(body + extra)
+    assert codec.decode_predict(body + extra) is None
+    inner = pb.Tensor(name="x", datatype="UINT8", shape=[1], raw_data=b"\x07").SerializeToString()
+    inner += extra  # the same, inside the tensor
+    wrapped = b"\x0a" + _varint(len(inner)) + inner
+    with pytest.raises(DecodeError):
+        pb.PredictRequest.FromString(wrapped)
+    assert codec.decode_predict(wrapped) is None
+
+
+def test_a_shape_dimension_of_ten_bytes_reads_as_the_parser_reads_it() -> None:
+    """Bits past 64 in a varint's tenth byte are dropped: the dimension is 2, not 2 + 2**65."""
+    dims = b"\x82" + b"\x80" * 8 + b"\x04"
+    inner = b"\x0a\x01x\x12\x05UINT8\x1a" + bytes([len(dims)]) + dims + b"\x22\x02\x01\x02"
+    body = b"\x0a" + bytes([len(inner)]) + inner
+    assert list(pb.PredictRequest.FromString(body).inputs[0].shape) == [2]
+    same(body)
