@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,8 +19,7 @@ from sluice.client import connect
 from sluice.client.client import Prediction, SluiceClient
 from sluice.core import tenants
 from sluice.core.datatypes import DATATYPES, name_of
-
-DEFAULT_TARGET = "127.0.0.1:8000"
+from sluice.runtime import config
 
 
 def parse_input(text: str, datatypes: dict[str, str]) -> tuple[str, np.ndarray]:
@@ -137,17 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def client_command(name: str, fn: Command, help_text: str) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument(
-            "--target",
-            default=os.environ.get("SLUICE_TARGET", DEFAULT_TARGET),
-            help=f"HOST:PORT of a server or balancer [env SLUICE_TARGET; {DEFAULT_TARGET}]",
-        )
-        sub.add_argument(
-            "--timeout",
-            type=float,
-            default=float(os.environ.get("SLUICE_TIMEOUT", "10")),
-            help="seconds per call [env SLUICE_TIMEOUT; 10]",
-        )
+        connect.add_target(sub)
+        config.add_option(sub, "timeout", "10", "seconds per call", type=float)
         sub.add_argument("--json", action="store_true", help="print JSON for scripts")
         connect.add_options(sub)
         sub.set_defaults(fn=fn)

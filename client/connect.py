@@ -8,7 +8,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.runtime import config
 from sluice.runtime.tls import ClientTLS, asks_for_tls
+
+DEFAULT_TARGET = "127.0.0.1:8000"  # a balancer's default port on this machine
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,11 @@ class Connection:
 
 
 PLAINTEXT = Connection()  # no TLS, no API key
+
+
+def add_target(parser: argparse.ArgumentParser) -> None:
+    """--target, defaulting to SLUICE_TARGET, then DEFAULT_TARGET."""
+    config.add_option(parser, "target", DEFAULT_TARGET, "HOST:PORT of a server or balancer")
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:

@@ -46,7 +46,6 @@ from sluice.client import connect
 from sluice.client.client import SluiceClient
 from sluice.v1 import inference_pb2 as pb
 
-DEFAULT_TARGET = "127.0.0.1:8000"
 NO_VALUE = "-"
 # Reconnect soon after the target comes back, rather than after grpc's backoff of up to 2 min.
 CHANNEL_OPTIONS = (
@@ -560,11 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Ctrl-C quits (exit 0). With --once, or after --iterations, an unreachable "
         "target exits 1.",
     )
-    parser.add_argument(
-        "--target",
-        default=os.environ.get("SLUICE_TARGET", DEFAULT_TARGET),
-        help=f"HOST:PORT of a server or balancer [env SLUICE_TARGET; {DEFAULT_TARGET}]",
-    )
+    connect.add_target(parser)
     parser.add_argument("--interval", type=positive, default=1.0, help="seconds between polls [1]")
     parser.add_argument(
         "--timeout",

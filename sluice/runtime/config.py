@@ -2,7 +2,8 @@
 
 Each dataclass field becomes `--field-name`, read from `SLUICE_FIELD_NAME` when the
 flag is absent. A field's metadata holds its help text (`help`) and, for lists,
-`list=True` (repeatable flag; comma-separated in the environment).
+`list=True` (repeatable flag; comma-separated in the environment). A command with a few
+options and no settings class (the client's) adds each by the same rule (`add_option`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ def inherit(base: type[Any], name: str, default: Any) -> Any:
     """`base`'s field `name` with another default, for a subclass that declares it again: its
     flag, variable and help stay the ones `base` declares."""
     return dataclasses.field(default=default, metadata=base.__dataclass_fields__[name].metadata)
+
+
+def add_option(
+    parser: argparse.ArgumentParser,
+    name: str,
+    default: str,
+    help: str,
+    environ: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> None:
+    """`--NAME`, read from `SLUICE_NAME` when the flag is absent, else `default` (as typed on
+    the command line: argparse converts either with `type`); its help names both."""
+    env = "SLUICE_" + name.upper().replace("-", "_")
+    given = (os.environ if environ is None else environ).get(env) or default
+    parser.add_argument("--" + name, default=given, help=f"{help} [env {env}; {default}]", **kwargs)
 
 
 def build_parser(cls: type[Any], prog: str, description: str) -> argparse.ArgumentParser:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import pytest
@@ -87,3 +88,34 @@ def test_cuda_options_and_pinned_staging() -> None:
     assert not parse([], {"SLUICE_PINNED_STAGING": "false"}).pinned_staging
     with pytest.raises(ValueError, match="--cuda-options takes KEY=VALUE"):
         parse(["--cuda-options", "prefer_nhwc"])
+
+
+def test_an_option_without_a_settings_class_follows_the_same_rule() -> None:
+    def parse_timeout(argv: list[str], env: dict[str, str]) -> float:
+        parser = argparse.ArgumentParser()
+        config.add_option(parser, "timeout", "10", "seconds per call", environ=env, type=float)
+        assert "seconds per call [env SLUICE_TIMEOUT; 10]" in " ".join(parser.format_help().split())
+        timeout: float = parser.parse_args(argv).timeout
+        return timeout
+
+    assert parse_timeout([], {}) == 10.0
+    assert parse_timeout([], {"SLUICE_TIMEOUT": "2.5"}) == 2.5
+    assert parse_timeout([], {"SLUICE_TIMEOUT": ""}) == 10.0  # set but empty: not given
+    assert parse_timeout(["--timeout", "1"], {"SLUICE_TIMEOUT": "2.5"}) == 1.0
+
+
+def test_the_client_commands_take_target_and_timeout_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sluice.client import cli, top
+
+    monkeypatch.setenv("SLUICE_TARGET", "h:1")
+    monkeypatch.setenv("SLUICE_TIMEOUT", "3")
+    args = cli.build_parser().parse_args(["health"])
+    assert (args.target, args.timeout) == ("h:1", 3.0)
+    assert top.build_parser().parse_args([]).target == "h:1"
+    monkeypatch.delenv("SLUICE_TARGET")
+    assert top.build_parser().parse_args([]).target == "127.0.0.1:8000"
+    assert "[env SLUICE_TARGET; 127.0.0.1:8000]" in " ".join(
+        top.build_parser().format_help().split()
+    )
