@@ -9,6 +9,8 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+from sluice.core.files import Stamp, stamp
+
 log = logging.getLogger("sluice.discovery")
 
 
@@ -34,7 +36,7 @@ class Discovery:
         self.static = static
         self.file = file
         self.dns = dns
-        self._file_stamp: tuple[float, int] | None = None
+        self._file_stamp: Stamp | None = None
         self._from_file: list[str] = []
         self._from_dns: list[str] = []
 
@@ -50,12 +52,12 @@ class Discovery:
         return list(dict.fromkeys([*self.static, *self._from_file, *self._from_dns]))
 
     def _reread_file(self) -> None:
+        seen = stamp(self.file)
+        if seen is not None and seen == self._file_stamp:
+            return
         try:
-            stat = Path(self.file).stat()
-            stamp = (stat.st_mtime, stat.st_size)
-            if stamp != self._file_stamp:
-                self._from_file = read_file(self.file)
-                self._file_stamp = stamp
+            self._from_file = read_file(self.file)
+            self._file_stamp = seen
         except OSError as exc:
             log.warning("cannot read backends file %s: %s", self.file, exc)
 
