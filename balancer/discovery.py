@@ -61,9 +61,14 @@ class Discovery:
         except OSError as exc:
             log.warning("cannot read backends file %s: %s", self.file, exc)
 
-    async def watch(self, interval_s: float, apply: Callable[[list[str]], None]) -> None:
-        """Apply the backends now and whenever they change, checking every `interval_s`."""
-        last: list[str] | None = None
+    async def watch(
+        self,
+        interval_s: float,
+        apply: Callable[[list[str]], None],
+        last: list[str] | None = None,
+    ) -> None:
+        """Apply the backends now (unless they are `last`, applied already) and whenever they
+        change, checking every `interval_s`."""
         while True:
             backends = await self.current()
             if backends != last:

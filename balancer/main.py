@@ -54,6 +54,10 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         pool, upstreams(settings), readiness.changed, models_refresh_s=settings.models_refresh_s
     )
     discovery = Discovery(settings.backend, settings.backends_file, settings.backends_dns)
+    # Known before listening, so health is true from the first check (servers not heard
+    # from yet get the benefit of the doubt).
+    known = await discovery.current()
+    membership.apply(known)
     return await program.run(
         program.Program(
             settings,
@@ -67,7 +71,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
             collectors=[RoutingCollector(pool, budget, service.planner, service.fanned)],
             tenants=tenants,
             background=[
-                functools.partial(discovery.watch, settings.refresh_s, membership.apply),
+                functools.partial(discovery.watch, settings.refresh_s, membership.apply, known),
                 membership.tick,
             ],
             closing=[membership.close],
