@@ -17,8 +17,9 @@ the server's full parse. Agreement:
   occurrence of a string field; the server's full parse refuses a body with an earlier one.
 Rows: where protobuf takes the whole message, an answer n means it has inputs and every
 input's shape starts with n; None (nothing to split on) is always allowed: the balancer then
-forwards the body whole. `rows=False` reads the same facts, rows None. Anything raised other
-than peek.Malformed is a crash.
+forwards the body whole. `rows=False` reads the same facts, rows None. The server's route
+reads (SluiceV1.route, KServeCodec.route) give the same facts, and InvalidInput exactly where
+the read raises. Anything else raised is a crash.
 
     python -m tests.fuzz.facts -runs=1000000 -seed=1 [CORPUS_DIR]
 """
@@ -27,13 +28,20 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Callable
 
 import atheris  # type: ignore[import-untyped]  # no stubs
 
-with atheris.instrument_imports(include=["sluice.wire"]):
+with atheris.instrument_imports(
+    include=["sluice.wire", "sluice.server.v1", "sluice.server.kserve"]
+):
     from google.protobuf.message import DecodeError, Message
 
+    from sluice.core.errors import InvalidInput
     from sluice.kserve import grpc_predict_v2_pb2 as kpb
+    from sluice.server.dataplane.plane import Asked
+    from sluice.server.kserve import KSERVE
+    from sluice.server.v1 import V1
     from sluice.v1 import inference_pb2 as pb
     from sluice.wire import facts, peek
     from tests.fuzz import corpus, harness, skeleton
@@ -43,11 +51,12 @@ seen: Counter[str] = Counter()
 REPORT_EVERY = 250_000
 # The read's refusals narrower than the parser's, on purpose.
 NARROWER = ("wire type 3", f"more than {peek.MAX_FIELDS} fields")
-# Each kind, its oracle, and the full message whose inputs `rows` reads.
-KINDS: list[tuple[str, facts.Kind, type[Message], type[Message] | None]] = [
-    ("Predict", facts.PREDICT, skeleton.Predict, pb.PredictRequest),
-    ("ModelInfer", facts.MODEL_INFER, skeleton.ModelInfer, kpb.ModelInferRequest),
-    ("Metadata", facts.METADATA, skeleton.Metadata, None),
+Route = Callable[[bytes], Asked]
+# Each kind, its oracle, the full message whose inputs `rows` reads and the server's route.
+KINDS: list[tuple[str, facts.Kind, type[Message], type[Message] | None, Route | None]] = [
+    ("Predict", facts.PREDICT, skeleton.Predict, pb.PredictRequest, V1.route),
+    ("ModelInfer", facts.MODEL_INFER, skeleton.ModelInfer, kpb.ModelInferRequest, KSERVE.route),
+    ("Metadata", facts.METADATA, skeleton.Metadata, None, None),
 ]
 
 
@@ -75,6 +84,7 @@ def check_kind(
     kind: facts.Kind,
     oracle: type[Message],
     full: type[Message] | None,
+    route: Route | None,
 ) -> None:
     expected = parser(body, oracle)
     try:
@@ -83,7 +93,9 @@ def check_kind(
         if expected[0] == "accepted" and not any(r in str(exc) for r in NARROWER):
             fail(label, body, f"refuses it ({exc})", expected)
         seen[f"{label}: refused" + (", narrower" if expected[0] == "accepted" else "")] += 1
+        _route(label, body, route, None)
         return
+    _route(label, body, route, read)
     got = ("accepted", read.model, read.version, read.request_id)
     if got != expected:
         fail(label, body, f"gives {got!r}", expected)
@@ -92,6 +104,20 @@ def check_kind(
     _id_span(label, body, oracle, read)
     _rows(label, body, full, read.rows)
     seen[f"{label}: accepted"] += 1
+
+
+def _route(label: str, body: bytes, route: Route | None, read: facts.Facts | None) -> None:
+    """The server's route read: the same facts, or InvalidInput where the read refuses."""
+    if route is None:
+        return
+    try:
+        asked = route(body)
+    except InvalidInput as exc:
+        if read is not None:
+            fail(label, body, f"is refused by the server's route ({exc})", read)
+        return
+    if read is None or asked != Asked(read.model, read.version, read.id_span):
+        fail(label, body, f"routes as {asked!r} on the server", read)
 
 
 def _id_span(label: str, body: bytes, oracle: type[Message], read: facts.Facts) -> None:
@@ -139,8 +165,8 @@ def fail(label: str, body: bytes, got: str, expected: object) -> None:
 
 
 def check(body: bytes) -> None:
-    for label, kind, oracle, full in KINDS:
-        check_kind(label, body, kind, oracle, full)
+    for label, kind, oracle, full, route in KINDS:
+        check_kind(label, body, kind, oracle, full, route)
     seen["inputs"] += 1
     if seen["inputs"] % REPORT_EVERY == 0:
         print(f"#{seen['inputs']} {dict(seen)}", file=sys.stderr, flush=True)
