@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
+from sluice.balancer.discovery import Discovery
 from sluice.balancer.membership import Membership
 from sluice.balancer.upstream import Models
 from sluice.routing.pool import Health, Pool
@@ -117,3 +118,12 @@ async def test_the_breaker_tick_tells_readiness_on_its_clock() -> None:
         await fx.membership.tick(0.5)
     assert slept == [0.5] * 4
     assert fx.told == 3
+
+
+async def test_discovery_applies_only_what_was_not_applied_already() -> None:
+    applied: list[list[str]] = []
+    flags = Discovery(["a:1", "b:1"])
+    await flags.watch(1.0, applied.append, last=["a:1", "b:1"])  # applied before listening
+    assert applied == []
+    await flags.watch(1.0, applied.append)
+    assert applied == [["a:1", "b:1"]]
