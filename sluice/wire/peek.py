@@ -1,12 +1,11 @@
-"""A look at a protobuf body's top-level fields without parsing it: where the model's name
-and version sit in a Predict or ModelInfer body, so the server can key its cache and the
-balancer route by model without decoding tensors. Pure Python on the wire format."""
+"""A walk of a protobuf message's fields without parsing it, refusing what protobuf's parser
+refuses: what the routing read (sluice.wire.facts) and the large-body decoder
+(sluice.wire.codec) stand on. Pure Python on the wire format."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 
-Span = tuple[int, int, int]  # the field's tag start, its value's start and end
 # Real Predict and ModelInfer bodies have a handful of top-level fields (one per input or
 # output at most); walking more in Python would let one crafted 64 MiB body of two-byte
 # fields hold the event loop for many seconds.
@@ -29,26 +28,6 @@ def _varint(body: bytes, at: int) -> tuple[int, int]:
         if byte < 0x80:
             return value & _U64, at  # a tenth byte's bits past 64 drop, as the parser drops them
         shift += 7
-
-
-def spans(body: bytes, wanted: Collection[int]) -> dict[int, Span]:
-    """The last occurrence of each wanted length-delimited top-level field (the one a parser
-    keeps), by field number. Raises Malformed on bytes no parser would take."""
-    return {
-        number: (tag, a, b)
-        for tag, number, wire, a, b in _walk(body, 0, len(body), MAX_FIELDS)
-        if wire == 2 and number in wanted
-    }
-
-
-def text(body: bytes, span: Span | None) -> str:
-    """A string field's value ('' when absent). Raises Malformed on invalid UTF-8."""
-    if span is None:
-        return ""
-    try:
-        return body[span[1] : span[2]].decode()
-    except UnicodeDecodeError:
-        raise Malformed("a string field is not UTF-8") from None
 
 
 Field = tuple[int, int, int, int]  # number, wire type, and the value: (start, end) or (v, 0)

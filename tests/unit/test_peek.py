@@ -1,5 +1,5 @@
-"""Reading a body's top-level fields without parsing it: the spans a parser would keep,
-and every malformed body refused, cheaply."""
+"""Walking a body's fields without parsing it: the fields a parser would keep (as the
+routing read, sluice.wire.facts, keeps them), and every malformed body refused, cheaply."""
 
 from __future__ import annotations
 
@@ -8,21 +8,26 @@ from google.protobuf.message import DecodeError
 
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import peek
+from sluice.wire import facts, peek
+
+
+def walk(body: bytes) -> list[peek.Field]:
+    return list(peek.fields(body, 0, len(body)))
 
 
 def test_the_fields_a_parser_keeps() -> None:
     body = pb.PredictRequest(
         inputs=[pb.Tensor(name="x", raw_data=b"\0" * 300)], model="m", version="2"
     ).SerializeToString()
-    found = peek.spans(body, (4, 5))
-    assert (peek.text(body, found[4]), peek.text(body, found[5])) == ("m", "2")
-    assert peek.text(body, peek.spans(body, (9,)).get(9)) == ""
+    read = facts.read(body, facts.PREDICT)
+    assert (read.model, read.version) == ("m", "2")
+    only = pb.PredictRequest(model="m").SerializeToString()
+    assert facts.read(only, facts.PREDICT).version == ""  # absent: empty
     twice = kpb.ModelInferRequest(id="a").SerializeToString() + (
         kpb.ModelInferRequest(id="b").SerializeToString()
     )
     assert kpb.ModelInferRequest.FromString(twice).id == "b"  # the last one wins ...
-    assert peek.text(twice, peek.spans(twice, (3,))[3]) == "b"  # ... here too
+    assert facts.read(twice, facts.MODEL_INFER).request_id == "b"  # ... here too
 
 
 @pytest.mark.parametrize(
@@ -38,13 +43,13 @@ def test_the_fields_a_parser_keeps() -> None:
 )
 def test_malformed_bodies_are_refused(body: bytes, why: str) -> None:
     with pytest.raises(peek.Malformed, match=why):
-        peek.spans(body, (4, 5))
+        walk(body)
 
 
 def test_a_string_that_is_not_utf8_is_refused() -> None:
     body = b"\x22\x02\xff\xfe"
     with pytest.raises(peek.Malformed, match="not UTF-8"):
-        peek.text(body, peek.spans(body, (4,))[4])
+        facts.read(body, facts.PREDICT)
 
 
 @pytest.mark.parametrize(
@@ -62,13 +67,13 @@ def test_tags_and_lengths_the_parser_refuses_are_refused(body: bytes) -> None:
     with pytest.raises(DecodeError):
         pb.PredictRequest.FromString(body)
     with pytest.raises(peek.Malformed):
-        peek.spans(body, (4, 5))
+        walk(body)
 
 
 def test_the_widest_tags_lengths_and_varints_the_parser_takes_read_as_it_reads_them() -> None:
     body = b"\xa2\x80\x80\x80\x00" + b"\x81\x80\x80\x80\x00" + b"m"  # 5-byte tag and length
     assert pb.PredictRequest.FromString(body).model == "m"
-    assert peek.text(body, peek.spans(body, (4,))[4]) == "m"
+    assert facts.read(body, facts.PREDICT).model == "m"
     # A tenth byte's bits past 64 are dropped: these ten bytes are -1 to the parser.
     wide = b"\xff" * 9 + b"\x7f"
     assert list(pb.Tensor.FromString(b"\x1a\x0a" + wide).shape) == [-1]
