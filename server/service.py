@@ -37,7 +37,7 @@ from sluice.runtime.door import OPEN, TENANT
 from sluice.runtime.status import status_of
 from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL
 from sluice.server.dataplane.models import Model
-from sluice.server.dataplane.plane import Codec, Dataplane
+from sluice.server.dataplane.plane import Dataplane, WireProtocol
 from sluice.server.v1 import V1, model_info, model_statuses, parse
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import stream
@@ -293,10 +293,10 @@ class InferenceService:
     async def predict(self, body: bytes, call: Call) -> bytes:
         return await self.infer(body, V1, call)
 
-    async def infer(self, body: bytes, codec: Codec[Any], call: Call) -> bytes:
+    async def infer(self, body: bytes, protocol: WireProtocol[Any], call: Call) -> bytes:
         """One inference call of any protocol, its trailers added to `call`."""
         entry, cached = await self.plane.infer(
-            body, codec, deadline=call.deadline, cache=not call.no_cache, priority=call.priority
+            body, protocol, deadline=call.deadline, cache=not call.no_cache, priority=call.priority
         )
         if entry.nonfinite:
             call.trailers.append(("x-nonfinite-inputs", ",".join(entry.nonfinite)))

@@ -1,9 +1,9 @@
 """The dataplane: one request path for every wire protocol and model. It owns the models, the
-result cache and single-flight; a protocol hands it request bytes and a `Codec`, and gets
+result cache and single-flight; a protocol hands it request bytes and its `WireProtocol`, and gets
 back response bytes. Transport-free.
 
 A cache hit is answered from the body's digest alone: nothing is parsed. The key covers the
-codec, the model's name and version and the body, so protocols never meet each other's
+protocol, the model's name and version and the body, so protocols never meet each other's
 answers, nor a new model version an old one's."""
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ class Request(Generic[Opts]):
 
     inputs: Mapping[str, np.ndarray]
     outputs: Sequence[str]  # empty: all of the model's outputs
-    options: Opts  # the codec's own, handed back to its `encode` (sluice.v1: typed outputs)
+    options: Opts  # the protocol's own, handed back to its `encode` (sluice.v1: typed outputs)
 
 
-class Codec(Protocol[Opts]):
+class WireProtocol(Protocol[Opts]):
     """A wire protocol's request and response bodies. Raises InvalidInput on a bad body."""
 
     @property
@@ -78,7 +78,7 @@ class Dataplane:
     async def infer(
         self,
         body: bytes,
-        codec: Codec[Opts],
+        protocol: WireProtocol[Opts],
         *,
         deadline: float | None = None,
         cache: bool = True,
@@ -90,16 +90,16 @@ class Dataplane:
         caller's)."""
         if deadline is not None and deadline <= self.clock():
             raise DeadlineExpired(EXPIRED)
-        asked = codec.route(body)
+        asked = protocol.route(body)
         found = self.models.get(asked.model, asked.version)
         if not cache or not self.cache.enabled:
             if tracing.ON:
                 tracing.annotate(tracing.CACHE, "off")
             entry, cached = await self._held(
-                found, self._compute(found, body, codec, deadline, priority)
+                found, self._compute(found, body, protocol, deadline, priority)
             )
         else:
-            digest = xxhash.xxh3_128(found.scope(codec.name))
+            digest = xxhash.xxh3_128(found.scope(protocol.name))
             if asked.echo is None:
                 digest.update(body)
             else:
@@ -113,7 +113,7 @@ class Dataplane:
                 entry, cached = hit, HIT
             else:
                 entry, cached = await self._held(
-                    found, self._once(key, found, body, codec, deadline, priority)
+                    found, self._once(key, found, body, protocol, deadline, priority)
                 )
         if asked.echo is not None:
             entry = Entry(body[asked.echo[0] : asked.echo[1]] + entry.body, entry.nonfinite)
@@ -147,7 +147,7 @@ class Dataplane:
         key: bytes,
         model: Model,
         body: bytes,
-        codec: Codec[Opts],
+        protocol: WireProtocol[Opts],
         deadline: float | None,
         priority: int,
     ) -> tuple[Entry, Cached]:
@@ -158,7 +158,7 @@ class Dataplane:
             joined = key in self.flight
             try:
                 entry = await self.flight.run(
-                    key, lambda: self._store(key, model, body, codec, deadline, priority)
+                    key, lambda: self._store(key, model, body, protocol, deadline, priority)
                 )
             except DeadlineExpired:
                 if not joined or (deadline is not None and deadline <= self.clock()):
@@ -173,25 +173,35 @@ class Dataplane:
         key: bytes,
         model: Model,
         body: bytes,
-        codec: Codec[Opts],
+        protocol: WireProtocol[Opts],
         deadline: float | None,
         priority: int,
     ) -> Entry:
         # The shared computation holds the model itself: its callers may all cancel and
         # release theirs while it still runs (or waits in the batcher).
-        entry = await self._held(model, self._entry(model, body, codec, deadline, priority))
+        entry = await self._held(model, self._entry(model, body, protocol, deadline, priority))
         self.cache.put(key, entry)
         return entry
 
     async def _compute(
-        self, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None, priority: int
+        self,
+        model: Model,
+        body: bytes,
+        protocol: WireProtocol[Opts],
+        deadline: float | None,
+        priority: int,
     ) -> tuple[Entry, Cached]:
-        return await self._entry(model, body, codec, deadline, priority), None
+        return await self._entry(model, body, protocol, deadline, priority), None
 
     async def _entry(
-        self, model: Model, body: bytes, codec: Codec[Opts], deadline: float | None, priority: int
+        self,
+        model: Model,
+        body: bytes,
+        protocol: WireProtocol[Opts],
+        deadline: float | None,
+        priority: int,
     ) -> Entry:
-        request = codec.decode(body)
+        request = protocol.decode(body)
         run = _RunSpans(model) if tracing.ON and tracing.recording() else None
         try:
             outputs, nonfinite = await model.run(
@@ -203,7 +213,7 @@ class Dataplane:
             )
             if run is not None:
                 run.ran()
-            encoded = codec.encode(model, request, outputs)
+            encoded = protocol.encode(model, request, outputs)
         except BaseException as exc:
             if run is not None:
                 run.ended(exc)
