@@ -264,6 +264,14 @@ def test_route_reads_model_version_and_the_id_span() -> None:
     assert KSERVE.route(raw_body({"x": X})).echo is None
 
 
+@pytest.mark.parametrize("field", [b"\x0a", b"\x12"], ids=["model_name", "model_version"])
+def test_a_model_name_or_version_that_is_not_utf8_is_invalid_input(field: bytes) -> None:
+    """Found by tests/fuzz: the route read let peek.Malformed out here (an INTERNAL answer)."""
+    body = raw_body({"x": X}) + field + b"\x02\xc3\x28"
+    with pytest.raises(InvalidInput, match="ModelInferRequest: a string field is not UTF-8"):
+        KSERVE.route(body)
+
+
 # The request path, on the bundled model.
 
 
