@@ -28,7 +28,7 @@ from sluice.runtime.health import Readiness
 from sluice.runtime.listener import Methods, bind, check_port_free, new_server
 from sluice.runtime.process import event_loop, return_large_blocks, setup_logging
 from sluice.runtime.settings import ProgramSettings
-from sluice.runtime.supervise import attach_to_parent
+from sluice.runtime.supervise import Supervisor, attach_to_parent
 from sluice.runtime.tls import PLAINTEXT_WARNING, server_credentials
 from sluice.runtime.workers import Workers
 
@@ -64,25 +64,31 @@ class Program:
 async def run(program: Program, argv: Sequence[str], stop: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM or SIGINT (or, in a worker, until the first process is gone; or,
     given `stop`, until it is set, with no signal handlers), then drain; 0 once stopped, 1
-    if the metrics port cannot be had. SluiceError if the port cannot be."""
+    if the metrics port cannot be had. SluiceError if the port cannot be. Either way the
+    program's close steps run: what it opened before (models, channels to backends) closes."""
     settings, log = program.settings, program.log
     is_worker = program.workers.is_worker()
-    exporter = None
-    if settings.metrics_port:
-        registry = metrics.new_registry(
-            metrics.ServingCollector(program.stats),
-            *program.collectors,
-            *([metrics.TenantCollector(program.tenants)] if program.tenants is not None else []),
-        )
-        ports = program.workers.metrics_ports(settings.metrics_port, is_worker)
-        try:
-            exporter = await metrics.start(registry, settings.host, ports)
-        except OSError as exc:
-            log.error("--metrics-port %d: %s", settings.metrics_port, exc)
-            return 1
+    exporter = workers = None
     try:
-        await _serve(program, argv, is_worker, stop)
+        if settings.metrics_port:
+            tenants = program.tenants
+            registry = metrics.new_registry(
+                metrics.ServingCollector(program.stats),
+                *program.collectors,
+                *([metrics.TenantCollector(tenants)] if tenants is not None else []),
+            )
+            ports = program.workers.metrics_ports(settings.metrics_port, is_worker)
+            try:
+                exporter = await metrics.start(registry, settings.host, ports)
+            except OSError as exc:
+                log.error("--metrics-port %d: %s", settings.metrics_port, exc)
+                return 1
+        workers = await _serve(program, argv, is_worker, stop)
     finally:
+        for close in program.closing:
+            await close()
+        if workers is not None:
+            await workers.stop(program.drain_delay_s + settings.grace_s + WORKERS_STOP_S)
         if exporter is not None:
             exporter.close()
     log.info("stopped after %d calls", program.stats.requests)
@@ -91,7 +97,8 @@ async def run(program: Program, argv: Sequence[str], stop: asyncio.Event | None 
 
 async def _serve(
     program: Program, argv: Sequence[str], is_worker: bool, stop: asyncio.Event | None
-) -> None:
+) -> Supervisor | None:
+    """Listen, serve until stopped, drain up to the program's close steps; its workers."""
     settings, log = program.settings, program.log
     reuseport = program.processes > 1 or is_worker
     server, health = new_server(
@@ -139,10 +146,7 @@ async def _serve(
     await server.stop(settings.grace_s)
     for task in background:
         task.cancel()
-    for close in program.closing:
-        await close()
-    if workers is not None:
-        await workers.stop(drain_s + WORKERS_STOP_S)
+    return workers
 
 
 def main(
