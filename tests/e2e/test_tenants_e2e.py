@@ -242,7 +242,9 @@ async def test_an_interactive_call_runs_before_queued_batch_calls(
                 return task
 
             inputs = rows(4, seed=8)
-            queued = [call(bulk, f"bulk{i}", inputs[i]) for i in range(3)]
+            # Each batch call runs ~0.3 s, so the order in which the answers reach this
+            # process is the order the server ran them in, however loaded the machine.
+            queued = [call(bulk, f"bulk{i}", inputs[i].repeat(2_000, axis=0)) for i in range(3)]
             await asyncio.to_thread(
                 wait_health, server.address, lambda h: h.batcher.queue_depth == 3, "3 queued"
             )
