@@ -36,6 +36,7 @@ with atheris.instrument_imports(
     include=["sluice.wire", "sluice.server.v1", "sluice.server.kserve"]
 ):
     from google.protobuf.message import DecodeError, Message
+    from google.protobuf.unknown_fields import UnknownFieldSet
 
     from sluice.core.errors import InvalidInput
     from sluice.kserve import grpc_predict_v2_pb2 as kpb
@@ -101,7 +102,7 @@ def check_kind(
         fail(label, body, f"gives {got!r}", expected)
     if facts.read(body, kind) != read._replace(rows=None):
         fail(label, body, "reads other facts with rows=False", expected)
-    _id_span(label, body, oracle, read)
+    _id_span(label, body, oracle, kind.id, read)
     _rows(label, body, full, read.rows)
     seen[f"{label}: accepted"] += 1
 
@@ -120,7 +121,9 @@ def _route(label: str, body: bytes, route: Route | None, read: facts.Facts | Non
         fail(label, body, f"routes as {asked!r} on the server", read)
 
 
-def _id_span(label: str, body: bytes, oracle: type[Message], read: facts.Facts) -> None:
+def _id_span(
+    label: str, body: bytes, oracle: type[Message], kind_id: int, read: facts.Facts
+) -> None:
     """The span must be exactly the last `id` field, and `keyed` the body without it."""
     span = read.id_span
     has_id = "id" in oracle.DESCRIPTOR.fields_by_name
@@ -133,10 +136,18 @@ def _id_span(label: str, body: bytes, oracle: type[Message], read: facts.Facts) 
     start, end = span
     if not has_id:
         fail(label, body, f"finds an id span {span}", "none: the message has no id")
-    field = oracle.FromString(body[start:end])
-    alone = [f.name for f, _ in field.ListFields()] == ["id"]
-    last = not oracle.FromString(body[end:]).HasField("id")
-    if not (alone and field.ByteSize() == end - start and last):
+    try:
+        # One field, whatever its encoding (a padded tag or length is still one field) ...
+        fields = UnknownFieldSet(skeleton.Empty.FromString(body[start:end]))
+        alone = [(fields[i].field_number, fields[i].wire_type) for i in range(len(fields))]
+        # ... the id, starting where a field starts, and the last one.
+        oracle.FromString(body[:start])
+        last = not oracle.FromString(body[end:]).HasField("id")
+        value = getattr(oracle.FromString(body[start:end]), "id")  # noqa: B009
+    except DecodeError:
+        alone, last, value = [], False, None
+    kept = getattr(oracle.FromString(body), "id")  # noqa: B009
+    if not (alone == [(kind_id, 2)] and last and value == kept):
         fail(label, body, f"gives the span {span}", "the last id field's")
     if read.keyed(body) != body[:start] + body[end:]:
         fail(label, body, f"keys {read.keyed(body)!r}", "the body less its id field")

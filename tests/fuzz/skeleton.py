@@ -22,6 +22,8 @@ def _build() -> dict[str, type[Message]]:
         "ModelInfer": [("model", 1), ("version", 2), ("id", 3)],
         # sluice.v1.MetadataRequest's model and version
         "Metadata": [("model", 1), ("version", 2)],
+        # No field: every field unknown, one entry each (as sent, however encoded)
+        "Empty": [],
     }
     for name, fields in layouts.items():
         message = file.message_type.add(name=name)
@@ -41,3 +43,4 @@ _CLASSES = _build()
 Predict = _CLASSES["Predict"]
 ModelInfer = _CLASSES["ModelInfer"]
 Metadata = _CLASSES["Metadata"]
+Empty = _CLASSES["Empty"]
