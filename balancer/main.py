@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -55,8 +56,15 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
     )
     discovery = Discovery(settings.backend, settings.backends_file, settings.backends_dns)
     # Known before listening, so health is true from the first check (servers not heard
-    # from yet get the benefit of the doubt).
-    known = await discovery.current()
+    # from yet get the benefit of the doubt); a slow name server delays the bind by one
+    # refresh at most, and the watch picks its answer up later.
+    try:
+        known = await asyncio.wait_for(discovery.current(), settings.refresh_s)
+    except TimeoutError:
+        log.warning(
+            "backends not known within %.1fs: listening with the static ones", settings.refresh_s
+        )
+        known = list(discovery.static)
     membership.apply(known)
     return await program.run(
         program.Program(
