@@ -232,6 +232,82 @@ def test_an_id_that_is_not_utf8_is_refused() -> None:
 # The modules that walk a message's fields by hand: this reader, and the tensor codec's
 # large-body decoder (its field numbers from here).
 WALKERS = {"facts.py", "codec.py", "peek.py"}
+# Importing either makes a module a body reader, where a bare tuple of small ints is suspect.
+WIRE_READERS = {"sluice.wire.facts", "sluice.wire.peek"}
+
+
+def _fields_of(*messages: type[Message]) -> dict[str, int]:
+    """The field names of these messages and of the ones nested in them, with their numbers
+    (map entries aside: `key` and `value` would name too much else)."""
+    found: dict[str, int] = {}
+    descriptors = [m.DESCRIPTOR for m in messages]
+    while descriptors:
+        descriptor = descriptors.pop()
+        if not descriptor.GetOptions().map_entry:
+            found.update((f.name, f.number) for f in descriptor.fields)
+        descriptors.extend(descriptor.nested_types)
+    return found
+
+
+# The messages read off the wire, and ModelInfer's answer (the id is put in front of it).
+FIELDS = _fields_of(
+    pb.PredictRequest, pb.PredictResponse, pb.MetadataRequest, Infer, kpb.ModelInferResponse
+)
+MOST = max(FIELDS.values())  # an int above every one of their numbers is no field number
+
+
+def _small(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and type(node.value) is int and 0 < node.value <= MOST
+
+
+def _says_field(name: str) -> bool:
+    """A name for a field's number: `number` in it, or a word like `field` or `tag`."""
+    name = name.lower()
+    return "number" in name or bool({"field", "fields", "tag", "tags"} & set(name.split("_")))
+
+
+def _names_a_field(name: str) -> bool:
+    """A constant's name that says a field, or ends in one of the fields' own names (`_ID`,
+    `MODEL_NAME`): a name a value may well have, so only constants are judged by it."""
+    name = name.strip("_").lower()
+    return _says_field(name) or any(name == f or name.endswith("_" + f) for f in FIELDS)
+
+
+def _label(node: ast.AST) -> str:
+    return node.id if isinstance(node, ast.Name) else getattr(node, "attr", "")
+
+
+def _reads_bodies(tree: ast.Module) -> bool:
+    """Whether a module imports a wire reader, or calls peek."""
+    taken = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            taken |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        elif isinstance(node, ast.Import):
+            taken |= {a.name for a in node.names}
+        elif isinstance(node, ast.Attribute) and _label(node.value) == "peek":
+            return True
+    return bool(taken & WIRE_READERS)
+
+
+def _constants(tree: ast.Module) -> list[tuple[int, str, ast.expr]]:
+    """Each name the module binds at its top level, with the value it is given (one to one
+    where a tuple of names is given a tuple)."""
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        for target in targets:
+            if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple):
+                pairs = list(zip(target.elts, value.elts, strict=False))
+            else:
+                pairs = [(target, value)]
+            found += [(node.lineno, t.id, v) for t, v in pairs if isinstance(t, ast.Name)]
+    return found
 
 
 def _product_sources() -> list[Path]:
@@ -246,9 +322,13 @@ def _product_sources() -> list[Path]:
 
 
 def faults_in(name: str, source: str) -> list[str]:
-    """Where a module writes a field number of its own, or walks a body by hand."""
+    """Where a module writes a field number of its own (a generated constant, a comparison or
+    match on a field, a constant named for one, a bare tuple of them in a module that reads
+    bodies), or walks a body by hand."""
     faults = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    reads = _reads_bodies(tree)
+    for node in ast.walk(tree):
         where = f"{name}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, ast.Attribute):
             if node.attr.endswith("_FIELD_NUMBER") and name != "facts.py":
@@ -257,25 +337,47 @@ def faults_in(name: str, source: str) -> list[str]:
             if walks and node.attr in ("fields", "walk", "spans") and name not in WALKERS:
                 faults.append(f"{where}: peek.{node.attr} (read a body with facts.read)")
         elif isinstance(node, ast.Compare):
-            names = [n for n in (node.left, *node.comparators) if isinstance(n, ast.Name)]
+            names = [_label(n) for n in (node.left, *node.comparators)]
             numbers = [
                 n.value
                 for n in ast.walk(node)
                 if isinstance(n, ast.Constant) and type(n.value) is int and n.value > 0
             ]
-            if any("number" in n.id for n in names) and numbers:
+            if any(_says_field(n) for n in names) and numbers:
                 faults.append(f"{where}: a field number compared with {numbers}")
+        elif isinstance(node, ast.Match) and _says_field(_label(node.subject)):
+            if any(_small(p.value) for p in ast.walk(node) if isinstance(p, ast.MatchValue)):
+                faults.append(f"{where}: a field number matched")
+        elif isinstance(node, ast.Tuple | ast.Set | ast.List) and reads and name not in WALKERS:
+            # Ints alone, one a field's number at least: a route table's numbers.
+            values = [i.value if isinstance(i, ast.Constant) else None for i in node.elts]
+            ints = len(values) > 1 and all(type(v) is int for v in values)
+            if ints and any(map(_small, node.elts)):
+                faults.append(f"{where}: field numbers {ast.unparse(node)}")
+    if name not in WALKERS:
+        for line, constant, value in _constants(tree):
+            if _names_a_field(constant) and any(map(_small, ast.walk(value))):
+                faults.append(f"{name}:{line}: {constant} holds a field number")
     return faults
 
 
 def test_the_check_finds_field_numbers_written_by_hand() -> None:
     """What the three route reads and fan-out held before this module."""
-    assert faults_in("convert.py", "found = peek.spans(body, (4, 5))")
+    assert faults_in("v1.py", "found = peek.spans(body, (4, 5))")
     assert faults_in("codec.py", "if number in (4, 5):\n    pass")
     assert faults_in("fanout.py", "if field_number == 3:\n    pass")
     assert faults_in("kserve.py", "x = kpb.ModelInferRequest.ID_FIELD_NUMBER")
     assert not faults_in("peek.py", "if number == 0:\n    pass")  # no field has number 0
     assert not faults_in("codec.py", "if number == facts.TENSOR_NAME:\n    pass")
+    # What issue 20 found written by hand: the balancer's route table, the KServe read's
+    # constants, fan-out's test of a field.
+    assert faults_in("service.py", 'ROUTE_FIELDS = {"": ((4, 5, 0), "x")}')
+    assert faults_in("kserve.py", "_NAME, _VERSION, _ID = 1, 2, 3")
+    assert faults_in("fanout.py", "if field == 3: pass")
+    assert faults_in("fanout.py", "match tag:\n    case 3:\n        pass")
+    assert faults_in("v1.py", "from sluice.wire import facts\nwanted = (4, 5)")
+    assert not faults_in("top.py", "widths = (0, 4)")  # a module that reads no body
+    assert not faults_in("v1.py", "from sluice.wire import facts\nWORKERS = 4")
 
 
 def test_no_field_number_of_the_request_messages_is_written_outside_this_module() -> None:
