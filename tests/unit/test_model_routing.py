@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -17,7 +18,7 @@ from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
 from sluice.routing.planner import Planner
-from sluice.routing.pool import Backend, Health, Pool, Want
+from sluice.routing.pool import Backend, Choice, Health, Pool, Want
 from sluice.routing.ring import MaglevRing
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import facts, peek
@@ -339,6 +340,36 @@ def test_the_balancer_forwards_by_model_and_modelinfer_with_its_method() -> None
     assert nope.code == Code.NOT_FOUND and "model 'nope'" in nope.message
     assert garbage.code == Code.INVALID_ARGUMENT
     assert service.stats.requests == 4
+
+
+def test_the_balancer_keys_a_modelinfer_by_its_inputs_not_its_id() -> None:
+    """The affinity key the pool is asked with, through BalancerService itself: two calls
+    that differ only in id meet on one server (its cache leaves the id out too)."""
+    pool = fleet()
+    for backend in pool.backends.values():
+        backend.transport = Upstream()
+    service = BalancerService(pool, RetryBudget(), node_id="b")
+    asked: list[int | None] = []
+    choose = pool.choose
+
+    def recorded(key: int | None, *args: Any, **kwargs: Any) -> Choice:
+        asked.append(key)
+        return choose(key, *args, **kwargs)
+
+    pool.choose = recorded  # type: ignore[method-assign]
+
+    def key_of(call_id: str, value: int) -> int | None:
+        tensor = kpb.ModelInferRequest.InferInputTensor(name="x", datatype="INT64", shape=[1])
+        tensor.contents.int64_contents.append(value)
+        infer = kpb.ModelInferRequest(model_name="beta", id=call_id, inputs=[tensor])
+        asked.clear()
+        reply = asyncio.run(service.forward(infer.SerializeToString(), {}, None, method=INFER))
+        assert reply.code == 0 and len(set(asked)) == 1  # the one key of all its asks
+        return asked[0]
+
+    key = key_of("one", 7)
+    assert key is not None and key_of("two", 7) == key
+    assert key_of("one", 8) != key
 
 
 def test_models_refresh_setting_is_checked() -> None:
