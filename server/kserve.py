@@ -185,9 +185,9 @@ def _decode(tensor: kpb.ModelInferRequest.InferInputTensor, raw: bytes | None) -
 def _count(label: str, shape: tuple[int, ...]) -> int:
     """The element count of a shape, refused when no array could have it (sluice.v1's
     bounds, sluice.wire.codec)."""
-    if len(shape) > codec.MAX_RANK:
+    if len(shape) > facts.MAX_RANK:
         raise InvalidInput(
-            f"{label} has {len(shape)} dimensions; at most {codec.MAX_RANK} are allowed"
+            f"{label} has {len(shape)} dimensions; at most {facts.MAX_RANK} are allowed"
         )
     if any(d < 0 for d in shape):
         raise InvalidInput(f"{label} has a negative dimension in shape {list(shape)}")

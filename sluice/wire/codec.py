@@ -23,7 +23,6 @@ class TensorError(ValueError):
     """A tensor message that cannot be decoded; the message says why."""
 
 
-MAX_RANK = facts.MAX_RANK
 # The most elements a shape may describe, counting its non-zero dimensions only (numpy
 # refuses even an empty array whose other dimensions overflow its sizes); far beyond any
 # message gRPC lets through, and far within numpy's byte count.
@@ -96,8 +95,10 @@ def _header(
         raise TensorError(
             f"{label} has unknown datatype {datatype!r}; expected one of {', '.join(DATATYPES)}"
         )
-    if len(shape) > MAX_RANK:
-        raise TensorError(f"{label} has {len(shape)} dimensions; at most {MAX_RANK} are allowed")
+    if len(shape) > facts.MAX_RANK:
+        raise TensorError(
+            f"{label} has {len(shape)} dimensions; at most {facts.MAX_RANK} are allowed"
+        )
     if any(d < 0 for d in shape):
         raise TensorError(f"{label} has a negative dimension in shape {list(shape)}")
     count = math.prod(shape)
