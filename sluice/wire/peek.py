@@ -37,15 +37,14 @@ def fields(body: bytes, start: int, end: int, limit: int = MAX_FIELDS) -> Iterat
     """Every field of the message in body[start:end], in order: a length-delimited or
     fixed-width one's value as its (start, end), a varint's as (value, 0). Raises Malformed
     on bytes no parser would take, or past `limit` fields."""
-    for _, number, wire, a, b in _walk(body, start, end, limit):
+    for _, number, wire, a, b in walk(body, start, end, limit):
         yield number, wire, a, b
 
 
-def _walk(
-    body: bytes, start: int, end: int, limit: int
-) -> Iterator[tuple[int, int, int, int, int]]:
-    """The one walk of a message's fields: each one's tag start, number, wire type and value
-    (as `fields` gives it)."""
+def walk(body: bytes, start: int, end: int, limit: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """The one walk of a message's fields: each one's tag start (its first byte), number,
+    wire type and value (as `fields` gives it). The routing read (sluice.wire.facts) cuts
+    the id field out by its tag start, and calls this straight: no wrapper per call."""
     at, count = start, 0
     while at < end:
         count += 1
@@ -80,11 +79,6 @@ def _walk(
             raise Malformed(f"wire type {wire}")
     if at > end:  # a last varint ran past the message's end
         raise Malformed("a field runs past the end")
-
-
-# Each field as `fields` gives it, after where it starts (its tag's first byte), for a reader
-# that cuts a field out (sluice.wire.facts). The walk itself: no wrapper on a per-call path.
-walk = _walk
 
 
 def int64(value: int) -> int:
