@@ -84,7 +84,10 @@ class Facts(NamedTuple):
 
     model: str  # empty: the default model
     version: str  # empty: its newest ready version
-    request_id: str  # KServe's `id`; '' where the message has none
+    # KServe's `id` ('' where the message has none). Read for its UTF-8 check, which the
+    # parser makes too: the balancer and the server's route (KServeV2.route) both refuse a
+    # bad id by it. Neither uses the value: the answer takes the id's bytes by its span.
+    request_id: str
     # The id field, its tag to its value's end (None: absent): left out of the cache and
     # affinity keys, and put in front of the answer.
     id_span: tuple[int, int] | None
