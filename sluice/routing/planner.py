@@ -331,7 +331,8 @@ class Planner(Generic[R]):
         observer: Observer[R] | None = None,
     ) -> R:
         """The call, sending each attempt with `attempt(backend, time_left)`; `observer`, if
-        given, is told of each attempt and of the end."""
+        given, is told of each attempt and of the end. What an observer raises fails the
+        call (as span code inside an attempt did), once the plan has recorded the attempt."""
         plan = Plan(self, key, deadline, want)
         try:
             while True:
@@ -340,22 +341,26 @@ class Planner(Generic[R]):
                     result = step
                     break
                 if observer is not None:
-                    observer.attempt_started(step)
+                    try:
+                        observer.attempt_started(step)
+                    except BaseException:
+                        plan.abandon(step)  # the slot Pool.start took goes back
+                        raise
                 try:
                     answer = await attempt(step.backend, step.timeout)
                 except self._known as exc:
+                    final = plan.failed(step, exc)
                     if observer is not None:
                         observer.attempt_ended(step, None, exc)
-                    final = plan.failed(step, exc)
                 except BaseException as exc:
                     plan.abandon(step)
                     if observer is not None:
                         observer.attempt_ended(step, None, exc)
                     raise
                 else:
+                    final = plan.answered(step, answer)
                     if observer is not None:
                         observer.attempt_ended(step, answer, None)
-                    final = plan.answered(step, answer)
                 if final is not None:
                     result = final
                     break
@@ -388,14 +393,19 @@ class Planner(Generic[R]):
                     result = step
                     break
                 if observer is not None:
-                    observer.attempt_started(step)
+                    try:
+                        observer.attempt_started(step)
+                    except BaseException:
+                        with lock:
+                            plan.abandon(step)  # the slot Pool.start took goes back
+                        raise
                 try:
                     answer = attempt(step.backend, step.timeout)
                 except self._known as exc:
-                    if observer is not None:
-                        observer.attempt_ended(step, None, exc)
                     with lock:
                         final = plan.failed(step, exc)
+                    if observer is not None:
+                        observer.attempt_ended(step, None, exc)
                 except BaseException as exc:
                     with lock:
                         plan.abandon(step)
@@ -403,10 +413,10 @@ class Planner(Generic[R]):
                         observer.attempt_ended(step, None, exc)
                     raise
                 else:
-                    if observer is not None:
-                        observer.attempt_ended(step, answer, None)
                     with lock:
                         final = plan.answered(step, answer)
+                    if observer is not None:
+                        observer.attempt_ended(step, answer, None)
                 if final is not None:
                     result = final
                     break

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -554,3 +555,81 @@ def test_run_sync_tells_an_observer_the_same() -> None:
     assert p.run_sync(42, None, blocking, observer=told).code == Code.DEADLINE_EXCEEDED
     assert [e[0] for e in told.events] == ["started", "ended", "started", "ended", "answer"]
     assert told.events[3][2] == "TimeoutError"
+
+
+class Exploded(Exception):
+    """What a faulty observer raises."""
+
+
+@dataclass
+class Faulty(Told):
+    """A Told that raises in `hook` (the first time it is called)."""
+
+    hook: str = ""
+
+    def attempt_started(self, attempt: Attempt) -> None:
+        self._maybe("attempt_started")
+        super().attempt_started(attempt)
+
+    def attempt_ended(
+        self, attempt: Attempt, reply: Reply | None, error: BaseException | None
+    ) -> None:
+        self._maybe("attempt_ended")
+        super().attempt_ended(attempt, reply, error)
+
+    def ended(self, answer: Reply | None, error: BaseException | None) -> None:
+        self._maybe("ended")
+        super().ended(answer, error)
+
+    def _maybe(self, hook: str) -> None:
+        if hook == self.hook:
+            self.hook = ""
+            raise Exploded(hook)
+
+
+@pytest.mark.parametrize("driver", ["run", "run_sync"])
+@pytest.mark.parametrize("hook", ["attempt_started", "attempt_ended", "ended"])
+def test_an_observer_that_raises_fails_the_call_once_the_plan_has_recorded_it(
+    hook: str, driver: str
+) -> None:
+    # The observer's error is the call's (as span code inside an attempt was), but only
+    # after the plan recorded the attempt: its backend's slot is given back and its breaker
+    # has the verdict; a failure before the attempt went abandons it, and nothing is sent.
+    clock = FakeClock()
+    p = planner(clock)
+    first, second, _ = order(p, 42)
+    script: dict[str, list[Step]] = {
+        first: [status(Code.UNAVAILABLE, "connection refused")],  # retried on `second`
+        second: [ok()],
+    }
+    transport = Transport(clock, script)
+    told = Faulty(hook=hook)
+    lock = threading.Lock()
+
+    def blocking(backend: Backend, timeout: float | None) -> Reply:
+        try:
+            transport(backend, timeout).send(None)
+        except StopIteration as done:
+            reply: Reply = done.value
+            return reply
+        raise AssertionError("the fake transport never waits")
+
+    with pytest.raises(Exploded, match=hook):
+        if driver == "run":
+            asyncio.run(p.run(42, None, transport, observer=told))
+        else:
+            p.run_sync(42, None, blocking, lock, observer=told)
+    assert [b.in_flight for b in p.pool.backends.values()] == [0, 0, 0]
+    assert not lock.locked()
+    backend = p.pool.backends[first]
+    if hook == "attempt_started":
+        assert transport.sent == [] and backend.failures == 0  # abandoned: no verdict
+        assert told.events == [("answer", "Exploded")]
+    else:  # the attempt was sent, and the UNAVAILABLE it got counts against its backend
+        assert transport.sent[0][0] == first and backend.failures == 1
+    if hook == "attempt_ended":
+        assert told.events == [("started", first), ("answer", "Exploded")]
+    if hook == "ended":  # the answer was second's, recorded before the observer heard it
+        assert [address for address, _ in transport.sent] == [first, second]
+        assert p.pool.backends[second].latency.current() > 0
+        assert told.events[-1] == ("ended", second, Code.OK)
