@@ -49,13 +49,14 @@ class Model:
     def __repr__(self) -> str:
         return f"Model({self.name!r}, version {self.version!r})"
 
-    def scope(self, codec: str) -> bytes:
-        """What leads the cache key of this model's requests in wire format `codec`: the
-        same bytes in another format, or for another model or version, meet another answer."""
-        scope = self._scopes.get(codec)
-        if scope is None:  # once per codec: this is on every call's path
-            scope = f"{codec}\0{self.name}\0{self.version}\0{self.tag}\0".encode()
-            self._scopes[codec] = scope
+    def scope(self, protocol: str) -> bytes:
+        """What leads the cache key of this model's requests in wire protocol `protocol` (its
+        name): the same bytes in another protocol, or for another model or version, meet
+        another answer."""
+        scope = self._scopes.get(protocol)
+        if scope is None:  # once per protocol: this is on every call's path
+            scope = f"{protocol}\0{self.name}\0{self.version}\0{self.tag}\0".encode()
+            self._scopes[protocol] = scope
         return scope
 
     async def run(
