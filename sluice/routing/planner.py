@@ -182,14 +182,32 @@ class Observer(Protocol[R_contra]):
 class Plan(Generic[R]):
     """One call's way through the backends, without I/O: `next()` names the next attempt
     (or gives the final answer), `answered` and `failed` record how it went. The drivers,
-    `Planner.run` (asyncio) and `Planner.run_sync` (blocking), only do the sending."""
+    `Planner.run` (asyncio) and `Planner.run_sync` (blocking), only do the sending: `step`,
+    `replied` and `raised` are those records with the observer told, each after its record
+    (what an observer raises then leaves nothing unrecorded)."""
 
-    __slots__ = ("_planner", "deadline", "key", "last", "refusal", "retry", "tried", "want")
+    __slots__ = (
+        "_observer",
+        "_planner",
+        "deadline",
+        "key",
+        "last",
+        "refusal",
+        "retry",
+        "tried",
+        "want",
+    )
 
     def __init__(
-        self, planner: Planner[R], key: int | None, deadline: float | None, want: Want = ANY
+        self,
+        planner: Planner[R],
+        key: int | None,
+        deadline: float | None,
+        want: Want = ANY,
+        observer: Observer[R] | None = None,
     ) -> None:
         self._planner = planner
+        self._observer = observer
         self.key = key
         self.deadline = deadline
         self.want = want
@@ -281,6 +299,55 @@ class Plan(Generic[R]):
         transport itself failed): the error goes on to the caller."""
         self._planner.pool.finish(attempt.backend, self._planner.clock() - attempt.sent, "neutral")
 
+    def step(self) -> Attempt | R:
+        """`next()`, an attempt told to the observer. Should the observer raise, the attempt
+        is abandoned (its backend's slot, taken by `Pool.start`, given back) and the error
+        goes on."""
+        step = self.next()
+        observer = self._observer
+        if observer is not None and isinstance(step, Attempt):
+            try:
+                observer.attempt_started(step)
+            except BaseException:
+                self.abandon(step)
+                raise
+        return step
+
+    def replied(self, attempt: Attempt, reply: R) -> Attempt | R:
+        """`answered`, then told to the observer; then the next step, or the answer."""
+        final = self.answered(attempt, reply)
+        if self._observer is not None:
+            self._observer.attempt_ended(attempt, reply, None)
+        return self.step() if final is None else final
+
+    def raised(self, attempt: Attempt, error: BaseException) -> Attempt | R:
+        """`failed` for TimeoutError or a `broken` error, then told to the observer; then
+        the next step, or the answer. Any other error (the caller cancelled, the transport
+        failed) abandons the attempt, is told, and is raised again."""
+        known = isinstance(error, self._planner._known)
+        final = None
+        if known:
+            final = self.failed(attempt, error)
+        else:
+            self.abandon(attempt)
+        if self._observer is not None:
+            self._observer.attempt_ended(attempt, None, error)
+        if not known:
+            raise error
+        return self.step() if final is None else final
+
+    def ended(self, answer: R) -> R:
+        """The call's `answer`, told to the observer."""
+        if self._observer is not None:
+            self._observer.ended(answer, None)
+        return answer
+
+    def left(self, error: BaseException) -> None:
+        """The call left with `error` (cancelled, the transport or an observer failed), told
+        to the observer: every attempt is recorded by then."""
+        if self._observer is not None:
+            self._observer.ended(None, error)
+
     def _finish(self, attempt: Attempt, rule: Rule) -> None:
         planner = self._planner
         planner.pool.finish(attempt.backend, planner.clock() - attempt.sent, rule.verdict)
@@ -288,6 +355,41 @@ class Plan(Generic[R]):
     def _failed(self, attempt: Attempt, why: str) -> None:
         self.last = f"; {attempt.backend.address}: {why}"
         self.retry = True
+
+
+class LockedPlan(Plan[R]):
+    """A Plan whose records each hold `lock` (the blocking client's threads share the pool);
+    its observer is told outside it: the observer is the call's own."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(
+        self,
+        planner: Planner[R],
+        key: int | None,
+        deadline: float | None,
+        want: Want,
+        observer: Observer[R] | None,
+        lock: AbstractContextManager[object],
+    ) -> None:
+        super().__init__(planner, key, deadline, want, observer)
+        self._lock = lock
+
+    def next(self) -> Attempt | R:
+        with self._lock:
+            return super().next()
+
+    def answered(self, attempt: Attempt, answer: R) -> R | None:
+        with self._lock:
+            return super().answered(attempt, answer)
+
+    def failed(self, attempt: Attempt, error: BaseException) -> R | None:
+        with self._lock:
+            return super().failed(attempt, error)
+
+    def abandon(self, attempt: Attempt) -> None:
+        with self._lock:
+            super().abandon(attempt)
 
 
 class Planner(Generic[R]):
@@ -333,44 +435,20 @@ class Planner(Generic[R]):
         """The call, sending each attempt with `attempt(backend, time_left)`; `observer`, if
         given, is told of each attempt and of the end. What an observer raises fails the
         call (as span code inside an attempt did), once the plan has recorded the attempt."""
-        plan = Plan(self, key, deadline, want)
+        plan = Plan(self, key, deadline, want, observer)
         try:
-            while True:
-                step = plan.next()
-                if not isinstance(step, Attempt):
-                    result = step
-                    break
-                if observer is not None:
-                    try:
-                        observer.attempt_started(step)
-                    except BaseException:
-                        plan.abandon(step)  # the slot Pool.start took goes back
-                        raise
+            step = plan.step()
+            while isinstance(step, Attempt):
                 try:
                     answer = await attempt(step.backend, step.timeout)
-                except self._known as exc:
-                    final = plan.failed(step, exc)
-                    if observer is not None:
-                        observer.attempt_ended(step, None, exc)
                 except BaseException as exc:
-                    plan.abandon(step)
-                    if observer is not None:
-                        observer.attempt_ended(step, None, exc)
-                    raise
+                    step = plan.raised(step, exc)
                 else:
-                    final = plan.answered(step, answer)
-                    if observer is not None:
-                        observer.attempt_ended(step, answer, None)
-                if final is not None:
-                    result = final
-                    break
+                    step = plan.replied(step, answer)
         except BaseException as exc:
-            if observer is not None:
-                observer.ended(None, exc)
+            plan.left(exc)
             raise
-        if observer is not None:
-            observer.ended(result, None)
-        return result
+        return plan.ended(step)
 
     def run_sync(
         self,
@@ -384,46 +462,17 @@ class Planner(Generic[R]):
         """`run` for blocking transports; `lock` guards each step (not the sending, nor the
         observer: it is the call's own)."""
         with lock:
-            plan = Plan(self, key, deadline, want)
+            plan = LockedPlan(self, key, deadline, want, observer, lock)
         try:
-            while True:
-                with lock:
-                    step = plan.next()
-                if not isinstance(step, Attempt):
-                    result = step
-                    break
-                if observer is not None:
-                    try:
-                        observer.attempt_started(step)
-                    except BaseException:
-                        with lock:
-                            plan.abandon(step)  # the slot Pool.start took goes back
-                        raise
+            step = plan.step()
+            while isinstance(step, Attempt):
                 try:
                     answer = attempt(step.backend, step.timeout)
-                except self._known as exc:
-                    with lock:
-                        final = plan.failed(step, exc)
-                    if observer is not None:
-                        observer.attempt_ended(step, None, exc)
                 except BaseException as exc:
-                    with lock:
-                        plan.abandon(step)
-                    if observer is not None:
-                        observer.attempt_ended(step, None, exc)
-                    raise
+                    step = plan.raised(step, exc)
                 else:
-                    with lock:
-                        final = plan.answered(step, answer)
-                    if observer is not None:
-                        observer.attempt_ended(step, answer, None)
-                if final is not None:
-                    result = final
-                    break
+                    step = plan.replied(step, answer)
         except BaseException as exc:
-            if observer is not None:
-                observer.ended(None, exc)
+            plan.left(exc)
             raise
-        if observer is not None:
-            observer.ended(result, None)
-        return result
+        return plan.ended(step)
