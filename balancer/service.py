@@ -262,8 +262,10 @@ class BalancerService:
             return Reply(Code.INVALID_ARGUMENT, str(exc))
         want = Want(read.model, read.version)
         parts = None if read.rows is None else fanout.split(body, self.fanout_rows, read)
-        served = self._served(metadata, forwarded, stream, method, parts) if tracing.ON else None
-        try:
+        served = None
+        try:  # the span's making too: a failure there must not leave the call in flight
+            if tracing.ON:
+                served = self._served(metadata, forwarded, stream, method, parts)
             reply = None
             if parts is not None:
                 reply = await self._fan_out(parts, forwarded, deadline, want, served)

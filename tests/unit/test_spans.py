@@ -1,7 +1,7 @@
 """The spans as observers on the one request path (sluice.runtime.spans): off, or for a call
 that is not sampled, no span code runs past the flag (and the sampling decision); on, an
 attempt that raised, a retry after it, and a model run that failed are recorded as the
-traced twins used to record them."""
+traced twins used to record them; a span that cannot be made leaves no call in flight."""
 
 from __future__ import annotations
 
@@ -203,3 +203,16 @@ def test_a_failed_model_run_is_recorded_on_its_span_with_the_wait_it_took(
     assert [e.name for e in ran.events] == ["exception"]
     steps = {s.name for s in spans.get_finished_spans() if parent_id(s) == ran.context.span_id}
     assert tracing.QUEUE_WAIT in steps and tracing.ENCODE not in steps
+
+
+def test_a_span_that_fails_to_be_made_leaves_no_balancer_call_in_flight(
+    spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no span today")
+
+    monkeypatch.setattr(observers, "served", broken)
+    service, upstreams = balancer({"a:1": [Reply(0)]})
+    with pytest.raises(RuntimeError, match="no span today"):
+        asyncio.run(service.forward(BODY, {"traceparent": PARENT}, None))
+    assert service.stats.in_flight == 0 and upstreams["a:1"].sent == []
