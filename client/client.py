@@ -164,19 +164,20 @@ class _Core:
         body = predict_request(inputs, outputs, model, version).SerializeToString()
         return body, (*call_metadata(request_id, no_cache).items(), *self._auth)
 
-    def _plan(self, body: bytes, metadata: Metadata, timeout: float | None) -> CallPlan:
-        """How one call goes: straight to the one target, or through the planner (each
-        attempt gets the time left before the deadline)."""
+    def _terms(self, body: bytes, metadata: Metadata, timeout: float | None) -> CallTerms:
+        """The terms one call goes on: straight to the one target, or through the planner
+        (each attempt gets the time left before the deadline)."""
         timeout = timeout or self.timeout
         if self._router is None:
-            return CallPlan(timeout, None, None)
+            return CallTerms(timeout, None, None)
         deadline = None if timeout is None else self._router.clock() + timeout
-        return CallPlan(timeout, affinity_key(body, dict(metadata)), deadline)
+        return CallTerms(timeout, affinity_key(body, dict(metadata)), deadline)
 
 
 @dataclass(frozen=True, slots=True)
-class CallPlan:
-    """One call's timeout, and with several targets its ring key and planner deadline."""
+class CallTerms:
+    """One call's timeout, and with several targets its ring key and planner deadline: the
+    terms it is sent on (its attempts are the planner's own `Plan`, sluice.routing.planner)."""
 
     timeout: float | None
     key: int | None  # with several targets: the ring key ...
@@ -319,9 +320,9 @@ class AsyncSluiceClient(_Core):
 
     async def _calls(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
         """The call's attempts: one to the one target, or as the planner routes them."""
-        plan = self._plan(body, metadata, timeout)
+        terms = self._terms(body, metadata, timeout)
         if self._router is None:
-            return await self._send(self.target, body, metadata, plan.timeout)
+            return await self._send(self.target, body, metadata, terms.timeout)
 
         async def attempt(backend: Backend, left: float | None) -> Reply:
             try:
@@ -329,7 +330,7 @@ class AsyncSluiceClient(_Core):
             except grpc.aio.AioRpcError as exc:
                 return unary.failure(exc)  # for the planner to classify
 
-        return await self._router.run(plan.key, plan.deadline, attempt)
+        return await self._router.run(terms.key, terms.deadline, attempt)
 
     async def _send(
         self, target: str, body: bytes, metadata: Metadata, timeout: float | None
@@ -451,9 +452,9 @@ class SluiceClient(_Core):
 
     def _calls(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
         """The call's attempts: one to the one target, or as the planner routes them."""
-        plan = self._plan(body, metadata, timeout)
+        terms = self._terms(body, metadata, timeout)
         if self._router is None:
-            return self._send(self.target, body, metadata, plan.timeout)
+            return self._send(self.target, body, metadata, terms.timeout)
 
         def attempt(backend: Backend, left: float | None) -> Reply:
             try:
@@ -461,7 +462,7 @@ class SluiceClient(_Core):
             except grpc.RpcError as exc:
                 return unary.failure(exc)  # for the planner to classify
 
-        return self._router.run_sync(plan.key, plan.deadline, attempt, self._lock)
+        return self._router.run_sync(terms.key, terms.deadline, attempt, self._lock)
 
     def _send(self, target: str, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
         """One call to one target: the transport step. Raises grpc.RpcError."""
