@@ -263,13 +263,15 @@ class BalancerService:
         want = Want(read.model, read.version)
         parts = None if read.rows is None else fanout.split(body, self.fanout_rows, read)
         served = None
+        chunks = 0 if parts is None else len(parts.bodies)  # 0 once the call goes whole
         try:  # the span's making too: a failure there must not leave the call in flight
             if tracing.ON:
-                served = self._served(metadata, forwarded, stream, method, parts)
+                served = self._served(metadata, forwarded, stream, method)
             reply = None
             if parts is not None:
                 reply = await self._fan_out(parts, forwarded, deadline, want, served)
             if reply is None:  # whole: not split, or its outputs are not per row
+                chunks = 0
                 key = affinity_key(read.keyed(body), metadata)
                 observer = None
                 if served is not None:
@@ -279,11 +281,15 @@ class BalancerService:
                 reply = await self._call(body, key, deadline, want, forwarded, method, observer)
         except BaseException as exc:  # cancelled by its caller: it is not in flight any more
             if served is not None:
+                if chunks:  # its chunks were out
+                    served.span.set_attribute(FANOUT_CHUNKS, chunks)
                 served.failed(exc)
             self.stats.end(started, "CANCELLED")
             raise
         code = reply.code
         if served is not None:
+            if chunks:  # the split answered; a call that went whole counts none
+                served.span.set_attribute(FANOUT_CHUNKS, chunks)
             served.end(code, reply.message)
         self.stats.end(
             started, None if code == 0 else status_name(code), reason_of(code, reply.message)
@@ -317,17 +323,15 @@ class BalancerService:
         forwarded: dict[str, str],
         stream: bool,
         method: str,
-        parts: fanout.Split | None,
     ) -> spans.Served | None:
         """With tracing on, the call's SERVER span, the child of the caller's span that
         `metadata` names; None when the call is not sampled (its context goes on in
         `forwarded`, in place of the caller's). Each attempt is a CLIENT span of its own, or,
-        fanned out, each chunk."""
+        fanned out, each chunk (`sluice.fanout.chunks`, set at its end). `sluice.stream`
+        marks a Predict that came on a PredictStream: another method is named for itself."""
         name, service = SPANS.get(method, (SPAN, SERVICE))
         attributes: dict[str, str | int | bool] = {"sluice.node_id": self.node_id}
-        if parts is not None:
-            attributes[FANOUT_CHUNKS] = len(parts.bodies)
-        if stream:
+        if stream and not method:
             attributes[tracing.STREAM] = True
         if "x-request-id" in metadata:
             attributes[tracing.REQUEST_ID] = metadata["x-request-id"]

@@ -18,7 +18,8 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 from opentelemetry.trace import SpanKind, StatusCode
 
 from sluice import models
-from sluice.balancer.service import ATTEMPT
+from sluice.balancer.service import ATTEMPT, CHUNK, FANOUT_CHUNKS
+from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.runtime import spans as observers
 from sluice.runtime import tracing
 from sluice.runtime.spans import ATTEMPTS
@@ -29,8 +30,10 @@ from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import MODEL_RUN, Dataplane
 from sluice.server.service import SPAN as SERVER_SPAN
 from sluice.server.service import InferenceService
+from sluice.v1 import inference_pb2 as pb
+from sluice.wire import codec
 from sluice.wire.mux import Reply, StreamBroken
-from tests.unit.test_fanout import batch, cluster
+from tests.unit.test_fanout import answer, batch, cluster
 from tests.unit.test_tracing import (
     BODY,
     PARENT,
@@ -216,3 +219,34 @@ def test_a_span_that_fails_to_be_made_leaves_no_balancer_call_in_flight(
     with pytest.raises(RuntimeError, match="no span today"):
         asyncio.run(service.forward(BODY, {"traceparent": PARENT}, None))
     assert service.stats.in_flight == 0 and upstreams["a:1"].sent == []
+
+
+def test_a_fanned_out_call_that_went_whole_counts_no_chunks(spans: InMemorySpanExporter) -> None:
+    service, _ = cluster(2, fanout_rows=4)
+
+    async def summed(
+        body: bytes, metadata: Mapping[str, str], timeout: float | None, method: str = ""
+    ) -> Reply:
+        x = codec.decode_all(pb.PredictRequest.FromString(body).inputs)["x"]
+        return Reply(0, body=answer({"total": x.sum(axis=0, keepdims=True)}))
+
+    for backend in service.pool.backends.values():
+        backend.transport.predict = summed
+    _, body = batch(8)
+    assert asyncio.run(service.forward(body, {"traceparent": PARENT}, None)).code == 0
+    call = only(spans, "sluice.balancer/Predict")
+    assert call.attributes is not None and FANOUT_CHUNKS not in call.attributes
+    assert len(named(spans, CHUNK)) == 2 and len(named(spans, ATTEMPT)) == 1  # then whole
+
+
+def test_only_a_predict_on_a_stream_is_marked_as_one(spans: InMemorySpanExporter) -> None:
+    service, _ = balancer({"a:1": [Reply(0), Reply(0)]})
+    infer = kpb.ModelInferRequest(model_name="digits").SerializeToString()
+    assert asyncio.run(service.forward(infer, {}, None, stream=True, method="ModelInfer")).code == 0
+    assert asyncio.run(service.forward(BODY, {}, None, stream=True)).code == 0
+    (model_infer,) = named(spans, "sluice.balancer/ModelInfer")
+    (predict,) = named(spans, "sluice.balancer/Predict")
+    assert model_infer.attributes is not None and tracing.STREAM not in model_infer.attributes
+    assert model_infer.attributes[tracing.RPC_METHOD] == "ModelInfer"
+    assert predict.attributes is not None and predict.attributes[tracing.STREAM] is True
+    assert predict.attributes[tracing.RPC_METHOD] == "PredictStream"
