@@ -330,13 +330,16 @@ class BalancerService:
         fanned out, each chunk (`sluice.fanout.chunks`, set at its end). `sluice.stream`
         marks a Predict that came on a PredictStream: another method is named for itself."""
         name, service = SPANS.get(method, (SPAN, SERVICE))
-        attributes: dict[str, str | int | bool] = {"sluice.node_id": self.node_id}
-        if stream and not method:
-            attributes[tracing.STREAM] = True
-        if "x-request-id" in metadata:
-            attributes[tracing.REQUEST_ID] = metadata["x-request-id"]
-        label = method or ("PredictStream" if stream else "Predict")
-        return spans.served(name, metadata, label, service, attributes, headers=forwarded)
+        return spans.served(
+            name,
+            metadata,
+            method or ("PredictStream" if stream else "Predict"),
+            service,
+            node_id=self.node_id,
+            stream=stream and not method,
+            request_id=metadata.get("x-request-id"),
+            headers=forwarded,
+        )
 
     async def _fan_out(
         self,

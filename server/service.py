@@ -50,7 +50,6 @@ SPAN = "sluice.server/Predict"  # with tracing: one per Predict call or stream m
 # Other protocols' inference calls, by method: their service and span names.
 SPANS = {"ModelInfer": ("inference.GRPCInferenceService", "sluice.server/ModelInfer")}
 STREAM = "PredictStream"
-NODE_ID = "sluice.node_id"
 
 
 @dataclass
@@ -168,13 +167,17 @@ class InferenceService:
         the status and an admission refusal's event, the dataplane the cache's part
         (`sluice.cache`) and the model run's span."""
         service, name = SPANS.get(method, (SERVICE, SPAN))
-        attributes: dict[str, str | bool] = {NODE_ID: self.node_id}
-        if method == STREAM:
-            attributes[tracing.STREAM] = True
-        for key, value in info.trailers:
-            if key == "x-request-id":
-                attributes[tracing.REQUEST_ID] = value
-        return spans.served(name, metadata, method, service, attributes)
+        # The request id as echoed: one that is not printable ASCII is not.
+        request_id = next((v for k, v in info.trailers if k == "x-request-id"), None)
+        return spans.served(
+            name,
+            metadata,
+            method,
+            service,
+            node_id=self.node_id,
+            stream=method == STREAM,
+            request_id=request_id,
+        )
 
     async def _invoke(
         self, fn: Method, body: bytes, info: Call, stats: ServingStats, served: spans.Served | None

@@ -20,6 +20,7 @@ from sluice.routing.planner import Attempt, ReplyLike
 from sluice.routing.pool import Backend
 from sluice.runtime import tracing
 
+NODE_ID = "sluice.node_id"  # on the SERVER span: the hop's node id
 ATTEMPTS = "sluice.attempts"  # on the SERVER span: how many attempts the call took
 RETRYABLE = "sluice.retryable"  # on an attempt's span: its answer was a refusal before work
 Metadata = Mapping[str, str] | Iterable[tuple[str, str | bytes]]
@@ -48,20 +49,28 @@ def served(
     metadata: Metadata,
     method: str,
     service: str = tracing.SERVICE,
-    attributes: tracing.Attributes | None = None,
     *,
+    node_id: str,
+    stream: bool = False,
+    request_id: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> Served | None:
     """The SERVER span of one call (tracing on), child of the caller's span that `metadata`
-    names (none: the root of a trace); None when the call is not sampled. Then nothing on its
-    path records, and `headers` (what a hop forwards) get the span's context, so the decision
-    goes on to the next hop."""
-    made = {
+    names (none: the root of a trace), with what every hop's says: its `node_id`, `stream`
+    (the call was one message on a PredictStream) and the caller's `request_id` (None: it
+    gave none). None when the call is not sampled. Then nothing on its path records, and
+    `headers` (what a hop forwards) get the span's context, so the decision goes on to the
+    next hop."""
+    made: dict[str, str | bool] = {
         tracing.RPC_SYSTEM: "grpc",
         tracing.RPC_SERVICE: service,
         tracing.RPC_METHOD: method,
-        **(attributes or {}),
+        NODE_ID: node_id,
     }
+    if stream:
+        made[tracing.STREAM] = True
+    if request_id is not None:
+        made[tracing.REQUEST_ID] = request_id
     span = tracing.tracer().start_span(name, tracing.extract(metadata), SpanKind.SERVER, made)
     call = Served(span)
     call.__enter__()
