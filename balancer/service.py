@@ -262,35 +262,35 @@ class BalancerService:
             return Reply(Code.INVALID_ARGUMENT, str(exc))
         want = Want(read.model, read.version)
         parts = None if read.rows is None else fanout.split(body, self.fanout_rows, read)
-        served = None
+        traced = None
         chunks = 0 if parts is None else len(parts.bodies)  # 0 once the call goes whole
         try:  # the span's making too: a failure there must not leave the call in flight
             if tracing.ON:
-                served = self._served(metadata, forwarded, stream, method)
+                traced = self._served(metadata, forwarded, stream, method)
             reply = None
             if parts is not None:
-                reply = await self._fan_out(parts, forwarded, deadline, want, served)
+                reply = await self._fan_out(parts, forwarded, deadline, want, traced)
             if reply is None:  # whole: not split, or its outputs are not per row
                 chunks = 0
                 key = affinity_key(read.keyed(body), metadata)
                 observer = None
-                if served is not None:
+                if traced is not None:
                     observer = spans.Attempts(
-                        ATTEMPT, served.span, forwarded, lambda b: self._routing(key, want, b)
+                        ATTEMPT, traced.span, forwarded, lambda b: self._routing(key, want, b)
                     )
                 reply = await self._call(body, key, deadline, want, forwarded, method, observer)
         except BaseException as exc:  # cancelled by its caller: it is not in flight any more
-            if served is not None:
+            if traced is not None:
                 if chunks:  # its chunks were out
-                    served.span.set_attribute(FANOUT_CHUNKS, chunks)
-                served.failed(exc)
+                    traced.span.set_attribute(FANOUT_CHUNKS, chunks)
+                traced.failed(exc)
             self.stats.end(started, "CANCELLED")
             raise
         code = reply.code
-        if served is not None:
+        if traced is not None:
             if chunks:  # the split answered; a call that went whole counts none
-                served.span.set_attribute(FANOUT_CHUNKS, chunks)
-            served.end(code, reply.message)
+                traced.span.set_attribute(FANOUT_CHUNKS, chunks)
+            traced.end(code, reply.message)
         self.stats.end(
             started, None if code == 0 else status_name(code), reason_of(code, reply.message)
         )
@@ -347,13 +347,13 @@ class BalancerService:
         forwarded: dict[str, str],
         deadline: float | None,
         want: Want,
-        served: spans.Served | None,
+        traced: spans.Served | None,
     ) -> Reply | None:
         """The chunks of a split Predict in parallel, each a call of its own through the
         planner (its own retries, the call's deadline), spread over the backends (`Pool.spread`);
         their answers merged in order. The first chunk to fail fails the call with its
         status, and the others are cancelled. None when the model's outputs do not follow
-        the rows: the request must go whole. `served`: the call's span (tracing on)."""
+        the rows: the request must go whole. `traced`: the call's span (tracing on)."""
         self.fanned.calls += 1
         self.fanned.chunks += len(parts.bodies)
         keys = self.pool.spread(want, len(parts.bodies))
@@ -361,14 +361,14 @@ class BalancerService:
 
         async def chunk(index: int) -> Reply:
             headers, observer = forwarded, None
-            if served is not None:  # a CLIENT span per chunk, its context for each attempt
+            if traced is not None:  # a CLIENT span per chunk, its context for each attempt
                 start, stop = parts.bounds[index]
                 attributes: tracing.Attributes = {
                     FANOUT_CHUNK: index + 1,
                     FANOUT_ROWS: f"{start}-{stop - 1}",
                 }
                 headers = dict(forwarded)
-                observer = spans.Sending(CHUNK, served.span, attributes, headers)
+                observer = spans.Sending(CHUNK, traced.span, attributes, headers)
             body = parts.bodies[index]
             reply = await self._call(body, keys[index], deadline, want, headers, "", observer)
             if reply.code != 0:
