@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from contextvars import Token
 from typing import TYPE_CHECKING, Any
 
@@ -237,19 +237,6 @@ def tracer() -> Tracer:
     return _tracer
 
 
-def server_span(
-    name: str,
-    metadata: Mapping[str, str] | Iterable[tuple[str, str | bytes]],
-    method: str,
-    service: str = SERVICE,
-) -> AbstractContextManager[Span]:
-    """A SERVER span for one call, child of the caller's span that `metadata` names (with
-    none, the root of a trace). Current inside the block only when it records (sampled):
-    an unsampled call pays for the sampling decision alone (see `Current`)."""
-    attributes = {RPC_SYSTEM: "grpc", RPC_SERVICE: service, RPC_METHOD: method}
-    return Current(tracer().start_span(name, extract(metadata), SpanKind.SERVER, attributes))
-
-
 class Current:
     """Makes a recording span current for the block and ends it, recording an exception
     that leaves the block (without setting an error status: the status code says that).
@@ -278,18 +265,6 @@ class Current:
         self.span.end()
 
 
-def span(
-    name: str,
-    attributes: Attributes | None = None,
-    *,
-    kind: SpanKind = SpanKind.INTERNAL,
-    parent: Span | None = None,
-) -> AbstractContextManager[Span]:
-    """A span (current inside the block), child of `parent` or of the current span."""
-    context = None if parent is None else trace.set_span_in_context(parent)
-    return tracer().start_as_current_span(name, context, kind, attributes)
-
-
 def opened(
     name: str,
     attributes: Attributes | None = None,
@@ -297,14 +272,15 @@ def opened(
     kind: SpanKind = SpanKind.INTERNAL,
     parent: Span | None = None,
 ) -> Opened:
-    """`span` for an observer: current from now until its `end` (in the same task)."""
+    """A span, child of `parent` or of the current span, current from now until its `end`
+    (in the same task): for an observer, whose hooks start and end it."""
     context = None if parent is None else trace.set_span_in_context(parent)
     return Opened(tracer().start_span(name, context, kind, attributes))
 
 
 class Opened:
     """A span made current until `end`: for an observer whose hooks start and end it (a
-    `with` cannot span two hooks). Ends as a `span` block does."""
+    `with` cannot span two hooks)."""
 
     __slots__ = ("_token", "span")
 

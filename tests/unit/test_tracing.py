@@ -27,6 +27,7 @@ from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Pool
 from sluice.runtime import tracing
+from sluice.runtime.spans import served
 from sluice.server.dataplane import plane as plane_module
 from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL, Batcher, Pending, Trip
 from sluice.server.dataplane.cache import LRUCache
@@ -157,11 +158,12 @@ def tracing_context(traceparent: str) -> Any:
 def test_inject_and_extract_round_trip_through_every_metadata_shape(
     spans: InMemorySpanExporter,
 ) -> None:
-    with tracing.span("caller") as caller:
-        carrier = tracing.inject({"x-request-id": "r1"})
+    caller = tracing.opened("caller")
+    carrier = tracing.inject({"x-request-id": "r1"})
+    caller.end()
     assert carrier["x-request-id"] == "r1"
     assert set(carrier) >= {"traceparent"}
-    sent = caller.get_span_context()
+    sent = caller.span.get_span_context()
     message = pb.StreamRequest(id=1, metadata=carrier)
     shapes: list[Any] = [
         carrier,
@@ -182,8 +184,10 @@ def test_inject_and_extract_round_trip_through_every_metadata_shape(
 
 def test_tracestate_travels_and_garbage_starts_a_new_trace(spans: InMemorySpanExporter) -> None:
     incoming = {"traceparent": PARENT, "tracestate": "vendor=abc,other=1"}
-    with tracing.server_span("hop", incoming, "Predict"):
-        onwards = tracing.inject({})
+    hop = served("hop", incoming, "Predict", node_id="n1")
+    assert hop is not None  # sampled: its caller's trace is
+    onwards = tracing.inject({})
+    hop.end(0)
     assert onwards["traceparent"].split("-")[1] == f"{TRACE_ID:032x}"
     assert onwards["tracestate"] == "vendor=abc,other=1"
     for bad in ({"traceparent": "garbage"}, {}, (("traceparent", b"00-zz"),)):
@@ -192,10 +196,12 @@ def test_tracestate_travels_and_garbage_starts_a_new_trace(spans: InMemorySpanEx
 
 
 def test_a_server_span_is_the_child_of_the_callers(spans: InMemorySpanExporter) -> None:
-    with tracing.server_span("s", (("traceparent", PARENT),), "Predict") as span:
-        tracing.set_code(span, 14, "down")
-        with tracing.span("inner"):
-            tracing.annotate("k", "v")
+    call = served("s", (("traceparent", PARENT),), "Predict", node_id="n1")
+    assert call is not None  # sampled: its caller's trace is
+    opened = tracing.opened("inner")
+    tracing.annotate("k", "v")
+    opened.end()
+    call.end(14, "down")
     server, inner = only(spans, "s"), only(spans, "inner")
     assert server.kind is SpanKind.SERVER
     assert server.context.trace_id == TRACE_ID and parent_id(server) == PARENT_SPAN
@@ -207,8 +213,9 @@ def test_a_server_span_is_the_child_of_the_callers(spans: InMemorySpanExporter) 
 
 
 def test_a_callers_error_is_no_server_fault(spans: InMemorySpanExporter) -> None:
-    with tracing.server_span("s", {}, "Predict") as span:
-        tracing.set_code(span, 3, "bad input")  # INVALID_ARGUMENT
+    call = served("s", {}, "Predict", node_id="n1")
+    assert call is not None  # a root: sampled, always on
+    call.end(3, "bad input")  # INVALID_ARGUMENT
     assert only(spans, "s").status.status_code is StatusCode.UNSET
 
 
@@ -216,8 +223,12 @@ def test_log_records_carry_the_trace_id(spans: InMemorySpanExporter) -> None:
     previous = logging.getLogRecordFactory()
     tracing._log_trace_ids()
     try:
-        with tracing.server_span("s", {"traceparent": PARENT}, "Predict"):
+        call = served("s", {"traceparent": PARENT}, "Predict", node_id="n1")
+        assert call is not None  # sampled: its caller's trace is
+        try:
             inside = logging.getLogRecordFactory()("x", logging.INFO, "", 0, "m", (), None)
+        finally:
+            call.end(0)
         outside = logging.getLogRecordFactory()("x", logging.INFO, "", 0, "m", (), None)
     finally:
         logging.setLogRecordFactory(previous)
@@ -519,8 +530,11 @@ def test_the_model_runs_spans_show_the_queue_wait_and_the_shared_batch(
     body = SAMPLES[0].input.astype(np.float32).tobytes()
 
     async def call(request_id: str) -> None:
-        with tracing.span("call", {tracing.REQUEST_ID: request_id}):
+        span = tracing.opened("call", {tracing.REQUEST_ID: request_id})
+        try:
             await plane.infer(body, Raw(), cache=False)
+        finally:
+            span.end()
 
     async def run() -> None:
         first = asyncio.ensure_future(call("a"))
@@ -592,7 +606,7 @@ def test_off_no_span_is_made_and_no_header_is_read(
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("tracing work while tracing is off")
 
-    for name in ("extract", "inject", "server_span", "span", "annotate", "tracer", "timed"):
+    for name in ("extract", "inject", "opened", "annotate", "tracer", "timed"):
         monkeypatch.setattr(tracing, name, forbidden)
     monkeypatch.setattr(plane_module, "Trip", forbidden)  # the batcher is told nothing
     calls = [
