@@ -18,7 +18,7 @@ the server's full parse. Agreement:
 Rows: where protobuf takes the whole message, an answer n means it has inputs and every
 input's shape starts with n; None (nothing to split on) is always allowed: the balancer then
 forwards the body whole. `rows=False` reads the same facts, rows None. The server's route
-reads (SluiceV1.route, KServeCodec.route) give the same facts, and InvalidInput exactly where
+reads (SluiceV1.route, KServeV2.route) give the same facts, and InvalidInput exactly where
 the read raises. Anything else raised is a crash.
 
     python -m tests.fuzz.facts -runs=1000000 -seed=1 [CORPUS_DIR]
