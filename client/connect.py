@@ -56,9 +56,11 @@ class Connection:
 PLAINTEXT = Connection()  # no TLS, no API key
 
 
-def add_target(parser: argparse.ArgumentParser) -> None:
+def add_target(
+    parser: argparse.ArgumentParser, help: str = "HOST:PORT of a server or balancer"
+) -> None:
     """--target, defaulting to SLUICE_TARGET, then DEFAULT_TARGET."""
-    config.add_option(parser, "target", DEFAULT_TARGET, "HOST:PORT of a server or balancer")
+    config.add_option(parser, "target", DEFAULT_TARGET, help)
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:

@@ -89,16 +89,11 @@ def number_list(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    env = os.environ.get
     p = argparse.ArgumentParser(
         prog="sluice perf",
         description="Load sweep against a Sluice server or balancer (ghz-style).",
     )
-    p.add_argument(
-        "--target",
-        default=env("SLUICE_TARGET", "127.0.0.1:8000"),
-        help="HOST:PORT; several, comma-separated, with --embedded",
-    )
+    connect.add_target(p, "HOST:PORT; several, comma-separated, with --embedded")
     p.add_argument(
         "--call",
         choices=["predict", "stream", "modelinfer"],
