@@ -3,15 +3,17 @@
 Shared by the server and the client so that both sides agree on datatype names,
 byte order and the typed fields. Decoding checks the message against itself
 (known datatype, sane shape, element count); checking against a model is the
-server's job.
+server's job. Encoding also takes plain Python values (nested lists, tuples, scalars),
+converted to the input's declared datatype (`array_of`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
+import numpy.typing as npt
 
 from sluice.core.datatypes import DATATYPES, DataType
 from sluice.core.datatypes import datatype_of as _datatype_of
@@ -41,8 +43,12 @@ def datatype_of(dtype: np.dtype[np.generic]) -> DataType:
     return found
 
 
-def encode(name: str, array: np.ndarray, *, typed: bool = False) -> pb.Tensor:
-    """A Tensor message for `array`: raw little-endian bytes, or the typed field."""
+def encode(
+    name: str, value: npt.ArrayLike, *, typed: bool = False, datatype: str = ""
+) -> pb.Tensor:
+    """A Tensor message for `value` (see `array_of`): raw little-endian bytes, or the typed
+    field."""
+    array = array_of(name, value, datatype)
     dt = datatype_of(array.dtype)
     tensor = pb.Tensor(name=name, datatype=dt.name, shape=array.shape)
     if typed:
@@ -52,8 +58,82 @@ def encode(name: str, array: np.ndarray, *, typed: bool = False) -> pb.Tensor:
     return tensor
 
 
-def encode_all(arrays: Mapping[str, np.ndarray], *, typed: bool = False) -> list[pb.Tensor]:
-    return [encode(name, array, typed=typed) for name, array in arrays.items()]
+def encode_all(
+    values: Mapping[str, npt.ArrayLike],
+    *,
+    typed: bool = False,
+    datatypes: Mapping[str, str] | None = None,
+) -> list[pb.Tensor]:
+    """Tensor messages by name; `datatypes`: the inputs' declared datatypes, where known."""
+    declared = datatypes or {}
+    return [
+        encode(name, value, typed=typed, datatype=declared.get(name, ""))
+        for name, value in values.items()
+    ]
+
+
+def array_of(name: str, value: npt.ArrayLike, datatype: str = "") -> np.ndarray:
+    """`value` as the array that input `name` sends. A numpy array as it is (no copy; a
+    datatype the model does not take is the server's to name). Nested lists, tuples, Python
+    and numpy scalars converted to `datatype`, or without one: numpy scalars keep their type,
+    bools are BOOL, integers INT64, anything with a fraction FP32 (what most models take).
+    TypeError naming the input and the datatype wanted for what cannot be converted exactly
+    (ragged lists, strings, None, fractions for an integer type, values out of range)."""
+    if isinstance(value, np.ndarray):
+        return value
+    want = DATATYPES.get(datatype)
+    wanted = datatype or "a numeric datatype"
+
+    def refuse(why: str) -> TypeError:
+        return TypeError(f"input {name!r} cannot be converted to {wanted}: {why}")
+
+    if datatype and want is None:
+        raise refuse(f"this client has no numpy type for {datatype}")
+    try:
+        found = np.asarray(value)
+    except ValueError:  # numpy's own message names no input
+        raise refuse("its nested lists differ in length or depth") from None
+    kind = found.dtype.kind
+    if kind not in "biuf":
+        raise refuse(_NOT_NUMBERS.get(kind, "it holds values that are not numbers"))
+    if want is None:
+        if isinstance(value, np.generic):
+            return found
+        want = DATATYPES["FP32" if kind == "f" else "BOOL" if kind == "b" else "INT64"]
+    _check_fits(found, want, refuse)
+    return found.astype(want.dtype)
+
+
+_NOT_NUMBERS = {
+    "U": "it holds strings, not numbers",
+    "S": "it holds strings, not numbers",
+    "c": "it holds complex numbers",
+    # What numpy cannot type: None, objects, or integers wider than 64 bits.
+    "O": "it holds None or values that are not numbers (or integers beyond 64 bits)",
+}
+
+
+def _check_fits(found: np.ndarray, want: DataType, refuse: Callable[[str], TypeError]) -> None:
+    """Refuse values `want` cannot hold exactly: numpy's casts would wrap, truncate or
+    overflow them without a word."""
+    if not found.size or found.dtype.kind == "b":
+        return
+    kind = want.dtype.kind
+    if kind == "b":
+        if not np.isin(found, (0, 1)).all():
+            raise refuse("a BOOL takes only true, false, 0 and 1")
+    elif kind in "iu":
+        if found.dtype.kind == "f" and not (np.isfinite(found) & (found == np.trunc(found))).all():
+            raise refuse(f"it holds values that are not whole numbers, which {want.name} needs")
+        info = np.iinfo(want.dtype)  # type: ignore[type-var]  # integer kinds only, checked above
+        if found.min() < info.min or found.max() > info.max:
+            raise refuse(
+                f"it holds values outside the range of {want.name} ({info.min} to {info.max})"
+            )
+    else:
+        largest = float(np.finfo(want.dtype).max)  # type: ignore[type-var]  # float kinds only
+        if (np.isfinite(found) & (np.abs(found.astype(np.float64)) > largest)).any():
+            raise refuse(f"it holds finite values outside the range of {want.name}")
 
 
 def decode(tensor: pb.Tensor) -> np.ndarray:
