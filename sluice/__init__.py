@@ -16,6 +16,36 @@ if TYPE_CHECKING:
 
 __all__ = ["AsyncSluiceClient", "Prediction", "SluiceClient"]
 
+# The protobuf runtime the generated *_pb2 modules were made for, and pyproject's floor.
+NEEDS_PROTOBUF = "7.35.1"
+
+
+def _check_protobuf() -> None:
+    """ImportError, saying what happened and what to do, when the protobuf that would run is
+    older than NEEDS_PROTOBUF; otherwise the first generated module fails with protobuf's own
+    gencode/runtime mismatch, which names neither. (Imports here: `sluice.re` is no API.)"""
+    import re
+    import sys
+
+    import google.protobuf
+
+    found = google.protobuf.__version__
+    parts = re.match(r"(\d+)\.(\d+)\.(\d+)", found)
+    needed = tuple(map(int, NEEDS_PROTOBUF.split(".")))
+    if parts is None or tuple(map(int, parts.groups())) >= needed:
+        return
+    where = google.protobuf.__path__[0]
+    raise ImportError(
+        f"sluice needs protobuf>={NEEDS_PROTOBUF}, and this environment has protobuf {found} "
+        f"({where}). Something installed after sluice downgraded it: most often "
+        "tritonclient[grpc], which pins protobuf<7. Fix it with "
+        f"`{sys.executable} -m pip install 'protobuf>={NEEDS_PROTOBUF}'`, and give "
+        "tritonclient an environment of its own (the README's KServe section says how)."
+    )
+
+
+_check_protobuf()  # before anything imports a generated module
+
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *__all__])
