@@ -73,10 +73,13 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
         await plane.close()  # each model: its running batches, then its engine
 
     def banner() -> str:
-        listed = ", ".join(f"{m.name} {m.version} on {m.engine.provider}" for m in models)
+        # Each model's own settings: a config's override the flags' defaults.
+        listed = ", ".join(
+            f"{m.name} {m.version} on {m.engine.provider} ({m.describe()})" for m in models
+        )
         return (
-            f"node {settings.node_id} serving {listed or 'no model yet'} "
-            f"(max batch {settings.max_batch}, cache {settings.cache_entries} entries)"
+            f"node {settings.node_id} serving {listed or 'no model'} "
+            f"(cache {settings.cache_entries} entries)"
         )
 
     return await program.run(

@@ -49,6 +49,19 @@ class Model:
     def __repr__(self) -> str:
         return f"Model({self.name!r}, version {self.version!r})"
 
+    def describe(self) -> str:
+        """The settings this model serves with, as loaded (its config's over the server's):
+        for the lines that say what a node serves."""
+        rows = self.batcher.queue.max_rows
+        # Inputs with a fixed first dimension never share a run, whatever the setting.
+        batch = (
+            f"max batch {rows}"
+            if self._batchable or rows == 1
+            else "max batch 1 (its first dimension is fixed)"
+        )
+        count = len(self.engine.instances)
+        return f"{batch}, {count} instance{'s' if count > 1 else ''}"
+
     def scope(self, protocol: str) -> bytes:
         """What leads the cache key of this model's requests in wire protocol `protocol` (its
         name): the same bytes in another protocol, or for another model or version, meet
@@ -184,6 +197,9 @@ class Models:
         self._versions: dict[str, dict[str, Model]] = {}
         self._newest: dict[str, Model] = {}
         self._default = default
+        # The versions removed, by name, with why: a call that names one hears it was, not
+        # that the model is unknown. A version installed again leaves it.
+        self._gone: dict[str, dict[str, str]] = {}
         self.listeners: list[Listener] = []  # told of every install and removal
         for model in models:
             if model.version in self._versions.get(model.name, {}):
@@ -213,18 +229,23 @@ class Models:
         # No await between the two: no call sees one updated without the other.
         self._versions[model.name] = {**versions, model.version: model}
         self._newest[model.name] = max(self._versions[model.name].values(), key=_order)
+        self._gone.get(model.name, {}).pop(model.version, None)
         for listener in self.listeners:
             if replaced is not None:
                 listener.removed(replaced)
             listener.installed(model)
         return replaced
 
-    def remove(self, name: str, version: str) -> Model | None:
-        """Stop giving calls to this version (its calls in flight go on); returns it."""
+    def remove(self, name: str, version: str, why: str = "unloaded") -> Model | None:
+        """Stop giving calls to this version (its calls in flight go on); returns it. Calls
+        that name it from now on are told `why`."""
         versions = self._versions.get(name, {})
         model = versions.get(version)
         if model is None:
             return None
+        gone = self._gone.setdefault(name, {})
+        gone.pop(version, None)  # the latest removal last
+        gone[version] = why
         left = {v: m for v, m in versions.items() if v != version}
         if left:
             self._versions[name] = left
@@ -258,19 +279,38 @@ class Models:
 
     def _no_default(self) -> str:
         if self._default:
-            return f"the default model {self._default!r} is not loaded"
+            return f"the default model {self._default!r} is not loaded" + (
+                f"{self._why(self._default)}; this node serves {self._served()}"
+            )
         if not self._newest:
-            return "this node serves no model yet"
+            gone = [f"{n!r} is not loaded{self._why(n)}" for n in self._gone if self._gone[n]]
+            return "this node serves no model" + (f": {', '.join(gone)}" if gone else "")
         return "this node serves several models and none is the default: name one of " + (
-            ", ".join(repr(n) for n in self.names())
+            self._served()
         )
 
     def _missing(self, name: str, version: str) -> str:
+        asked = f"model {name!r}" + (f" version {version!r}" if version else "")
+        why = self._why(name, version)
         if name not in self._newest:
-            served = ", ".join(repr(n) for n in self.names()) or "none"
-            return f"unknown model {name!r}; this node serves {served}"
+            why = why or self._why(name)  # a version it never had: why the model went
+            if why:
+                return f"{asked} is not loaded{why}; this node serves {self._served()}"
+            return f"unknown model {name!r}; this node serves {self._served()}"
         ready = ", ".join(m.version for m in self.versions(name))
+        if why:
+            return f"{asked} is not loaded{why}; ready: {ready}"
         return f"model {name!r} has no ready version {version!r}; ready: {ready}"
+
+    def _served(self) -> str:
+        return ", ".join(repr(n) for n in self.names()) or "none"
+
+    def _why(self, name: str, version: str = "") -> str:
+        """Why `name` (`version`: that version; "": its latest removal) no longer serves, as
+        " (why)"; "" when it was never removed."""
+        gone = self._gone.get(name, {})
+        why = gone.get(version) if version else next(reversed(gone.values()), None)
+        return f" ({why})" if why else ""
 
 
 def _order(model: Model) -> tuple[int, int | str]:

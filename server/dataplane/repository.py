@@ -447,11 +447,12 @@ class Repository:
         replaced = self.models.install(model)  # the switch: calls from now on get it
         loaded[version] = _Loaded(model, stamp)
         self.log.info(
-            "model %s version %d %s in %.2f s, takes traffic",
+            "model %s version %d %s in %.2f s, takes traffic (%s)",
             name,
             version,
             "reloaded (its file changed)" if again else "loaded",
             self.clock() - started,
+            model.describe(),
         )
         if replaced is not None:
             self._retire(replaced)
@@ -461,7 +462,7 @@ class Repository:
         entry = self._loaded[name].pop(version)
         # Remove only what this repository installed (a same-named model may be another's).
         if any(m is entry.model for m in self.models.versions(name)):
-            self.models.remove(name, str(version))
+            self.models.remove(name, str(version), why)
             self.log.debug("model %s version %d stops taking calls: %s", name, version, why)
         self._retire(entry.model)
 
