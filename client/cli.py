@@ -18,21 +18,53 @@ from sluice import models
 from sluice.client import connect
 from sluice.client.client import Prediction, SluiceClient
 from sluice.core import tenants
-from sluice.core.datatypes import DATATYPES, name_of
+from sluice.core.datatypes import name_of
 from sluice.runtime import config
+from sluice.wire import codec
 
 
-def parse_input(text: str, datatypes: dict[str, str]) -> tuple[str, np.ndarray]:
-    """`NAME=FILE.npy`, `NAME=FILE.json` or `NAME=JSON`; JSON takes the model's datatype."""
+class BadInput(ValueError):
+    """An argument to fix; shown as argparse shows its own errors (usage, exit status 2)."""
+
+
+INPUT_FORMS = "NAME=FILE.npy, NAME=FILE.json or NAME=JSON"
+
+
+def read_input(text: str) -> tuple[str, Any]:
+    """`NAME=FILE.npy` (an array, sent as stored), `NAME=FILE.json` or `NAME=JSON` (plain
+    values, converted once the model's datatypes are known); BadInput names the input."""
     name, sep, value = text.partition("=")
     if not sep or not name:
-        raise ValueError(f"input {text!r} is not NAME=FILE.npy, NAME=FILE.json or NAME=JSON")
+        raise BadInput(f"{text!r} is not NAME=VALUE; give {INPUT_FORMS}")
     if value.endswith(".npy"):
-        return name, np.load(value, allow_pickle=False)
-    data = json.loads(Path(value).read_text()) if value.endswith(".json") else json.loads(value)
-    datatype = datatypes.get(name)
-    dtype = DATATYPES[datatype].dtype if datatype in DATATYPES else None
-    return name, np.asarray(data, dtype=dtype)
+        try:
+            return name, np.load(value, allow_pickle=False)
+        except FileNotFoundError as exc:
+            raise BadInput(f"input {name!r}: cannot read {value}: {exc.strerror}") from None
+        except (OSError, ValueError, EOFError) as exc:
+            raise BadInput(f"input {name!r}: cannot read {value} as a .npy file: {exc}") from None
+    if value.endswith(".json"):
+        try:
+            source, what = Path(value).read_text(), value
+        except OSError as exc:
+            raise BadInput(f"input {name!r}: cannot read {value}: {exc.strerror}") from None
+    else:
+        source, what = value, "its value"
+    try:
+        return name, json.loads(source)
+    except ValueError as exc:  # a JSONDecodeError, or text that is not UTF-8
+        raise BadInput(
+            f"input {name!r}: {what} is not JSON ({exc}); expected a number or nested lists "
+            f"of numbers, e.g. {name}=[[0.5, 1]], in one of {INPUT_FORMS}"
+        ) from None
+
+
+def input_array(name: str, value: Any, datatypes: dict[str, str]) -> np.ndarray:
+    """An input's value as the array to send, in the datatype the model declares for it."""
+    try:
+        return codec.array_of(name, value, datatypes.get(name, ""))
+    except TypeError as exc:
+        raise BadInput(str(exc)) from None
 
 
 def render(answer: Prediction, as_json: bool) -> str:
@@ -77,12 +109,12 @@ def sample_input(digit: int, datatypes: dict[str, str]) -> tuple[str, np.ndarray
     input (from the model's metadata)."""
     sample = next((s for s in models.samples() if s.label == digit), None)
     if sample is None:
-        raise ValueError(f"no bundled sample of digit {digit}")
+        raise BadInput(f"no bundled sample of digit {digit}")
     if SAMPLE_INPUT in datatypes or not datatypes:
         return SAMPLE_INPUT, sample.input
     if len(datatypes) == 1:
         return next(iter(datatypes)), sample.input
-    raise ValueError(
+    raise BadInput(
         f"--sample fills one input, and the model has several ({', '.join(datatypes)}): "
         "give them as NAME=VALUE"
     )
@@ -90,31 +122,35 @@ def sample_input(digit: int, datatypes: dict[str, str]) -> tuple[str, np.ndarray
 
 def cmd_predict(client: SluiceClient, args: argparse.Namespace) -> str:
     if not args.inputs and args.sample is None:
-        raise ValueError("predict needs inputs (NAME=FILE.npy, NAME=JSON, ...) or --sample DIGIT")
+        raise BadInput(f"predict needs inputs ({INPUT_FORMS}) or --sample DIGIT")
+    values: dict[str, Any] = {}
+    for text in args.inputs:  # read before any call: a typo is named without a round trip
+        name, value = read_input(text)
+        if name in values:
+            raise BadInput(f"input {name!r} is given twice")
+        values[name] = value
     datatypes = {}
-    if args.sample is not None or any(
-        not v.partition("=")[2].endswith(".npy") for v in args.inputs
-    ):
+    if args.sample is not None or any(not isinstance(v, np.ndarray) for v in values.values()):
         meta = client.metadata(model=args.model, version=args.version)
         datatypes = {t.name: t.datatype for t in meta.model.inputs}
-    inputs = dict(parse_input(text, datatypes) for text in args.inputs)
+    inputs = {name: input_array(name, value, datatypes) for name, value in values.items()}
     if args.sample is not None:
         name, array = sample_input(args.sample, datatypes)
         if name in inputs:
-            raise ValueError(f"input {name!r} given twice: by --sample and as {name}=...")
+            raise BadInput(f"input {name!r} is given twice: by --sample and as {name}=...")
         inputs[name] = array
     answer = client.infer(inputs, outputs=args.output or (), model=args.model, version=args.version)
-    return render(answer, args.json)
+    return render(answer, args.json_output)
 
 
 def cmd_health(client: SluiceClient, args: argparse.Namespace) -> str:
     health = MessageToDict(client.health(model=args.model), preserving_proto_field_name=True)
-    return json.dumps(health, indent=None if args.json else 2)
+    return json.dumps(health, indent=None if args.json_output else 2)
 
 
 def cmd_metadata(client: SluiceClient, args: argparse.Namespace) -> str:
     meta = client.metadata(model=args.model, version=args.version)
-    if args.json:
+    if args.json_output:
         return json.dumps(MessageToDict(meta, preserving_proto_field_name=True))
     lines = [
         f"model {meta.model.name} version {meta.model.version} ({meta.platform}, {meta.provider})"
@@ -129,6 +165,19 @@ def cmd_metadata(client: SluiceClient, args: argparse.Namespace) -> str:
 Command = Callable[[SluiceClient, argparse.Namespace], str]
 
 
+class Renamed(argparse.Action):
+    """`--json`, refused with what took its place: it read as "the input is JSON" in
+    `sluice predict --json 'input=[...]'`, and unclaimed, argparse would take it as an
+    abbreviation of --json-output."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, hint: str = "") -> None:
+        super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS)
+        self.hint = hint
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        parser.error(f"--json is now --json-output (print the answer as JSON){self.hint}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice command-line client.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -137,22 +186,32 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text)
         connect.add_target(sub)
         config.add_option(sub, "timeout", "10", "seconds per call", type=float)
-        sub.add_argument("--json", action="store_true", help="print JSON for scripts")
+        sub.add_argument(
+            "--json-output", action="store_true", help="print the answer as one line of JSON"
+        )
         connect.add_options(sub)
-        sub.set_defaults(fn=fn)
+        sub.set_defaults(fn=fn, parser=sub)
         return sub
 
     predict = client_command("predict", cmd_predict, "Run the model on inputs.")
     predict.epilog = (
         "examples: `sluice predict --sample 3` sends the bundled digit 3 to the bundled model "
         "(which answers label 3), from any directory; `sluice predict input=x.npy` and "
-        "`sluice predict 'input=[[0, 1, ...]]'` send your own."
+        "`sluice predict 'input=[[0, 1, ...]]'` send your own; add --json-output for the "
+        "answer as JSON."
     )
     predict.add_argument(
         "inputs",
         nargs="*",
         metavar="NAME=VALUE",
-        help="NAME=FILE.npy, NAME=FILE.json or NAME=JSON (JSON takes the model's datatype)",
+        help="an input: NAME=FILE.npy (sent as stored), NAME=FILE.json or NAME=JSON (a number "
+        "or nested lists of numbers, converted to the input's datatype from the model's "
+        "metadata)",
+    )
+    predict.add_argument(
+        "--json",
+        action=Renamed,
+        hint="; JSON inputs need no option: NAME=JSON, e.g. 'input=[[0.5, 1]]'",
     )
     predict.add_argument(
         "--sample",
@@ -165,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--output", action="append", help="return only this output (repeatable)")
     health = client_command("health", cmd_health, "Show node, model and serving statistics.")
     metadata = client_command("metadata", cmd_metadata, "Show the model's inputs and outputs.")
+    for sub in (health, metadata):
+        sub.add_argument("--json", action=Renamed)
     for sub in (predict, health, metadata):
         sub.add_argument("--model", default="", help="the model by name (default: the default)")
     for sub in (predict, metadata):
@@ -230,6 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.target, timeout=args.timeout, **connection.client_kwargs()
         ) as client:
             print(fn(client, args))
+    except BadInput as exc:
+        args.parser.error(str(exc))
     except grpc.RpcError as exc:
         print(f"sluice: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -68,7 +68,7 @@ def test_cli_predict_matches_onnxruntime(server: Process, reference: ort.Inferen
                 "predict",
                 "--target",
                 server.address,
-                "--json",
+                "--json-output",
                 f"input={value}",
             ],
             capture_output=True,

@@ -142,7 +142,7 @@ def test_a_key_made_by_sluice_key_lets_the_cli_in(tmp_path: Path) -> None:
         assert refused.returncode == 1
         assert "UNAUTHENTICATED: unauthenticated: the call carries no API key" in refused.stderr
         answered = subprocess.run(
-            [*predict, "--json"],
+            [*predict, "--json-output"],
             capture_output=True,
             text=True,
             env={**os.environ, "SLUICE_API_KEY": key},
