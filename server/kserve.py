@@ -21,6 +21,7 @@ from sluice.server.dataplane.batcher import Arrays
 from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Asked, Request
+from sluice.server.dataplane.repository import LoadReport
 from sluice.server.service import Call, InferenceService, Method
 from sluice.server.v1 import parse
 from sluice.wire import codec, facts, peek
@@ -44,6 +45,10 @@ REPOSITORY_OFF = (
     "the repository API is off; start sluice-server with --model-repository DIR --repository-api"
 )
 READY = "READY"
+# RepositoryModelLoad's answer has no fields: these trailers say which versions serve after
+# it and which it refused (their reasons: RepositoryIndex and the server's log).
+LOADED_TRAILER = "x-loaded-versions"
+REFUSED_TRAILER = "x-refused-versions"
 
 # KServe's typed fields are sluice.v1's, renamed: int_data is int_contents, and so on.
 _CONTENTS = sorted({d.typed_field.replace("_data", "_contents") for d in DATATYPES.values()})
@@ -239,7 +244,7 @@ class Repository(Protocol):
 
     def index(self) -> Sequence[IndexEntry]: ...
 
-    async def load(self, name: str) -> None: ...
+    async def load(self, name: str) -> LoadReport: ...
 
     async def unload(self, name: str) -> None: ...
 
@@ -347,7 +352,11 @@ class KServeService:
         repository = self._repository()
         request = parse(kpb.RepositoryModelLoadRequest, body)
         _no_parameters("RepositoryModelLoad", request.parameters)
-        await repository.load(request.model_name)
+        # Some versions refused while others serve is a success, as a poll would leave it.
+        report = await repository.load(request.model_name)
+        call.trailers.append((LOADED_TRAILER, ",".join(map(str, report.serving))))
+        if report.refused:
+            call.trailers.append((REFUSED_TRAILER, ",".join(map(str, report.refused))))
         return kpb.RepositoryModelLoadResponse().SerializeToString()
 
     async def repository_unload(self, body: bytes, call: Call) -> bytes:

@@ -8,7 +8,9 @@ versions no longer wanted stop taking calls, and each unloads once its calls in 
 answered. A version that fails to load is refused with one log line, and remembered by its
 file's stamp (mtime, size, inode) so it is not retried until the file changes; what served
 before keeps serving (a refused version counts as absent when the version policy picks the
-newest). Each version serves with the server's settings overlaid by its config's.
+newest). Each version serves with the server's settings overlaid by its config's. A load
+request (`load`) makes the same step at once and answers what serves after it and what it
+refused: it fails only when no version serves.
 """
 
 from __future__ import annotations
@@ -47,6 +49,25 @@ class IndexEntry:
     version: str
     state: str  # READY, UNAVAILABLE or LOADING
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load request left: the versions of the model that serve, and those refused
+    with why (by version)."""
+
+    name: str
+    serving: list[int]
+    refused: dict[int, str]
+
+    def describe(self) -> str:
+        serving = _versions(self.serving) + (" serve" if len(self.serving) > 1 else " serves")
+        refused = "; ".join(f"version {v} refused: {why}" for v, why in self.refused.items())
+        return f"{serving}; {refused}" if refused else serving
+
+
+def _versions(numbers: list[int]) -> str:
+    return ("versions " if len(numbers) > 1 else "version ") + ", ".join(map(str, numbers))
 
 
 def no_config(path: Path) -> Config:
@@ -269,10 +290,12 @@ class Repository:
 
     # The repository API (KServe's model repository extension).
 
-    async def load(self, name: str) -> None:
+    async def load(self, name: str) -> LoadReport:
         """Load or reload `name` from the repository now, retrying files that failed before;
-        raises ModelNotFound if it has no directory, LoadFailed if no version serves or one
-        that should failed."""
+        what serves after it, and what was refused. A version that fails does not fail the
+        load while another serves (as a poll leaves it); raises ModelNotFound if it has no
+        directory, LoadFailed, with each refused version's reason, if its config is refused
+        or no version serves."""
         async with self._lock:
             self._dir(name)
             self._unloaded.discard(name)
@@ -283,16 +306,26 @@ class Repository:
             for key in [k for k in self._failed if k[0] == name]:
                 del self._failed[key]
             self._config_failed.pop(name, None)
-            failures = await self._sync(found[name])
-            if failures:
-                raise LoadFailed("; ".join(failures))
-            if not self._loaded.get(name):
-                config = found[name].config or Config()
+            refused = await self._sync(found[name])
+            config = found[name].config
+            if config is None:  # nothing of it was loaded: what served before serves on
+                raise LoadFailed(f"model {name}: {found[name].error}; {self._serving_now(name)}")
+            serving = sorted(self._loaded.get(name, {}))
+            if not serving:
+                why = "; ".join(f"version {v}: {reason}" for v, reason in refused.items())
                 raise LoadFailed(
-                    f"model {name!r} has no version to serve: no numbered directory under "
-                    f"{str(self.root / name)!r} holds {config.default_model_filename} "
-                    f"(version policy: {config.policy.describe()})"
+                    f"model {name!r} has no version to serve: "
+                    + (
+                        why
+                        or f"no numbered directory under {str(self.root / name)!r} holds "
+                        f"{config.default_model_filename}"
+                    )
+                    + f" (version policy: {config.policy.describe()})"
                 )
+            report = LoadReport(name, serving, dict(sorted(refused.items())))
+            if refused:
+                self.log.warning("model %s load requested: %s", name, report.describe())
+            return report
 
     async def unload(self, name: str) -> None:
         """Stop serving every version of `name` (each unloads once its calls in flight are
@@ -378,8 +411,9 @@ class Repository:
             del self._configs[name]
         return found
 
-    async def _sync(self, found: _Found) -> list[str]:
-        """Bring one model's loaded versions in line with the scan; the refusals it logged."""
+    async def _sync(self, found: _Found) -> dict[int, str]:
+        """Bring one model's loaded versions in line with the scan; the versions it refused,
+        with why (each logged). A refused config refuses the whole model, and is logged."""
         name = found.name
         if found.config is None:
             known = self._config_failed.get(name)
@@ -388,10 +422,10 @@ class Repository:
                 self.log.warning(
                     "model %s refused: %s; %s", name, found.error, self._serving_now(name)
                 )
-            return [f"model {name}: {found.error}"]
+            return {}
         self._config_failed.pop(name, None)
         loaded = self._loaded.setdefault(name, {})
-        failures: list[str] = []
+        failures: dict[int, str] = {}
 
         def refused(version: int) -> bool:
             failed = self._failed.get((name, version))
@@ -413,7 +447,7 @@ class Repository:
                 path, stamp = found.versions[version]
                 failure = await self._load_version(name, version, path, stamp, found.config)
                 if failure:
-                    failures.append(failure)
+                    failures[version] = failure
         for version in sorted(set(loaded) - wanted):
             self._take_out(name, version, "not picked by its version policy")
         if not loaded:
@@ -440,7 +474,7 @@ class Repository:
                 reason,
                 self._serving_now(name),
             )
-            return f"model {name} version {version}: {reason}"
+            return reason
         finally:
             self._loading.discard((name, version))
         self._failed.pop((name, version), None)
