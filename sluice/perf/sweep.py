@@ -139,7 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"write OUT.json, .csv, .md and .png (the plot needs matplotlib: {report.PNG_EXTRA})",
     )
     p.add_argument("--title", default="", help="title for the report and plot")
-    p.add_argument("--quiet", action="store_true", help="no live table")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no live table or summary: the results go to --out only (which it needs)",
+    )
     # With --engine h2load: https, a server certificate h2load itself does not check (the
     # real call before each level does), and no client certificate.
     connect.add_options(p)
@@ -428,6 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.duration = 5.0
     if args.procs < 1 or args.connections < 1:
         parser.error("--procs and --connections must be at least 1")
+    if args.quiet and not args.out:  # a sweep whose results nobody would see
+        parser.error("--quiet prints no results: add --out PATH to write them, or drop --quiet")
     try:
         connect.from_args(args).client_tls()  # a file that does not load is named now
     except (OSError, ValueError) as exc:
