@@ -179,7 +179,9 @@ def test_the_newest_version_answers_unversioned_calls_and_swaps_are_single_steps
     assert found.get("m", "2") is v2
     found.remove("m", "3"), found.remove("m", "2")
     assert len(found) == 0 and found.names() == []
-    with pytest.raises(ModelNotFound, match="serves no model yet"):
+    with pytest.raises(
+        ModelNotFound, match=r"^this node serves no model: 'm' is not loaded \(unloaded\)$"
+    ):
         found.get()
 
 

@@ -21,6 +21,7 @@ from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Dataplane
+from sluice.server.dataplane.repository import LoadReport
 from sluice.server.kserve import (
     INFER,
     KSERVE,
@@ -362,10 +363,11 @@ class FakeRepository:
     def index(self) -> list[Row]:
         return [Row("digits", "1", "READY"), Row("broken", "", "UNAVAILABLE", "bad file")]
 
-    async def load(self, name: str) -> None:
+    async def load(self, name: str) -> LoadReport:
         self.calls.append(f"load {name}")
         if name == "missing":
             raise ModelNotFound("no 'missing'")
+        return LoadReport(name, [1], {})
 
     async def unload(self, name: str) -> None:
         self.calls.append(f"unload {name}")
