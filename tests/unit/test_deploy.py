@@ -31,7 +31,7 @@ KUBERNETES_VERSIONS = ("1.30", "1.33")
 CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PodMonitor")}
 KUSTOMIZATION = ("kustomize.config.k8s.io/v1beta1", "Kustomization")
 
-# What Sluice exports (issue 10); the dashboard may name nothing else.
+# What Sluice exports; the dashboard may name nothing else.
 METRICS = frozenset(
     {
         "sluice_calls_total",
