@@ -22,7 +22,7 @@ BREAKER_TICK_S = 0.5  # how often readiness is re-told while breakers may reopen
 class Transport(Protocol):
     """What a backend's connection does for membership (sluice.balancer.upstream.Upstream)."""
 
-    def watch_health(self, report: Callable[[str, bool], None]) -> None: ...
+    def watch_health(self, report: Callable[[str, bool, str], None]) -> None: ...
 
     def watch_models(
         self, every_s: float, report: Callable[[Models | None, str], None]
@@ -81,11 +81,13 @@ class Membership:
             log.info("backend %s removed", backend.address)
         self.changed()
 
-    def _reporter(self, backend: Backend) -> Callable[[str, bool], None]:
-        def report(state: str, unreachable: bool) -> None:
-            if backend.health != state:
-                log.info("backend %s is %s", backend.address, state)
-            backend.health = state
+    def _reporter(self, backend: Backend) -> Callable[[str, bool, str], None]:
+        def report(state: str, unreachable: bool, why: str) -> None:
+            # `why`: what the transport found of a server it cannot reach, "" when the
+            # state is the server's own word.
+            if (backend.health, backend.down) != (state, why):
+                log.info("backend %s is %s%s", backend.address, state, f": {why}" if why else "")
+            backend.health, backend.down = state, why
             if unreachable:
                 self.pool.unreachable(backend)
             self.changed()

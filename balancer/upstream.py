@@ -81,6 +81,14 @@ def channel_options(keepalive_s: float) -> list[tuple[str, int]]:
     ]
 
 
+def unreached(exc: grpc.aio.AioRpcError) -> str:
+    """Why a health watch could not reach its server, as a refusal names a backend: grpc's
+    own words are long and the same whatever the call."""
+    if "Connection refused" in (exc.details() or ""):
+        return "refuses connections"
+    return f"unreachable ({exc.code().name})"
+
+
 def upstream_tls(settings: BalancerSettings) -> ClientTLS | None:
     """TLS to the servers as the --upstream-tls-* flags say (None: plaintext); SluiceError if
     a file does not load, so a bad flag stops the balancer at start."""
@@ -171,10 +179,11 @@ class Upstream:
 
         self._tasks.append(asyncio.create_task(refresh()))
 
-    def watch_health(self, report: Callable[[str, bool], None]) -> None:
-        """Report (state, unreachable): SERVING / NOT_SERVING as the server's health watch
-        says; a server the watch cannot reach is NOT_SERVING and unreachable (a backend
-        failure) once per outage, unless it said it was going (NOT_SERVING, or a watch that
+    def watch_health(self, report: Callable[[str, bool, str], None]) -> None:
+        """Report (state, unreachable, why): SERVING / NOT_SERVING as the server's health
+        watch says (why ""); a server the watch cannot reach is NOT_SERVING, why says what
+        was found (it refuses connections, does not answer, ...), and it is unreachable (a
+        backend failure) once per outage, unless it said it was going (NOT_SERVING, or a watch that
         ended cleanly): a drained server's absence until it serves again is no fault, and
         neither kind of absence may pile failures on its breaker while it is gone (a long
         outage would keep it out for many seconds after it returns). Reconnects with
@@ -194,15 +203,17 @@ class Upstream:
                         lost = False
                         if serving:  # new, or back: what it serves may have changed
                             self._refresh.set()
-                        report(Health.SERVING if serving else Health.NOT_SERVING, False)
+                        report(Health.SERVING if serving else Health.NOT_SERVING, False, "")
                         backoff = 0.05
                 except grpc.aio.AioRpcError as exc:
                     log.debug("health watch of %s: %s", self.address, exc.code().name)
                     unreachable = not announced and not lost
                     lost = True
+                    why = unreached(exc)
                 else:
                     announced = True  # a watch that ended cleanly: a server shutting down
-                report(Health.NOT_SERVING, unreachable)
+                    why = ""
+                report(Health.NOT_SERVING, unreachable, why)
                 await asyncio.sleep(backoff)  # reconnect backoff, not a poll
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
 
@@ -226,7 +237,7 @@ class Upstream:
                     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self.hung:
                         self.hung = True
                         log.warning("backend %s does not answer: taken out", self.address)
-                        report(Health.NOT_SERVING, True)
+                        report(Health.NOT_SERVING, True, "does not answer")
                         for stream in self.streams:
                             await stream.close()  # its waiting calls: StreamBroken
                 else:
@@ -236,7 +247,7 @@ class Upstream:
                         serving = reply.status == health_pb2.HealthCheckResponse.SERVING
                         if serving:
                             self._refresh.set()
-                        report(Health.SERVING if serving else Health.NOT_SERVING, False)
+                        report(Health.SERVING if serving else Health.NOT_SERVING, False, "")
                 # One check at a time, one per CHECK_EVERY x keepalive_s at most: their
                 # replies are the DATA frames that keep pings unthrottled (see above).
                 await asyncio.sleep(max(0.0, asked + period - loop.time()))

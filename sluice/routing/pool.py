@@ -65,6 +65,9 @@ class Backend:
     # None: not learned yet. `default`: what a call naming no model gets there ('' none).
     models: dict[str, tuple[str, ...]] | None = None
     default: str = ""
+    # Why its transport holds it out (it refuses connections, does not answer, ...), for
+    # the message when none is usable; "" while it serves or when the server said so.
+    down: str = ""
 
     @property
     def usable(self) -> bool:
@@ -343,7 +346,7 @@ class Pool:
         if not candidates:
             return "every backend was tried"
         states = ", ".join(
-            f"{b.address} {b.health.lower()}"
+            f"{b.address} {b.down or b.health.lower()}"
             + (f" breaker {b.breaker.state.value}" if b.breaker.state is not State.CLOSED else "")
             for b in candidates
         )

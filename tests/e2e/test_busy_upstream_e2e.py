@@ -72,7 +72,7 @@ async def test_a_busy_server_is_not_taken_for_hung_but_a_stopped_one_is(
     reports: list[tuple[float, str, bool]] = []
     heard, out = asyncio.Event(), asyncio.Event()
 
-    def report(state: str, lost: bool) -> None:
+    def report(state: str, lost: bool, why: str) -> None:
         reports.append((time.monotonic(), state, lost))
         heard.set()
         if state == "NOT_SERVING":

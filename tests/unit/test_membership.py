@@ -18,12 +18,12 @@ from sluice.routing.pool import Health, Pool
 class FakeTransport:
     def __init__(self, address: str) -> None:
         self.address = address
-        self.health: Callable[[str, bool], None] | None = None
+        self.health: Callable[[str, bool, str], None] | None = None
         self.models: Callable[[Models | None, str], None] | None = None
         self.every_s = 0.0
         self.closed = 0
 
-    def watch_health(self, report: Callable[[str, bool], None]) -> None:
+    def watch_health(self, report: Callable[[str, bool, str], None]) -> None:
         self.health = report
 
     def watch_models(self, every_s: float, report: Callable[[Models | None, str], None]) -> None:
@@ -71,11 +71,13 @@ async def test_health_reports_reach_the_pool_and_readiness() -> None:
     backend = fx.pool.backends["a:1"]
     report = fx.transports["a:1"].health
     assert report is not None
-    report(Health.SERVING, False)
+    report(Health.SERVING, False, "")
     assert backend.health == Health.SERVING and fx.pool.serving()
     assert fx.told == 2
     before = backend.failures
-    report(Health.NOT_SERVING, True)  # unreachable: a failure against its breaker
+    report(
+        Health.NOT_SERVING, True, "refuses connections"
+    )  # unreachable: a failure against its breaker
     assert backend.health == Health.NOT_SERVING and not fx.pool.serving()
     assert backend.failures == before + 1
     assert fx.told == 3
