@@ -1,5 +1,6 @@
 """Process plumbing shared by every Sluice command: logging and the event loop. Light on
-purpose: the balancer and the perf floors import it without loading ONNX Runtime."""
+purpose: the balancer and the perf floors import it without loading ONNX Runtime, and it
+imports no grpc, so a program can quiet grpc-core (`quiet_grpc_core`) before grpc loads."""
 
 from __future__ import annotations
 
@@ -9,13 +10,22 @@ import ctypes
 import datetime
 import json
 import logging
+import os
 import sys
+from collections.abc import MutableMapping
 from importlib import metadata
 from typing import Any
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 MMAP_THRESHOLD = 1 << 20
 
+
+# grpc-core (C++) logs to stderr on its own, in its own format, whatever --log-format says
+# (a failed TLS handshake is an INFO line there), and reads its level from this variable
+# once, as grpc loads. Quiet unless the user sets it: GRPC_VERBOSITY=INFO (or ERROR, DEBUG)
+# turns its lines back on.
+GRPC_VERBOSITY = "GRPC_VERBOSITY"
+GRPC_QUIET = "NONE"
 
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -62,6 +72,14 @@ def _current_trace_id() -> str:
         return ""
     context = trace.get_current_span().get_span_context()
     return f"{context.trace_id:032x}" if context.is_valid else ""
+
+
+def quiet_grpc_core(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Turn grpc-core's own log lines off, unless GRPC_VERBOSITY is set: for a program's
+    entry, before anything imports grpc (later it is too late). Processes it starts inherit
+    the setting."""
+    if not environ.get(GRPC_VERBOSITY):
+        environ[GRPC_VERBOSITY] = GRPC_QUIET
 
 
 def setup_logging(level: str, fmt: str = "text") -> None:
