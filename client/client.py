@@ -9,22 +9,26 @@ no event loop or thread of its own) add only the sending.
 
 Failures raise `grpc.RpcError` whose `code()` and `details()` say what went wrong: with one
 target, grpc's own error for the call; with several, the last attempt's status, or
-UNAVAILABLE with the reason no server could take it (a `grpc.aio.AioRpcError`).
+UNAVAILABLE with the reason no server could take it (a `grpc.aio.AioRpcError`). Where grpc's
+words leave out what to fix (the size limit a message was over, a TLS mismatch with the
+target), sluice.client.diagnose puts it first, in a `grpc.aio.AioRpcError` of the same code.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, NoReturn, Self
 
 import grpc
 import numpy as np
 
+from sluice.client import diagnose
 from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, PREDICT, affinity_key
 from sluice.core.tenants import authorization
 from sluice.routing.breaker import BreakerSettings
@@ -139,12 +143,18 @@ class _Core:
     _router: Planner[Reply] | None
     _senders: dict[str, Iterator[Sender]]
     _auth: Metadata
+    _shown: diagnose.Shown | None  # None: channels the caller made, their TLS unknown
 
     def _start(
-        self, methods: Mapping[str, Sequence[Sender]], timeout: float | None, api_key: str
+        self,
+        methods: Mapping[str, Sequence[Sender]],
+        timeout: float | None,
+        api_key: str,
+        shown: diagnose.Shown | None,
     ) -> None:
         """`methods`: each target's raw-bytes Predict callables (one per channel, used in
-        turn)."""
+        turn); `shown`: the TLS its channels offer."""
+        self._shown = shown
         self.targets = target_list(list(methods))
         self.target = self.targets[0]
         self.timeout = timeout
@@ -172,6 +182,18 @@ class _Core:
             return CallTerms(timeout, None, None)
         deadline = None if timeout is None else self._router.clock() + timeout
         return CallTerms(timeout, affinity_key(body, dict(metadata)), deadline)
+
+    def _predict_target(self) -> str:
+        """Where a Predict went, for a hint: the one target ("" when the planner chose)."""
+        return self.target if self._router is None else ""
+
+    def _raise(self, error: grpc.RpcError, target: str) -> NoReturn:
+        """Raise `error`, or with a hint of what to fix when diagnose has one (may probe
+        `target`: a failed call only, bounded)."""
+        explained = diagnose.explained(error, target, self._shown)
+        if explained is error:
+            raise error
+        raise explained from error
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +245,8 @@ class AsyncSluiceClient(_Core):
         )
         settings = channel_options(max_message_bytes, options)
         channels = {t: [aio_channel(t, security, settings)] for t in target_list(target)}
-        self._attach(channels, timeout, api_key, owned=True)
+        shown = diagnose.Shown(tls=security is not None, certificate=bool(tls_cert))
+        self._attach(channels, timeout, api_key, owned=True, shown=shown)
 
     @classmethod
     def on_channels(
@@ -236,7 +259,9 @@ class AsyncSluiceClient(_Core):
         """A client over channels the caller made and closes, several per target if it likes
         (used in turn); for the load generator's connection counts."""
         client = cls.__new__(cls)
-        client._attach({t: list(chs) for t, chs in channels.items()}, timeout, api_key, owned=False)
+        client._attach(
+            {t: list(chs) for t, chs in channels.items()}, timeout, api_key, owned=False, shown=None
+        )
         return client
 
     def _attach(
@@ -246,12 +271,13 @@ class AsyncSluiceClient(_Core):
         api_key: str,
         *,
         owned: bool,
+        shown: diagnose.Shown | None,
     ) -> None:
         methods = {
             t: [ch.unary_unary(PREDICT, **PREDICT_ARGS) for ch in chs]
             for t, chs in channels.items()
         }
-        self._start(methods, timeout, api_key)
+        self._start(methods, timeout, api_key, shown)
         self._channels = channels
         self._owned = owned
         self._stub = pb_grpc.InferenceStub(channels[self.target][0])
@@ -294,7 +320,16 @@ class AsyncSluiceClient(_Core):
     ) -> Prediction:
         """Run the model; returns its outputs with the response metadata."""
         body, metadata = self._request(inputs, outputs, request_id, no_cache, model, version)
-        return prediction(await self._call(body, metadata, timeout))
+        try:
+            return prediction(await self._call(body, metadata, timeout))
+        except grpc.RpcError as exc:
+            await self._araise(exc, self._predict_target())
+
+    async def _araise(self, error: grpc.RpcError, target: str) -> NoReturn:
+        """`_raise` off the event loop when it would probe the target."""
+        if diagnose.needs_probe(error):
+            await asyncio.to_thread(self._raise, error, target)
+        self._raise(error, target)
 
     async def call_raw(
         self,
@@ -340,20 +375,26 @@ class AsyncSluiceClient(_Core):
 
     async def health(self, *, model: str = "", timeout: float | None = None) -> pb.HealthResponse:
         """The first target's Health (a model's, when named)."""
-        response: pb.HealthResponse = await self._stub.Health(
-            pb.HealthRequest(model=model), timeout=timeout or self.timeout, metadata=self._auth
-        )
+        try:
+            response: pb.HealthResponse = await self._stub.Health(
+                pb.HealthRequest(model=model), timeout=timeout or self.timeout, metadata=self._auth
+            )
+        except grpc.RpcError as exc:
+            await self._araise(exc, self.target)
         return response
 
     async def metadata(
         self, *, model: str = "", version: str = "", timeout: float | None = None
     ) -> pb.MetadataResponse:
         """The first target's metadata of a model (the default one unless named)."""
-        response: pb.MetadataResponse = await self._stub.Metadata(
-            pb.MetadataRequest(model=model, version=version),
-            timeout=timeout or self.timeout,
-            metadata=self._auth,
-        )
+        try:
+            response: pb.MetadataResponse = await self._stub.Metadata(
+                pb.MetadataRequest(model=model, version=version),
+                timeout=timeout or self.timeout,
+                metadata=self._auth,
+            )
+        except grpc.RpcError as exc:
+            await self._araise(exc, self.target)
         return response
 
     async def close(self) -> None:
@@ -398,6 +439,7 @@ class SluiceClient(_Core):
             {t: [ch.unary_unary(PREDICT, **PREDICT_ARGS)] for t, ch in self._channels.items()},
             timeout,
             api_key,
+            diagnose.Shown(tls=security is not None, certificate=bool(tls_cert)),
         )
         self._stub = pb_grpc.InferenceStub(self._channels[self.target])
         self._lock = threading.Lock()  # the planner's steps, when several threads call
@@ -439,7 +481,10 @@ class SluiceClient(_Core):
     ) -> Prediction:
         """Run the model; returns its outputs with the response metadata."""
         body, metadata = self._request(inputs, outputs, request_id, no_cache, model, version)
-        return prediction(self._call(body, metadata, timeout))
+        try:
+            return prediction(self._call(body, metadata, timeout))
+        except grpc.RpcError as exc:
+            self._raise(exc, self._predict_target())
 
     def _call(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
         tracer = tracing.client_tracer()  # None unless the application traces
@@ -470,20 +515,26 @@ class SluiceClient(_Core):
 
     def health(self, *, model: str = "", timeout: float | None = None) -> pb.HealthResponse:
         """The first target's Health (a model's, when named)."""
-        response: pb.HealthResponse = self._stub.Health(
-            pb.HealthRequest(model=model), timeout=timeout or self.timeout, metadata=self._auth
-        )
+        try:
+            response: pb.HealthResponse = self._stub.Health(
+                pb.HealthRequest(model=model), timeout=timeout or self.timeout, metadata=self._auth
+            )
+        except grpc.RpcError as exc:
+            self._raise(exc, self.target)
         return response
 
     def metadata(
         self, *, model: str = "", version: str = "", timeout: float | None = None
     ) -> pb.MetadataResponse:
         """The first target's metadata of a model (the default one unless named)."""
-        response: pb.MetadataResponse = self._stub.Metadata(
-            pb.MetadataRequest(model=model, version=version),
-            timeout=timeout or self.timeout,
-            metadata=self._auth,
-        )
+        try:
+            response: pb.MetadataResponse = self._stub.Metadata(
+                pb.MetadataRequest(model=model, version=version),
+                timeout=timeout or self.timeout,
+                metadata=self._auth,
+            )
+        except grpc.RpcError as exc:
+            self._raise(exc, self.target)
         return response
 
     def close(self) -> None:

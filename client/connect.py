@@ -1,5 +1,6 @@
 """How the commands that call a target (`sluice predict/health/metadata`, `sluice top`,
-`sluice perf`) reach it: TLS and an API key, one set of flags and SLUICE_ variables."""
+`sluice perf`) reach it: TLS and an API key, one set of flags and SLUICE_ variables; and,
+when they cannot, what to fix (sluice.client.diagnose)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
+from sluice.client import diagnose
 from sluice.runtime import config
 from sluice.runtime.tls import ClientTLS, asks_for_tls
 
@@ -51,6 +55,12 @@ class Connection:
             "server_name": self.server_name,
             "api_key": self.api_key,
         }
+
+    def explained(self, error: grpc.RpcError, target: str) -> grpc.RpcError:
+        """`error` of a call to `target` on channels of this connection (`sluice perf`'s own),
+        with what to fix when diagnose sees it (SluiceClient does this itself)."""
+        shown = diagnose.Shown(tls=self.secure, certificate=bool(self.tls_cert))
+        return diagnose.explained(error, target, shown)
 
 
 PLAINTEXT = Connection()  # no TLS, no API key

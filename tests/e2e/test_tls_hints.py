@@ -1,0 +1,185 @@
+"""A connection that fails for a TLS mismatch says which one and the option that fixes it:
+plaintext to a TLS port, TLS without the client certificate a mutual-TLS port requires, TLS
+to a plaintext port; and a TLS server's process logs no raw grpc-core lines for them, its
+own lines in the --log-format asked for. On real processes, with certificates made here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from perf.certs import Authority, Pair
+from perf.tls import mutual
+from sluice.client import AsyncSluiceClient, SluiceClient
+from sluice.client.connect import Connection
+from sluice.runtime.tls import ClientTLS, blocking_channel
+from sluice.v1 import inference_pb2 as pb
+from sluice.v1 import inference_pb2_grpc as pb_grpc
+from tests.e2e.harness import BIN, Process, running_tls, server_argv, wait_for
+
+pytestmark = pytest.mark.e2e
+
+# A grpc-core line: absl's "I1201 12:11:29.876655   28661 file.cc:123] ..." (E0000 00:00...
+# before its clock is set), e.g. "ssl_transport_security.cc:2563] Handshake failed".
+CORE_LINE = ("ssl_transport_security", "handshaker", "Handshake failed", "] ")
+
+
+@dataclass
+class Ports:
+    ca: Authority
+    client: Pair
+    mutual: Process  # TLS, requiring a client certificate; JSON logs
+    one_way: Process  # TLS, no client certificate asked for
+    plain: Process
+
+
+@pytest.fixture(scope="module")
+def ports(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ports]:
+    ca = Authority(tmp_path_factory.mktemp("ca"))
+    client = ca.issue("client")
+    shown = ClientTLS.of(ca=str(ca.cert), cert=str(client.cert), key=str(client.key))
+    trusting = ClientTLS.of(ca=str(ca.cert))
+    one_way = ca.issue("one-way")
+    with (
+        running_tls(
+            server_argv(*mutual(ca, ca.issue("server")), "--log-format", "json"), shown
+        ) as mtls,
+        running_tls(
+            server_argv("--tls-cert", str(one_way.cert), "--tls-key", str(one_way.key)), trusting
+        ) as tls,
+        running_tls(server_argv(), None) as plain,
+    ):
+        yield Ports(ca, client, mtls, tls, plain)
+
+
+def refusal(target: str, **options: str) -> str:
+    with SluiceClient(target, **options) as client, pytest.raises(grpc.RpcError) as failed:
+        client.health(timeout=10)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    return failed.value.details() or ""
+
+
+@pytest.mark.parametrize("port", ["one_way", "mutual"])
+def test_plaintext_to_a_tls_port_says_it_wants_tls(ports: Ports, port: str) -> None:
+    target = getattr(ports, port).address
+    details = refusal(target)
+    assert f"{target} speaks TLS" in details, details
+    assert "tls_ca=" in details and "--tls-ca" in details and "SLUICE_TLS_CA" in details
+    assert ("client certificate" in details) == (port == "mutual"), details
+    assert "failed to connect to all addresses" in details  # grpc's own words kept
+
+
+def test_tls_without_a_client_certificate_says_one_is_required(ports: Ports) -> None:
+    target = ports.mutual.address
+    details = refusal(target, tls_ca=str(ports.ca.cert))
+    assert f"{target} requires a client certificate" in details, details
+    assert "tls_cert=" in details and "--tls-cert" in details and "--tls-key" in details
+
+
+def test_the_asyncio_client_says_it_too(ports: Ports) -> None:
+    async def health() -> None:
+        async with AsyncSluiceClient(ports.one_way.address) as client:
+            await client.health(timeout=10)
+
+    with pytest.raises(grpc.RpcError) as failed:
+        asyncio.run(health())
+    assert f"{ports.one_way.address} speaks TLS" in (failed.value.details() or "")
+
+
+def test_a_commands_own_channel_is_explained_by_its_connection(ports: Ports) -> None:
+    """`sluice perf` calls over channels of its own: its Connection explains their errors."""
+    target = ports.mutual.address
+    connection = Connection(tls_ca=str(ports.ca.cert))
+    with blocking_channel(target, connection.client_tls()) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        with pytest.raises(grpc.RpcError) as failed:
+            stub.Health(pb.HealthRequest(), timeout=10)
+    details = connection.explained(failed.value, target).details() or ""
+    assert f"{target} requires a client certificate" in details, details
+
+
+def test_tls_to_a_plaintext_port_says_it_is_plaintext(ports: Ports) -> None:
+    target = ports.plain.address
+    details = refusal(target, tls_ca=str(ports.ca.cert))
+    assert f"{target} speaks plaintext" in details, details
+
+
+def test_a_reachable_port_in_the_right_mode_is_not_diagnosed(ports: Ports) -> None:
+    with SluiceClient(ports.one_way.address, tls_ca=str(ports.ca.cert)) as client:
+        assert client.health().node_id == "test-node"
+
+
+def test_the_cli_and_top_print_the_diagnosis(ports: Ports) -> None:
+    target = ports.mutual.address
+    for argv in (["predict", "--sample", "1"], ["top", "--once"]):
+        done = subprocess.run(
+            [str(BIN / "sluice"), *argv, "--target", target],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 1, done.stderr
+        assert f"{target} speaks TLS" in done.stderr and "--tls-ca" in done.stderr, done.stderr
+
+
+def entry(module: str, *argv: str) -> list[str]:
+    """A program started as its entry does: grpc-core quieted before anything loads grpc."""
+    code = (
+        "import sys; from sluice.runtime.process import quiet_grpc_core; quiet_grpc_core(); "
+        f"from {module} import main; sys.exit(main())"
+    )
+    return [sys.executable, "-c", code, *argv]
+
+
+# The child decides for itself: an inherited GRPC_VERBOSITY would hide what it does.
+UNSET = {"GRPC_VERBOSITY": ""}
+
+
+@pytest.mark.parametrize("program", ["sluice.server.main", "sluice.balancer.main"])
+def test_a_tls_program_logs_no_grpc_core_lines(ports: Ports, program: str) -> None:
+    """Handshakes fail at a mutual-TLS program logging JSON: its stderr holds its own lines
+    only, none of grpc-core's."""
+    listener = [*mutual(ports.ca, ports.ca.issue(program)), "--log-format", "json"]
+    if program.endswith("server.main"):
+        argv = entry(program, *server_argv(*listener)[1:])
+    else:
+        argv = entry(program, "--port", "0", "--backend", ports.plain.address, *listener)
+    proc = Process(argv, env=UNSET)
+    try:
+        with_certificate = {"tls_ca": str(ports.ca.cert), **pair(ports.client)}
+        with SluiceClient(proc.address, **with_certificate) as ok:
+            wait_for(lambda: ok.health().status == "SERVING" or None, "the program to serve")
+        refusal(proc.address)  # plaintext
+        refusal(proc.address, tls_ca=str(ports.ca.cert))  # TLS, no client certificate
+    finally:
+        proc.terminate()
+    lines = [line for line in proc.log().splitlines() if line.strip()]
+    assert any("listening on" in line for line in lines)
+    assert any("stopped after" in line for line in lines)  # the last line is in
+    for line in lines:
+        assert not any(mark in line for mark in CORE_LINE), line
+        json.loads(line)  # --log-format json: every line is ours, one JSON object
+
+
+def pair(client: Pair) -> dict[str, str]:
+    return {"tls_cert": str(client.cert), "tls_key": str(client.key)}
+
+
+def test_grpc_verbosity_given_turns_grpc_cores_lines_back_on(ports: Ports) -> None:
+    """GRPC_VERBOSITY set by the user is left as it is: INFO shows the handshake lines."""
+    listener = mutual(ports.ca, ports.ca.issue("loud"))
+    loud = Process(
+        entry("sluice.server.main", *server_argv(*listener)[1:]), env={"GRPC_VERBOSITY": "INFO"}
+    )
+    try:
+        refusal(loud.address)
+        wait_for(lambda: "Handshake failed" in loud.log(), "grpc-core's handshake line")
+    finally:
+        loud.kill()
