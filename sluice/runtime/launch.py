@@ -4,6 +4,7 @@ start a local cluster (the benchmarks' and tests' harness is the checkout's perf
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -13,12 +14,36 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 BIN = Path(sys.executable).parent
 
 
-def wait_serving(address: str, timeout: float = 30.0, *, require: bool = True) -> None:
-    """Until the process at `address` answers its grpc.health.v1 check; RuntimeError unless
-    it says SERVING (with `require`)."""
+def wait_serving(
+    address: str,
+    timeout: float = 30.0,
+    *,
+    require: bool = True,
+    abandon: Callable[[], bool] | None = None,
+    poll_s: float = 0.1,
+) -> bool:
+    """Until the process at `address` answers its grpc.health.v1 check: True then, or
+    RuntimeError unless it says SERVING (with `require`). With `abandon`, asked every `poll_s`
+    while waiting: False as soon as it says so (the process exited, a stop was asked), which
+    a process that is not listening would otherwise hide until `timeout`. RuntimeError when
+    no answer came in `timeout`."""
     with grpc.insecure_channel(address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
+        call = health_pb2_grpc.HealthStub(channel).Check.future(
             health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=True
         )
+        try:
+            while True:
+                try:
+                    reply = call.result(timeout=poll_s)
+                    break
+                except grpc.FutureTimeoutError:
+                    if abandon is not None and abandon():
+                        call.cancel()
+                        return False
+        except grpc.RpcError:
+            if call.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise RuntimeError(f"{address} did not answer in {timeout:g} s") from None
+            raise RuntimeError(f"{address}: {call.code().name} {call.details()}") from None
     if require and reply.status != health_pb2.HealthCheckResponse.SERVING:
         raise RuntimeError(f"{address} is not serving")
+    return True
