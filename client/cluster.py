@@ -1,20 +1,28 @@
 """`sluice up`: a local cluster in the foreground: N servers on consecutive ports behind one
-balancer. Ctrl-C (or SIGTERM) stops all of them cleanly, balancer first."""
+balancer. Ctrl-C (or SIGTERM) stops all of them cleanly, balancer first. When one cannot
+start, or Ctrl-C comes before all serve, every one started stops at once and one line says
+which and why."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
-import grpc
-
 from sluice.runtime.launch import BIN, wait_serving
+
+START_S = 60.0  # for a server (it loads its models first) or the balancer to serve
+STARTING_STOP_S = 5.0  # a process that never served has no calls to finish
+SERVING_STOP_S = 30.0  # one that served drains its calls
+READ_S = 2.0  # for the rest of an exited child's output (a process it left may hold the pipe)
+ERROR_LEVELS = ("ERROR", "CRITICAL")
 
 
 def free_ports(host: str, count: int) -> list[int]:
@@ -27,6 +35,64 @@ def free_ports(host: str, count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def error_message(line: str) -> str | None:
+    """The message of an ERROR or CRITICAL log line of a Sluice process, in either log format
+    (sluice.runtime.process); None for any other line."""
+    if line.startswith("{"):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return None
+        if isinstance(record, dict) and record.get("level") in ERROR_LEVELS:
+            return str(record.get("message", ""))
+        return None
+    fields = line.split(" ", 4)  # date, time, level, logger, message
+    if len(fields) == 5 and fields[2] in ERROR_LEVELS:
+        return fields[4].strip()
+    return None
+
+
+class Child:
+    """A server or the balancer, in its own session: the terminal's Ctrl-C comes to us and we
+    stop the children in order. Its stderr goes on to ours as it comes; the last error line is
+    kept, to say why it stopped."""
+
+    def __init__(self, name: str, address: str, argv: list[str]) -> None:
+        self.name, self.address = name, address
+        self.proc = subprocess.Popen(
+            argv, stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True
+        )
+        self._error = self._last = ""
+        self._reader = threading.Thread(target=self._pass_on, daemon=True)
+        self._reader.start()
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.address})"
+
+    def _pass_on(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            try:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass  # our stderr is gone: keep reading, or the child blocks on a full pipe
+            if line.strip():
+                self._last = line.strip()
+                self._error = error_message(line) or self._error
+
+    def read_out(self) -> None:
+        """Once it has exited: until the rest of its output has gone on (bounded)."""
+        self._reader.join(timeout=READ_S)
+
+    def why(self) -> str:
+        """Why it stopped, once it has: its exit status and its last error line (else its last
+        line: a traceback's ends with the exception)."""
+        self.read_out()
+        said = self._error or self._last or "no output"
+        return f"{self} exited with status {self.proc.returncode}: {said}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,66 +115,112 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    servers: list[subprocess.Popen[bytes]] = []
-    balancer: subprocess.Popen[bytes] | None = None
-    if args.port == 0:  # free ports, for tests and for running beside something else
-        args.port, *ports = free_ports(args.host, args.servers + 1)
-    else:
-        ports = [args.port + i for i in range(1, args.servers + 1)]
-    addresses = [f"{args.host}:{port}" for port in ports]
-    # Children ignore the terminal's Ctrl-C; we stop them in order ourselves.
-    detach = {"start_new_session": True}
+    cluster = Cluster(args)
     try:
-        for i, address in enumerate(addresses, 1):
-            servers.append(
-                subprocess.Popen(
+        failure = cluster.run(stop)
+    finally:
+        killed = stop_all(
+            [[cluster.balancer] if cluster.balancer else [], cluster.servers],
+            SERVING_STOP_S if cluster.serving else STARTING_STOP_S,
+        )
+    if killed and not failure:
+        failure = "a process did not stop in time and was killed"
+    if failure:
+        print(f"sluice up: {failure}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+class Cluster:
+    """The servers and the balancer of one `sluice up`, as they are started."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.servers: list[Child] = []
+        self.balancer: Child | None = None
+        self.serving = False  # all of them served: from then on they drain when stopped
+
+    def run(self, stop: threading.Event) -> str:
+        """Start everything and run until `stop` (""), or until one cannot start or exits: the
+        line that says so."""
+        args = self.args
+        if args.port == 0:  # free ports, for tests and for running beside something else
+            args.port, *ports = free_ports(args.host, args.servers + 1)
+        else:
+            ports = [args.port + i for i in range(1, args.servers + 1)]
+        for i, port in enumerate(ports, 1):
+            self.servers.append(
+                Child(
+                    f"server-{i}",
+                    f"{args.host}:{port}",
                     [str(BIN / "sluice-server"), "--host", args.host]
                     + (["--model", args.model] if args.model else [])
-                    + ["--port", address.rsplit(":", 1)[1], "--node-id", f"server-{i}"]
+                    + ["--port", str(port), "--node-id", f"server-{i}"]
                     + [a for arg in args.server_arg for a in arg.split()],
-                    **detach,  # type: ignore[call-overload]
                 )
             )
-        for address in addresses:
-            wait_serving(address, 60.0)
-        balancer = subprocess.Popen(
+        for server in self.servers:
+            if failure := started(server, self.servers, stop):
+                return failure
+        balancer = Child(
+            "balancer",
+            f"{args.host}:{args.port}",
             [str(BIN / "sluice-balancer"), "--host", args.host, "--port", str(args.port)]
-            + [a for address in addresses for a in ("--backend", address)]
+            + [a for server in self.servers for a in ("--backend", server.address)]
             + [a for arg in args.balancer_arg for a in arg.split()],
-            **detach,  # type: ignore[call-overload]
         )
-        wait_serving(f"{args.host}:{args.port}", 60.0)
+        self.balancer = balancer
+        if failure := started(balancer, [balancer, *self.servers], stop):
+            return failure
+        self.serving = True
         print(
-            f"sluice up: balancer on {args.host}:{args.port} -> servers on "
-            + ", ".join(addresses)
+            f"sluice up: balancer on {balancer.address} -> servers on "
+            + ", ".join(server.address for server in self.servers)
             + " (Ctrl-C stops them)",
             flush=True,
         )
         while not stop.wait(0.5):
-            for proc in [*servers, balancer]:
-                if proc.poll() is not None:
-                    print(f"sluice up: pid {proc.pid} exited with {proc.returncode}", flush=True)
-                    stop.set()
-    except (RuntimeError, grpc.RpcError) as exc:
-        print(f"sluice up: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        failed = stop_all([p for p in [balancer, *servers] if p is not None])
-    return 1 if failed else 0
+            for child in [balancer, *self.servers]:
+                if child.proc.poll() is not None:
+                    return child.why()
+        return ""
 
 
-def stop_all(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> bool:
-    """SIGTERM each, balancer first, and wait; True when one had to be killed."""
+def started(child: Child, running: list[Child], stop: threading.Event) -> str:
+    """Nothing ("") once `child` serves; else, as soon as one of `running` exits or a stop is
+    asked, the line that says so."""
+
+    def abandon() -> bool:
+        return stop.is_set() or any(c.proc.poll() is not None for c in running)
+
+    try:
+        if wait_serving(child.address, START_S, abandon=abandon):
+            return ""
+    except RuntimeError as exc:
+        return f"{child} did not start: {exc}"
+    for exited in running:
+        if exited.proc.poll() is not None:
+            return exited.why()
+    return f"stopped before {child} served"
+
+
+def stop_all(waves: Sequence[Sequence[Child]], timeout: float) -> bool:
+    """Wave by wave (the balancer, then the servers): SIGTERM all of the wave, wait, SIGKILL
+    any still running after `timeout`. True when one had to be killed."""
     killed = False
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            killed = True
+    for wave in waves:
+        for child in wave:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for child in wave:
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+                killed = True
+            child.read_out()
     return killed
 
 

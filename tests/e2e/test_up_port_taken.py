@@ -1,0 +1,168 @@
+"""`sluice up` when a server cannot start, or when Ctrl-C comes while it waits for one: it
+stops every process it started and exits at once, with one line saying which and why."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import socket
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import BIN, alive, wait_for
+
+pytestmark = pytest.mark.e2e
+
+# Far below the 60 s `sluice up` gives a server to start: returning within it is the behaviour
+# tested, the margin is for a loaded machine.
+RETURNS_S = 30.0
+MARK = "SLUICE_UP_TEST_MARK"
+
+
+def started_by(mark: str) -> list[int]:
+    """Live processes whose environment carries `mark` (every child of `sluice up` inherits
+    it): found whether or not they are still its children."""
+    found = []
+    needle = f"{MARK}={mark}".encode()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):
+            pid = int(environ.parent.name)
+            if needle in environ.read_bytes().split(b"\0") and alive(pid):
+                found.append(pid)
+    return sorted(found)
+
+
+@contextlib.contextmanager
+def sluice_up(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`sluice up ARGS` with its output (stdout and stderr) in one pipe, and the mark its
+    processes carry; whatever it leaves running is killed by pid at the end."""
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [str(BIN / "sluice"), "up", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, MARK: mark},
+    )
+    try:
+        yield proc, mark
+    finally:
+        for pid in started_by(mark):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    """Its exit status and output, once it exits on its own (bounded)."""
+    try:
+        output, _ = proc.communicate(timeout=RETURNS_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"sluice up still running after {RETURNS_S:g} s")
+    return proc.returncode, output
+
+
+def own_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("sluice up:")]
+
+
+def test_a_server_whose_port_is_taken_stops_everything_at_once() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        # Servers take the ports after the balancer's: server-1 gets the taken one, server-2
+        # the next (it starts, and must be stopped); the balancer never starts.
+        with sluice_up("--servers", "2", "--port", str(port - 1)) as (proc, mark):
+            code, output = finish(proc)
+            assert code != 0, output
+            [line] = own_lines(output)
+            assert "server-1" in line and f"127.0.0.1:{port}" in line, output
+            assert "cannot listen" in line, output
+            assert "_InactiveRpcError" not in output, output
+            assert started_by(mark) == [], output
+
+
+def test_a_balancer_whose_port_is_taken_stops_the_servers_at_once() -> None:
+    # The balancer's port is taken; server-1 takes the next, free when looked at. The
+    # balancer logs JSON: its error is found in either log format.
+    json_logs = ("--balancer-arg", "--log-format json")
+    with (
+        held_before_a_free_port() as port,
+        sluice_up("--servers", "1", "--port", str(port), *json_logs) as (proc, mark),
+    ):
+        code, output = finish(proc)
+        assert code != 0, output
+        [line] = own_lines(output)
+        assert "balancer" in line and f"127.0.0.1:{port}" in line, output
+        assert "cannot listen" in line, output
+        assert "_InactiveRpcError" not in output, output
+        assert started_by(mark) == [], output
+
+
+@contextlib.contextmanager
+def held_before_a_free_port() -> Iterator[int]:
+    """A port this test listens on, whose next port nothing listens on (when looked at)."""
+    for _ in range(50):
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", 0))
+            held.listen(1)
+            port = int(held.getsockname()[1])
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            yield port
+            return
+    pytest.fail("no free port after a held one in 50 tries")
+
+
+def test_ctrl_c_while_a_server_starts_stops_everything_at_once(tmp_path: Path) -> None:
+    # A server reads its tenants file before it listens: from a FIFO, that read waits for
+    # the test, so the server stays alive and not serving for as long as the test likes.
+    fifo = tmp_path / "tenants.toml"
+    os.mkfifo(fifo)
+    writer = -1
+    port = free_port()
+    args = ("--servers", "1", "--port", str(port), "--server-arg", f"--tenants {fifo}")
+    with sluice_up(*args) as (proc, mark):
+        try:
+            writer = wait_for(lambda: open_writer(fifo), "the server to open its tenants file")
+            proc.send_signal(signal.SIGINT)
+            code, output = finish(proc)
+            assert code != 0, output
+            [line] = own_lines(output)
+            assert "server-1" in line and f"127.0.0.1:{port + 1}" in line, output
+            assert "_InactiveRpcError" not in output, output
+            assert started_by(mark) == [], output
+        finally:
+            if writer >= 0:
+                os.close(writer)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def open_writer(fifo: Path) -> int | None:
+    """The FIFO's write end once a reader has it open (None before)."""
+    try:
+        return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:  # ENXIO: no reader yet
+            raise
+        return None
