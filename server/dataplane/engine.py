@@ -21,7 +21,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
+
+try:
+    import onnxruntime as ort
+except ModuleNotFoundError as exc:
+    if exc.name != "onnxruntime":
+        raise
+    # `pip install sluice` is the client alone; the server imports this as it starts. One
+    # line that says what to install, not a traceback.
+    raise SystemExit(
+        "sluice-server: ONNX Runtime is not installed: "
+        "pip install 'sluice[cpu]' (or 'sluice[gpu]' for NVIDIA GPUs)"
+    ) from exc
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument as OrtInvalidArgument
 
 from sluice.core.datatypes import DATATYPES

@@ -4,7 +4,10 @@ and answer from another directory. Of perf/ it holds only what `sluice perf` run
 benchmarks, their floors, model makers and the process harness stay in the checkout.
 
 The wheel is built from a copy of what the Dockerfile copies into the image, so a folder the
-package needs and the image lacks fails here too."""
+package needs and the image lacks fails here too. ONNX Runtime comes in two builds that both
+provide the `onnxruntime` module and break each other: the wheel asks for neither by itself
+(`pip install sluice` is the client), the CPU build with the `cpu` extra and the GPU build
+with `gpu`, which a fresh venv checks from the package index."""
 
 from __future__ import annotations
 
@@ -17,9 +20,11 @@ import sys
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from email.parser import HeaderParser
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from tests.e2e.harness import Process
 
@@ -32,6 +37,18 @@ PACKAGES += ["server", "balancer", "client", "perf"]
 # What `sluice perf` imports: the wheel's whole sluice/perf.
 SWEEP = ["__init__", "sweep", "loadgen", "h2engine", "stats", "report"]
 PIP = [sys.executable, "-m", "pip", "--no-input", "--disable-pip-version-check", "--quiet"]
+# Each build of ONNX Runtime and the one extra that installs it.
+RUNTIMES = {"onnxruntime": "cpu", "onnxruntime-gpu": "gpu"}
+# Where both builds exist, and where only the CPU one does.
+PLATFORMS = [
+    {"sys_platform": "linux", "platform_machine": "x86_64", "platform_system": "Linux"},
+    {"sys_platform": "darwin", "platform_machine": "arm64", "platform_system": "Darwin"},
+]
+ONE_RUNTIME = (
+    "import importlib.metadata as m;"
+    "print(sorted(d.metadata['Name'].lower() for d in m.distributions()"
+    " if d.metadata['Name'].lower().startswith('onnxruntime')))"
+)
 SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "dist", "results")
 
 
@@ -199,3 +216,71 @@ def test_the_installed_commands_serve_and_answer_from_any_directory(
     assert level["calls"] == level["ok"] == 40, level["statuses"]
     helped = run([sluice, "perf", "--help"], tmp_path, env)
     assert "--out" in helped and "sluice[perf]" in helped
+
+
+def runtimes(requires: list[Requirement], extra: str, platform: dict[str, str]) -> set[str]:
+    """The ONNX Runtime builds `pip install sluice[extra]` asks for on that platform."""
+    environment = {**platform, "extra": extra}
+    return {
+        r.name
+        for r in requires
+        if r.name in RUNTIMES and (r.marker is None or r.marker.evaluate(environment))
+    }
+
+
+def test_each_onnx_runtime_build_comes_only_with_its_own_extra(build: Path) -> None:
+    with zipfile.ZipFile(build) as wheel:
+        (path,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+        metadata = HeaderParser().parsestr(wheel.read(path).decode())
+    requires = [Requirement(line) for line in metadata.get_all("Requires-Dist", [])]
+    extras = metadata.get_all("Provides-Extra", [])
+    assert {"cpu", "gpu", "dev"} <= set(extras), extras
+    for platform in PLATFORMS:
+        for extra in ["", *extras]:
+            wanted = {name for name, its in RUNTIMES.items() if its == extra}
+            if platform["sys_platform"] != "linux":
+                wanted.discard("onnxruntime-gpu")  # built for Linux x86_64 (and Windows)
+            found = runtimes(requires, extra, platform)
+            assert found == wanted, f"sluice[{extra}] on {platform['sys_platform']}: {found}"
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A venv of its own, as a user makes one: nothing from this one's site-packages."""
+    venv = tmp_path_factory.mktemp("fresh") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    return venv
+
+
+def pip_install(venv: Path, requirement: str) -> None:
+    """From the package index (pip's cache makes a second run quick)."""
+    done = subprocess.run(
+        [venv / "bin" / "python", *PIP[1:], "install", "--only-binary", ":all:", requirement],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, f"pip install {requirement} failed:\n{done.stderr}"
+
+
+def test_a_fresh_venv_gets_the_client_alone_then_one_onnx_runtime_with_cpu(
+    build: Path, fresh: Path, tmp_path: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    python = str(fresh / "bin" / "python")
+    pip_install(fresh, str(build))
+    assert run([python, "-c", ONE_RUNTIME], tmp_path, env).strip() == "[]"
+    run([python, "-c", "from sluice import SluiceClient, AsyncSluiceClient"], tmp_path, env)
+    # The server without a runtime: one line that says what to install, not a traceback.
+    server = [str(fresh / "bin" / "sluice-server"), "--port", "0", "--device", "cpu"]
+    done = subprocess.run(server, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert "sluice[cpu]" in line and "sluice[gpu]" in line, line
+    pip_install(fresh, f"{build}[cpu]")
+    assert run([python, "-c", ONE_RUNTIME], tmp_path, env).strip() == "['onnxruntime']"
+    predict = [str(fresh / "bin" / "sluice"), "predict", "--sample", "3", "--json-output"]
+    with serving([*server, "--node-id", "fresh"], env) as served:
+        answer = run([*predict, "--target", served.address], tmp_path, env)
+    assert json.loads(answer)["outputs"]["label"]["data"] == [3]
