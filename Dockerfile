@@ -17,12 +17,15 @@ COPY client client
 RUN pip wheel --no-cache-dir --no-deps -w /wheels .
 
 # The image holds the installed wheel and no source tree, so it runs what a user's
-# `pip install sluice` runs: the model and its samples come from the package.
-# The GPU image: `docker build --build-arg EXTRAS=gpu -t sluice:gpu .` adds the CUDA 13 and
-# cuDNN libraries from pip and CuPy (about 3 GB); the host needs NVIDIA's driver (release 580
-# or later) and container toolkit (`docker run --gpus all`, or a Kubernetes GPU request).
+# `pip install sluice[cpu]` runs: the model and its samples come from the package. EXTRAS
+# picks the build of ONNX Runtime, one of the two and never both (they provide one
+# `onnxruntime` module): `cpu` by default. The GPU image,
+# `docker build --build-arg EXTRAS=gpu -t sluice:gpu .`, carries the GPU build with the CUDA 13
+# and cuDNN libraries from pip and CuPy (about 3 GB); the host needs NVIDIA's driver (release
+# 580 or later) and container toolkit (`docker run --gpus all`, or a Kubernetes GPU request:
+# deploy/gpu/).
 FROM python:3.11-slim
-ARG EXTRAS=""
+ARG EXTRAS=cpu
 COPY --from=build /wheels /wheels
 RUN whl=$(ls /wheels/*.whl) && pip install --no-cache-dir "${whl}${EXTRAS:+[$EXTRAS]}" \
  && rm -rf /wheels \
@@ -30,8 +33,19 @@ RUN whl=$(ls /wheels/*.whl) && pip install --no-cache-dir "${whl}${EXTRAS:+[$EXT
  && sluice perf --help >/dev/null
 WORKDIR /app
 # In a container the server must listen beyond loopback; the node id defaults to the
-# hostname, which Kubernetes sets to the pod name.
-ENV SLUICE_HOST=0.0.0.0 SLUICE_PORT=8001
-EXPOSE 8001 9100
+# hostname, which Kubernetes sets to the pod name. HOME: the user below has none, and the
+# manifests mount a writable /tmp over a read-only root (ONNX Runtime keeps a cache there).
+ENV SLUICE_HOST=0.0.0.0 SLUICE_PORT=8001 HOME=/tmp
+# Only the gRPC port: metrics are off unless asked for, with `--metrics-port 9100` (or
+# SLUICE_METRICS_PORT=9100) and `docker run -p 9100:9100`.
+EXPOSE 8001
+# `nobody`, by number (so Kubernetes' runAsNonRoot can check it): the user deploy/ runs as.
+USER 65534:65534
+# grpc.health.v1 on SLUICE_PORT, as the Kubernetes probes do: healthy while SERVING, from the
+# model's load until SIGTERM (the start period allows the load, and CUDA's, 2 minutes). Set
+# the port with SLUICE_PORT rather than --port, so that the check follows it; a plaintext
+# check, so under TLS give the container a check of your own (or --no-healthcheck).
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+  CMD ["python", "-c", "import os, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; s = g.HealthStub(grpc.insecure_channel('127.0.0.1:' + os.environ['SLUICE_PORT'])).Check(h.HealthCheckRequest(), timeout=4).status; raise SystemExit(s != h.HealthCheckResponse.SERVING)"]
 STOPSIGNAL SIGTERM
 CMD ["sluice-server"]

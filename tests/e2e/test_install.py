@@ -15,8 +15,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +29,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from tests.e2e.harness import Process
+from tests.unit.test_dockerfile import IMAGE, healthcheck
 
 pytestmark = pytest.mark.e2e
 
@@ -284,3 +287,29 @@ def test_a_fresh_venv_gets_the_client_alone_then_one_onnx_runtime_with_cpu(
     with serving([*server, "--node-id", "fresh"], env) as served:
         answer = run([*predict, "--target", served.address], tmp_path, env)
     assert json.loads(answer)["outputs"]["label"]["data"] == [3]
+
+
+def test_the_images_health_check_passes_while_serving_and_fails_once_draining(
+    installed: Path, tmp_path: Path
+) -> None:
+    """The Dockerfile's HEALTHCHECK command, with the installed wheel as the image has it."""
+    argv = [sys.executable, *healthcheck(IMAGE)[1:]]
+    server_argv = [str(installed / "bin" / "sluice-server"), "--port", "0", "--device", "cpu"]
+    # A long drain delay: the server answers NOT_SERVING, still listening, until it is killed.
+    server_argv += ["--node-id", "healthcheck", "--drain-delay-s", "60"]
+    with serving(server_argv, elsewhere(installed)) as server:
+        env = {**elsewhere(installed), "SLUICE_PORT": server.address.rpartition(":")[2]}
+        run(argv, tmp_path, env)
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        for _ in range(60):  # one check per second at most: a drain is reported at once
+            done = subprocess.run(
+                argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+            )
+            if done.returncode != 0 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert server.proc.poll() is None, "the server left before its drain delay"
+        server.kill()
+    # NOT_SERVING itself (exit status 1, nothing said), not a failed connection.
+    assert (done.returncode, done.stderr) == (1, ""), done.stderr
