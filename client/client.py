@@ -1,4 +1,6 @@
-"""Clients over raw-bytes gRPC calls. Tensors travel as raw little-endian bytes.
+"""Clients over raw-bytes gRPC calls. Tensors travel as raw little-endian bytes: numpy
+arrays as they are, plain values (nested lists, scalars) in the datatype the model's metadata
+declares for their input (asked once per model and version, never for arrays).
 
 One client core (`_Core`): targets, request building, routing and decoding. Given one
 target (a server or a balancer) a client sends each call straight there; given several
@@ -27,6 +29,7 @@ from typing import Any, NoReturn, Self
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 
 from sluice.client import diagnose
 from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, PREDICT, affinity_key
@@ -80,14 +83,29 @@ def channel_options(max_message_bytes: int, extra: ChannelOptions) -> list[tuple
 
 
 def predict_request(
-    inputs: Mapping[str, np.ndarray],
+    inputs: Mapping[str, npt.ArrayLike],
     outputs: Sequence[str] = (),
     model: str = "",
     version: str = "",
+    datatypes: Mapping[str, str] | None = None,
 ) -> pb.PredictRequest:
+    """`datatypes`: the inputs' declared datatypes, for plain values (codec.array_of)."""
     return pb.PredictRequest(
-        inputs=codec.encode_all(inputs), outputs=outputs, model=model, version=version
+        inputs=codec.encode_all(inputs, datatypes=datatypes),
+        outputs=outputs,
+        model=model,
+        version=version,
     )
+
+
+def plain(inputs: Mapping[str, npt.ArrayLike]) -> bool:
+    """Whether some input is a plain value (not a numpy array): its datatype is the model's."""
+    return any(not isinstance(value, np.ndarray) for value in inputs.values())
+
+
+def declared(meta: pb.MetadataResponse) -> dict[str, str]:
+    """The model's inputs' datatypes by name."""
+    return {t.name: t.datatype for t in meta.model.inputs}
 
 
 def call_metadata(request_id: str | None, no_cache: bool = False) -> dict[str, str]:
@@ -144,6 +162,8 @@ class _Core:
     _senders: dict[str, Iterator[Sender]]
     _auth: Metadata
     _shown: diagnose.Shown | None  # None: channels the caller made, their TLS unknown
+    # The inputs' datatypes by (model, version), asked once, for plain values only.
+    _declared: dict[tuple[str, str], dict[str, str]]
 
     def _start(
         self,
@@ -155,6 +175,7 @@ class _Core:
         """`methods`: each target's raw-bytes Predict callables (one per channel, used in
         turn); `shown`: the TLS its channels offer."""
         self._shown = shown
+        self._declared = {}
         self.targets = target_list(list(methods))
         self.target = self.targets[0]
         self.timeout = timeout
@@ -164,14 +185,15 @@ class _Core:
 
     def _request(
         self,
-        inputs: Mapping[str, np.ndarray],
+        inputs: Mapping[str, npt.ArrayLike],
         outputs: Sequence[str],
         request_id: str | None,
         no_cache: bool,
         model: str = "",
         version: str = "",
+        datatypes: Mapping[str, str] | None = None,
     ) -> tuple[bytes, Metadata]:
-        body = predict_request(inputs, outputs, model, version).SerializeToString()
+        body = predict_request(inputs, outputs, model, version, datatypes).SerializeToString()
         return body, (*call_metadata(request_id, no_cache).items(), *self._auth)
 
     def _terms(self, body: bytes, metadata: Metadata, timeout: float | None) -> CallTerms:
@@ -284,7 +306,7 @@ class AsyncSluiceClient(_Core):
 
     async def predict(
         self,
-        inputs: Mapping[str, np.ndarray],
+        inputs: Mapping[str, npt.ArrayLike],
         *,
         outputs: Sequence[str] = (),
         timeout: float | None = None,
@@ -309,7 +331,7 @@ class AsyncSluiceClient(_Core):
 
     async def infer(
         self,
-        inputs: Mapping[str, np.ndarray],
+        inputs: Mapping[str, npt.ArrayLike],
         *,
         outputs: Sequence[str] = (),
         timeout: float | None = None,
@@ -318,8 +340,18 @@ class AsyncSluiceClient(_Core):
         model: str = "",
         version: str = "",
     ) -> Prediction:
-        """Run the model; returns its outputs with the response metadata."""
-        body, metadata = self._request(inputs, outputs, request_id, no_cache, model, version)
+        """Run the model; returns its outputs with the response metadata. Plain values
+        (nested lists, scalars) are sent in the datatypes the model declares for them (its
+        metadata, asked once per model and version); numpy arrays as they are."""
+        datatypes = None
+        if plain(inputs):
+            datatypes = self._declared.get((model, version))
+            if datatypes is None:
+                meta = await self.metadata(model=model, version=version, timeout=timeout)
+                datatypes = self._declared[model, version] = declared(meta)
+        body, metadata = self._request(
+            inputs, outputs, request_id, no_cache, model, version, datatypes
+        )
         try:
             return prediction(await self._call(body, metadata, timeout))
         except grpc.RpcError as exc:
@@ -446,7 +478,7 @@ class SluiceClient(_Core):
 
     def predict(
         self,
-        inputs: Mapping[str, np.ndarray],
+        inputs: Mapping[str, npt.ArrayLike],
         *,
         outputs: Sequence[str] = (),
         timeout: float | None = None,
@@ -470,7 +502,7 @@ class SluiceClient(_Core):
 
     def infer(
         self,
-        inputs: Mapping[str, np.ndarray],
+        inputs: Mapping[str, npt.ArrayLike],
         *,
         outputs: Sequence[str] = (),
         timeout: float | None = None,
@@ -479,8 +511,18 @@ class SluiceClient(_Core):
         model: str = "",
         version: str = "",
     ) -> Prediction:
-        """Run the model; returns its outputs with the response metadata."""
-        body, metadata = self._request(inputs, outputs, request_id, no_cache, model, version)
+        """Run the model; returns its outputs with the response metadata. Plain values
+        (nested lists, scalars) are sent in the datatypes the model declares for them (its
+        metadata, asked once per model and version); numpy arrays as they are."""
+        datatypes = None
+        if plain(inputs):
+            datatypes = self._declared.get((model, version))
+            if datatypes is None:
+                meta = self.metadata(model=model, version=version, timeout=timeout)
+                datatypes = self._declared[model, version] = declared(meta)
+        body, metadata = self._request(
+            inputs, outputs, request_id, no_cache, model, version, datatypes
+        )
         try:
             return prediction(self._call(body, metadata, timeout))
         except grpc.RpcError as exc:
