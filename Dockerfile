@@ -20,7 +20,7 @@ RUN pip wheel --no-cache-dir --no-deps -w /wheels .
 # `pip install sluice[cpu]` runs: the model and its samples come from the package. EXTRAS
 # picks the build of ONNX Runtime, one of the two and never both (they provide one
 # `onnxruntime` module): `cpu` by default. The GPU image,
-# `docker build --build-arg EXTRAS=gpu -t sluice:gpu .`, carries the GPU build with the CUDA 13
+# `docker build --build-arg EXTRAS=gpu -t sluice-gpu .`, carries the GPU build with the CUDA 13
 # and cuDNN libraries from pip and CuPy (about 3 GB); the host needs NVIDIA's driver (release
 # 580 or later) and container toolkit (`docker run --gpus all`, or a Kubernetes GPU request:
 # deploy/gpu/).
