@@ -27,6 +27,15 @@ class BadInput(ValueError):
     """An argument to fix; shown as argparse shows its own errors (usage, exit status 2)."""
 
 
+class Failed(Exception):
+    """A call a command made on its own behalf failed: what it was for, and grpc's error."""
+
+    def __init__(self, doing: str, error: grpc.RpcError) -> None:
+        super().__init__(doing)
+        self.doing = doing
+        self.error = error
+
+
 INPUT_FORMS = "NAME=FILE.npy, NAME=FILE.json or NAME=JSON"
 
 
@@ -131,7 +140,12 @@ def cmd_predict(client: SluiceClient, args: argparse.Namespace) -> str:
         values[name] = value
     datatypes = {}
     if args.sample is not None or any(not isinstance(v, np.ndarray) for v in values.values()):
-        meta = client.metadata(model=args.model, version=args.version)
+        # .npy arrays carry their datatype: only plain values and --sample ask the model.
+        need = "the inputs' datatypes" if values else "the input --sample fills"
+        try:
+            meta = client.metadata(model=args.model, version=args.version)
+        except grpc.RpcError as exc:
+            raise Failed(f"could not ask the model's metadata (needed for {need})", exc) from exc
         datatypes = {t.name: t.datatype for t in meta.model.inputs}
     inputs = {name: input_array(name, value, datatypes) for name, value in values.items()}
     if args.sample is not None:
@@ -293,8 +307,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(fn(client, args))
     except BadInput as exc:
         args.parser.error(str(exc))
+    except Failed as exc:
+        error = exc.error
+        print(
+            f"sluice {args.command}: {exc.doing}: {error.code().name}: {error.details()}",
+            file=sys.stderr,
+        )
+        return 1
     except grpc.RpcError as exc:
-        print(f"sluice: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"sluice {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     except (OSError, ValueError) as exc:
         print(f"sluice: {exc}", file=sys.stderr)

@@ -2,12 +2,13 @@
 --json-output (the old --json, which read as "the input is JSON", is refused with both
 names), and every argument error names the input and says what was expected, argparse's way
 (usage, `sluice predict: error: ...`, exit status 2). Nothing listens on 127.0.0.1:1: these
-errors come before any call."""
+errors come before any call, and a call that fails there says what it was for."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sluice.client import cli
@@ -99,3 +100,27 @@ def test_predict_help_shows_the_distinct_options(capsys: pytest.CaptureFixture[s
     assert "--json-output" in shown
     assert "NAME=JSON" in shown and "converted to the input's datatype" in shown
     assert "--json " not in shown and "--json," not in shown  # the refused name is not offered
+
+
+def test_a_failed_metadata_call_says_what_it_was_for(capsys: pytest.CaptureFixture[str]) -> None:
+    """NAME=JSON needs the model's datatypes: when asking fails, the error names that step,
+    not a method the user never called."""
+    assert cli.main(["predict", *TARGET, "input=[[1.0]]"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "sluice predict: could not ask the model's metadata (needed for the inputs' "
+        "datatypes): UNAVAILABLE: "
+    ), err
+    assert "Traceback" not in err
+
+
+def test_an_array_input_asks_no_metadata(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A .npy input carries its datatype: the one call made is the Predict."""
+    path = tmp_path / "x.npy"
+    np.save(path, np.zeros((1, 64), np.float32))
+    assert cli.main(["predict", *TARGET, f"input={path}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sluice predict: UNAVAILABLE: "), err
+    assert "metadata" not in err.lower()
