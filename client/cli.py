@@ -16,7 +16,7 @@ from google.protobuf.json_format import MessageToDict
 
 from sluice import models
 from sluice.client import connect
-from sluice.client.client import Prediction, SluiceClient
+from sluice.client.client import DEFAULT_MAX_MESSAGE_BYTES, Prediction, SluiceClient
 from sluice.core import tenants
 from sluice.core.datatypes import name_of
 from sluice.runtime import config
@@ -200,6 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text)
         connect.add_target(sub)
         config.add_option(sub, "timeout", "10", "seconds per call", type=float)
+        # The server's variable too: one export raises both ends' limits.
+        config.add_option(
+            sub,
+            "max-message-bytes",
+            str(DEFAULT_MAX_MESSAGE_BYTES),
+            "largest request or reply, in bytes",
+            type=int,
+        )
         sub.add_argument(
             "--json-output", action="store_true", help="print the answer as one line of JSON"
         )
@@ -302,7 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         connection = connect.from_args(args)
         with SluiceClient(
-            args.target, timeout=args.timeout, **connection.client_kwargs()
+            args.target,
+            timeout=args.timeout,
+            max_message_bytes=args.max_message_bytes,
+            **connection.client_kwargs(),
         ) as client:
             print(fn(client, args))
     except BadInput as exc:

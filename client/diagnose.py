@@ -30,7 +30,8 @@ NO_CONNECTION = "failed to connect to all addresses"
 
 CLIENT_LIMIT = (
     "raise this client's limit: max_message_bytes= of SluiceClient or AsyncSluiceClient "
-    "(default 64 MiB)"
+    "(default 64 MiB); sluice predict, health and metadata: --max-message-bytes "
+    "[env SLUICE_MAX_MESSAGE_BYTES, which the server and balancer read too]"
 )
 PEER_LIMIT = (
     "start it with a larger --max-message-bytes (or SLUICE_MAX_MESSAGE_BYTES); a balancer "

@@ -1,9 +1,11 @@
 """A message over a size limit names the limit that was hit and how to raise it: the client's
-own (its `max_message_bytes=`), or the server's or balancer's (`--max-message-bytes`,
-SLUICE_MAX_MESSAGE_BYTES), with grpc's sizes kept; on real processes."""
+own (its `max_message_bytes=`; the commands' `--max-message-bytes`), or the server's or
+balancer's (`--max-message-bytes`, SLUICE_MAX_MESSAGE_BYTES), with grpc's sizes kept; on real
+processes."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from collections.abc import Iterator
@@ -13,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
-from sluice.client import SluiceClient
+from sluice.client import SluiceClient, diagnose
 from tests.e2e.harness import BIN, Process, running, server_argv
 
 pytestmark = pytest.mark.e2e
@@ -56,7 +58,7 @@ def test_over_the_clients_own_send_limit_names_max_message_bytes(server: Process
     details = error.details() or ""
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "this client's limit" in details and "max_message_bytes=" in details, details
-    assert "--max-message-bytes" not in details  # not the server's to raise
+    assert diagnose.PEER_LIMIT not in details  # not the server's to raise
     assert sizes(details)[1] == SERVER_LIMIT
 
 
@@ -65,7 +67,7 @@ def test_over_the_servers_limit_names_its_flag_and_variable(server: Process) -> 
     details = error.details() or ""
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"the server or balancer at {server.address}" in details, details
-    assert "--max-message-bytes" in details and "SLUICE_MAX_MESSAGE_BYTES" in details
+    assert diagnose.PEER_LIMIT in details
     assert "max_message_bytes=" not in details  # raising the client's would not help
     assert sizes(details)[1] == SERVER_LIMIT
 
@@ -114,3 +116,39 @@ def test_the_cli_prints_the_hint(server: Process, tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "--max-message-bytes" in done.stderr, done.stderr
     assert "SLUICE_MAX_MESSAGE_BYTES" in done.stderr
+
+
+def predict_rows(address: str, rows: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`sluice predict` of `rows` with the client's limit at 1 MiB by the variable the server
+    reads too (unless a flag says otherwise)."""
+    return subprocess.run(
+        [str(BIN / "sluice"), "predict", "--target", address, *flags, f"input={rows}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SLUICE_MAX_MESSAGE_BYTES": str(SERVER_LIMIT)},
+    )
+
+
+def test_the_cli_takes_its_limit_from_the_servers_variable_and_names_its_flag(
+    server: Process, tmp_path: Path
+) -> None:
+    rows = tmp_path / "rows.npy"
+    np.save(rows, ROWS_2MIB)
+    done = predict_rows(server.address, rows)
+    assert done.returncode == 1
+    assert "this client's limit" in done.stderr, done.stderr
+    assert "--max-message-bytes" in done.stderr and diagnose.PEER_LIMIT not in done.stderr
+    assert sizes(done.stderr)[1] == SERVER_LIMIT
+
+
+def test_the_clis_max_message_bytes_lets_a_big_input_out_to_the_servers_limit(
+    server: Process, tmp_path: Path
+) -> None:
+    rows = tmp_path / "rows.npy"
+    np.save(rows, ROWS_2MIB)
+    done = predict_rows(server.address, rows, "--max-message-bytes", str(4 * SERVER_LIMIT))
+    assert done.returncode == 1, done.stderr
+    assert f"the server or balancer at {server.address}" in done.stderr, done.stderr
+    assert diagnose.PEER_LIMIT in done.stderr
+    assert sizes(done.stderr)[1] == SERVER_LIMIT  # the server's limit, not the client's

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from sluice.client import SluiceClient, connect, diagnose
+from sluice.client import SluiceClient, cli, connect, diagnose
 from sluice.client.diagnose import Port, Shown
 from sluice.runtime import config
 from sluice.runtime.settings import ProgramSettings
@@ -33,8 +33,8 @@ def test_the_size_hint_names_whose_limit_and_keeps_the_sizes(
     hint = diagnose.size_hint(details, TARGET)
     size, limit = re.findall(r"\d+", details)[-2:]
     assert hint.startswith(f"the {message} ({size} bytes)") and f"({limit})" in hint, hint
-    assert ("max_message_bytes=" in hint) == (whose == "client")
-    assert ("--max-message-bytes" in hint) == (whose == "peer")
+    assert (diagnose.CLIENT_LIMIT in hint) == (whose == "client")
+    assert (diagnose.PEER_LIMIT in hint) == (whose == "peer")
     assert (f"at {TARGET}" in hint) == (whose == "peer")
 
 
@@ -110,3 +110,19 @@ def test_every_option_named_exists() -> None:
     parameters = inspect.signature(SluiceClient).parameters
     for parameter in re.findall(r"\b([a-z_]+)=", words):
         assert parameter in parameters, parameter
+
+
+def test_the_commands_take_the_client_limit_the_hint_names() -> None:
+    """CLIENT_LIMIT's --max-message-bytes: each client command has it, read from the variable
+    the server reads, so one export raises both."""
+    assert "--max-message-bytes" in diagnose.CLIENT_LIMIT
+    assert "SLUICE_MAX_MESSAGE_BYTES" in diagnose.CLIENT_LIMIT
+    commands = next(
+        a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    for name in ("predict", "health", "metadata"):
+        option = next(
+            a for a in commands.choices[name]._actions if "--max-message-bytes" in a.option_strings
+        )
+        assert "env SLUICE_MAX_MESSAGE_BYTES" in (option.help or ""), name
+        assert option.type is int
