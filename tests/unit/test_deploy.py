@@ -5,6 +5,7 @@ exports."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Iterator
@@ -30,6 +31,8 @@ KUBERNETES_VERSIONS = ("1.30", "1.33")
 # Custom resources: no schema in Kubernetes' own; checked by hand below.
 CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PodMonitor")}
 KUSTOMIZATION = ("kustomize.config.k8s.io/v1beta1", "Kustomization")
+# A Kustomize component: patches that a kustomization may add (gpu/, the servers on GPUs).
+COMPONENT = ("kustomize.config.k8s.io/v1alpha1", "Component")
 
 # What Sluice exports; the dashboard may name nothing else.
 METRICS = frozenset(
@@ -82,7 +85,7 @@ def load_docs() -> list[Doc]:
 
 
 DOCS = load_docs()
-OBJECTS = [doc for doc in DOCS if doc.key != KUSTOMIZATION]
+OBJECTS = [doc for doc in DOCS if doc.key not in (KUSTOMIZATION, COMPONENT)]
 CORE = [doc for doc in OBJECTS if doc.key not in CUSTOM_RESOURCES]
 
 
@@ -207,6 +210,81 @@ def test_kustomization_image_is_the_one_the_deployments_run() -> None:
     for deployment in (SERVER, BALANCER):
         image = container(deployment)["image"]
         assert image.rsplit(":", 1)[0] in names, f"{image} is not rewritten by `images:`"
+
+
+# -- the GPU variant -----------------------------------------------------------------------
+
+
+def json_patch(body: dict[str, Any], operations: list[dict[str, Any]]) -> dict[str, Any]:
+    """`body` with RFC 6902 add and replace operations applied, as Kustomize applies them."""
+    result = copy.deepcopy(body)
+    for operation in operations:
+        assert operation["op"] in ("add", "replace"), operation
+        *parents, last = [
+            part.replace("~1", "/").replace("~0", "~") for part in operation["path"][1:].split("/")
+        ]
+        box: Any = result
+        for part in parents:
+            box = box[int(part)] if isinstance(box, list) else box[part]
+        if isinstance(box, list):
+            at = len(box) if last == "-" else int(last)
+            if operation["op"] == "add":
+                box.insert(at, operation["value"])
+            else:
+                box[at] = operation["value"]
+        else:
+            assert operation["op"] == "add" or last in box, f"replace of a missing {last}"
+            box[last] = operation["value"]
+    return result
+
+
+def gpu_server() -> dict[str, Any]:
+    """The server Deployment with the gpu/ component's patches applied."""
+    (component,) = [d.body for d in DOCS if d.key == COMPONENT]
+    assert component.keys() <= {"apiVersion", "kind", "metadata", "patches"}
+    deployment = SERVER
+    for patch in component["patches"]:
+        target = patch["target"]
+        assert (target["kind"], target["name"]) == ("Deployment", "sluice-server"), target
+        deployment = json_patch(deployment, yaml.safe_load(patch["patch"]))
+    return deployment
+
+
+GPU_SERVER = gpu_server()
+
+
+def test_the_gpu_component_is_there_and_off_by_default() -> None:
+    (component,) = [d for d in DOCS if d.key == COMPONENT]
+    assert component.path == DEPLOY / "gpu" / "kustomization.yaml"
+    (kustomization,) = [d.body for d in DOCS if d.path == DEPLOY / "kustomization.yaml"]
+    assert "components" not in kustomization, "deploy/ serves on the CPU unless asked"
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_the_gpu_server_validates_against_kubernetes_schema(version: str) -> None:
+    assert kubernetes_validate.validate(GPU_SERVER, version, strict=True) == version
+
+
+def test_the_gpu_server_runs_the_gpu_image_on_one_gpu() -> None:
+    box = container(GPU_SERVER)
+    assert box["resources"]["limits"]["nvidia.com/gpu"] == 1
+    requests, limits = box["resources"]["requests"], box["resources"]["limits"]
+    assert requests["memory"] == limits["memory"]
+    # Kustomize rewrites images by name: the base's `images:` must leave the GPU one alone.
+    (kustomization,) = [d.body for d in DOCS if d.path == DEPLOY / "kustomization.yaml"]
+    name = box["image"].rsplit(":", 1)[0]
+    assert name != container(SERVER)["image"].rsplit(":", 1)[0]
+    assert name not in {image["name"] for image in kustomization["images"]}
+    args = [arg.replace("$(POD_NAME)", "pod-0") for arg in box["args"]]
+    namespace, unknown = config.build_parser(ServerSettings, "sluice-server", "").parse_known_args(
+        args
+    )
+    assert unknown == []
+    assert config.from_namespace(ServerSettings, namespace, environ={}).device == "cuda"
+    # All else is the CPU server's: probes, ports, drain timing, security.
+    for key in ("startupProbe", "readinessProbe", "livenessProbe", "ports", "securityContext"):
+        assert box[key] == container(SERVER)[key], key
+    assert GPU_SERVER["spec"]["template"]["metadata"] == SERVER["spec"]["template"]["metadata"]
 
 
 # -- the objects agree with each other ------------------------------------------------------
