@@ -445,6 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = sweep(args, " ".join(["sluice perf", *argv]))
     except grpc.RpcError as exc:
+        # What raises here is the sweep's own Metadata call, to the first target.
+        exc = connect.from_args(args).explained(exc, args.target.split(",")[0])
         print(f"sluice perf: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     for warning in result["warnings"]:

@@ -129,6 +129,28 @@ def test_the_cli_and_top_print_the_diagnosis(ports: Ports) -> None:
         assert f"{target} speaks TLS" in done.stderr and "--tls-ca" in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize(
+    ("port", "options", "said"),
+    [
+        ("one_way", (), "speaks TLS"),
+        ("mutual", ("--tls-ca", "CA"), "requires a client certificate"),
+    ],
+)
+def test_perf_prints_the_diagnosis(
+    ports: Ports, port: str, options: tuple[str, ...], said: str
+) -> None:
+    target = getattr(ports, port).address
+    given = [str(ports.ca.cert) if o == "CA" else o for o in options]
+    done = subprocess.run(
+        [str(BIN / "sluice"), "perf", "--target", target, "-n", "1", *given],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1, done.stderr
+    assert f"sluice perf: {target}: UNAVAILABLE: {target} {said}" in done.stderr, done.stderr
+
+
 def entry(module: str, *argv: str) -> list[str]:
     """A program started as its entry does: grpc-core quieted before anything loads grpc."""
     code = (
