@@ -103,6 +103,14 @@ def plain(inputs: Mapping[str, npt.ArrayLike]) -> bool:
     return any(not isinstance(value, np.ndarray) for value in inputs.values())
 
 
+def check_plain(inputs: Mapping[str, npt.ArrayLike]) -> None:
+    """Refuse a plain value that no datatype could take (ragged, strings, None): when the
+    model's metadata cannot be had, that is the caller's first thing to fix."""
+    for name, value in inputs.items():
+        if not isinstance(value, np.ndarray):
+            codec.array_of(name, value)
+
+
 def declared(meta: pb.MetadataResponse) -> dict[str, str]:
     """The model's inputs' datatypes by name."""
     return {t.name: t.datatype for t in meta.model.inputs}
@@ -347,7 +355,11 @@ class AsyncSluiceClient(_Core):
         if plain(inputs):
             datatypes = self._declared.get((model, version))
             if datatypes is None:
-                meta = await self.metadata(model=model, version=version, timeout=timeout)
+                try:
+                    meta = await self.metadata(model=model, version=version, timeout=timeout)
+                except grpc.RpcError:
+                    check_plain(inputs)
+                    raise
                 datatypes = self._declared[model, version] = declared(meta)
         body, metadata = self._request(
             inputs, outputs, request_id, no_cache, model, version, datatypes
@@ -518,7 +530,11 @@ class SluiceClient(_Core):
         if plain(inputs):
             datatypes = self._declared.get((model, version))
             if datatypes is None:
-                meta = self.metadata(model=model, version=version, timeout=timeout)
+                try:
+                    meta = self.metadata(model=model, version=version, timeout=timeout)
+                except grpc.RpcError:
+                    check_plain(inputs)
+                    raise
                 datatypes = self._declared[model, version] = declared(meta)
         body, metadata = self._request(
             inputs, outputs, request_id, no_cache, model, version, datatypes
