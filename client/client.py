@@ -367,6 +367,8 @@ class AsyncSluiceClient(_Core):
         try:
             return prediction(await self._call(body, metadata, timeout))
         except grpc.RpcError as exc:
+            if datatypes is not None and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                self._declared.pop((model, version), None)  # a swap may have changed them
             await self._araise(exc, self._predict_target())
 
     async def _araise(self, error: grpc.RpcError, target: str) -> NoReturn:
@@ -542,6 +544,8 @@ class SluiceClient(_Core):
         try:
             return prediction(self._call(body, metadata, timeout))
         except grpc.RpcError as exc:
+            if datatypes is not None and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                self._declared.pop((model, version), None)  # a swap may have changed them
             self._raise(exc, self._predict_target())
 
     def _call(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:

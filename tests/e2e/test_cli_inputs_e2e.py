@@ -136,6 +136,17 @@ def test_the_model_is_asked_its_datatypes_once_and_never_for_arrays(
     assert recorder.seen() == [PREDICT, METADATA, PREDICT, PREDICT]
 
 
+def test_a_refused_plain_call_asks_the_datatypes_again(recorder: Recorder) -> None:
+    """A swap may change an input's datatype: after INVALID_ARGUMENT the client asks anew."""
+    with SluiceClient(recorder.address) as client:
+        assert client.predict({"input": WHOLE})["label"] == [3]
+        with pytest.raises(grpc.RpcError) as refused:
+            client.predict({"input": [[1.0] * 63]})  # the model takes 64 values
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.predict({"input": WHOLE})["label"] == [3]
+    assert recorder.seen() == [METADATA, PREDICT, PREDICT, METADATA, PREDICT]
+
+
 def test_json_input_takes_the_models_datatype_and_json_output_is_json(server: Process) -> None:
     whole = json.dumps([[int(v) for v in SAMPLE.input.ravel()]])  # ints, as a user types them
     done = sluice("predict", "--target", server.address, "--json-output", f"input={whole}")
