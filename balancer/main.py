@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from sluice.runtime.process import quiet_grpc_core
+
+# Run as `python -m sluice.balancer.main` (its workers are), grpc-core is quieted here, before
+# the imports below load grpc; the installed command does it in sluice.entry.
+if __name__ == "__main__":
+    quiet_grpc_core()
+
 import asyncio
 import contextlib
 import functools

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from sluice.runtime.process import quiet_grpc_core
+
+# Run as `python -m sluice.server.main` (its workers are), grpc-core is quieted here, before
+# the imports below load grpc; the installed command does it in sluice.entry.
+if __name__ == "__main__":
+    quiet_grpc_core()
+
 import contextlib
 import logging
 import sys
