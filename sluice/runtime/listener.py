@@ -3,6 +3,7 @@ reflection (so grpcurl needs no protos), message size limits, and keepalive ping
 
 from __future__ import annotations
 
+import errno
 import socket
 from collections.abc import Mapping
 from typing import TypeAlias
@@ -75,14 +76,19 @@ def bind(
     server: grpc.aio.Server, host: str, port: int, tls: grpc.ServerCredentials | None = None
 ) -> int:
     """Listen on host:port, with TLS when `tls` is given (sluice.runtime.tls); the port bound
-    (port 0 picks one). SluiceError if it cannot."""
+    (port 0 picks one). SluiceError if it cannot, saying why."""
     address = f"{host}:{port}"
     try:
         if tls is not None:
             return server.add_secure_port(address, tls)
         return server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise SluiceError(f"cannot listen on {address}: {exc}") from None
+    except RuntimeError:
+        # grpc's words name no cause and send the user to GRPC_VERBOSITY: a bind of our own
+        # finds the cause, and when it does bind (a race: the port came free), the likely ones.
+        why = unbindable(host, port) or (
+            "the port is in use, or the address is not on this host (--host)"
+        )
+        raise SluiceError(f"cannot listen on {address}: {why}") from None
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -92,22 +98,36 @@ def check_port_free(host: str, port: int) -> None:
     the real bind is not seen (a small race, only at start)."""
     if port == 0:
         return  # the kernel picks a free port
-    address = f"{host}:{port}"
+    why = unbindable(host, port)
+    if why is not None:
+        raise SluiceError(f"cannot listen on {host}:{port}: {why}")
+
+
+# Why a bind failed, by errno, in words that say what to change.
+BIND_ERRORS = {
+    errno.EADDRINUSE: "the port is in use: another process listens on it",
+    errno.EADDRNOTAVAIL: "the address is not on this host (--host: one of its addresses, or "
+    "0.0.0.0 for all)",
+    errno.EACCES: "permission denied (ports below 1024 need privileges)",
+}
+
+
+def unbindable(host: str, port: int) -> str | None:
+    """Why a socket cannot listen on host:port, or None if one can (it is closed again)."""
     try:
         infos = socket.getaddrinfo(
             host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except OSError as exc:
-        raise SluiceError(f"cannot listen on {address}: {exc}") from None
+        return f"the host does not resolve: {exc.strerror or exc}"
     for family, kind, proto, _, sockaddr in infos[:1]:
         with socket.socket(family, kind, proto) as probe:
-            # SO_REUSEADDR: TIME_WAIT leftovers of an earlier run do not count; no
-            # SO_REUSEPORT, so any listener on the port, sharing or not, makes this fail.
+            # SO_REUSEADDR, as grpc's own: TIME_WAIT leftovers of an earlier run do not count;
+            # no SO_REUSEPORT, so any listener on the port, sharing or not, makes this fail.
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(sockaddr)
                 probe.listen(1)
             except OSError as exc:
-                raise SluiceError(
-                    f"cannot listen on {address}: {exc.strerror or exc} (another process holds it)"
-                ) from None
+                return BIND_ERRORS.get(exc.errno or 0, exc.strerror or str(exc))
+    return None
