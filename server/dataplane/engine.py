@@ -396,6 +396,11 @@ class Engine:
         options.enable_cpu_mem_arena = False
         providers = choose_providers(device)
         self.fallback = ""  # why CUDA was asked for and the CPU serves ("" if it was not)
+        if device == "auto" and CUDA not in providers and gpu.device_count() > 0:
+            self.fallback = (
+                "this onnxruntime build has no CUDA provider (pip install 'sluice[gpu]')"
+            )
+            log.warning("%s: a GPU is here, serving on the CPU: %s", path.name, self.fallback)
         if CUDA in providers:
             options.intra_op_num_threads = intra_op_threads or 1  # the GPU parallelises
             self.fallback = _start_cuda(path, options, cuda_options or {})

@@ -132,6 +132,34 @@ needs_cuda_build = pytest.mark.skipif(
 )
 
 
+@pytest.mark.skipif(CUDA in ort.get_available_providers(), reason="a CUDA build is installed")
+def test_auto_with_a_cpu_build_on_a_gpu_machine_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """sluice[cpu] where a GPU is: the model serves on the CPU, a WARNING names the build to
+    install, and Health's `fallback` keeps the reason."""
+    monkeypatch.setattr(gpu, "device_count", lambda: 1)
+    with caplog.at_level("WARNING", logger="sluice.engine"):
+        auto = Engine(models.DIGITS, device="auto")
+    try:
+        assert auto.provider == CPU
+        assert auto.fallback == (
+            "this onnxruntime build has no CUDA provider (pip install 'sluice[gpu]')"
+        )
+        assert any(auto.fallback in r.getMessage() for r in caplog.records)
+        model = Model(auto, Batcher(auto.instances, max_rows=1, budget_s=0.0))
+        (status,) = model_statuses(Models([model]))
+        assert (status.provider, status.fallback) == (CPU, auto.fallback)
+    finally:
+        auto.close()
+    monkeypatch.setattr(gpu, "device_count", lambda: 0)
+    quiet = Engine(models.DIGITS, device="auto")  # no GPU: the CPU is no fallback
+    try:
+        assert quiet.fallback == ""
+    finally:
+        quiet.close()
+
+
 @needs_cuda_build
 def test_auto_that_gets_the_cpu_says_so_loudly(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
