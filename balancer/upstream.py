@@ -49,6 +49,17 @@ NO_METADATA: Mapping[str, str] = {}
 # The least time a models refresh may take before it is given up (until the next one).
 REFRESH_TIMEOUT_S = 1.0
 _NOT_FOUND = int(Code.NOT_FOUND)
+# A StreamRequest's bytes besides its body and its metadata's keys and values: its id,
+# timeout and method, each field's tag and length (tens of bytes for the few headers a
+# balancer forwards). A body this far under a server's limit, with its metadata, fits
+# without the message being measured.
+STREAM_FRAMING = 1024
+WIDEST_ID = 2**64 - 1  # a StreamRequest's id measured at its widest
+OVER_LIMIT = (
+    "the request ({size} bytes as the server receives it) is over the limit of the server at "
+    "{address} ({limit}): start it with a larger --max-message-bytes (or "
+    "SLUICE_MAX_MESSAGE_BYTES); a balancer and each server behind it have their own"
+)
 Models = dict[str, tuple[str, ...]]
 
 
@@ -89,6 +100,22 @@ def unreached(exc: grpc.aio.AioRpcError) -> str:
     return f"unreachable ({exc.code().name})"
 
 
+def over_limit(
+    limit: int, body: bytes, metadata: Mapping[str, str], timeout: float | None, method: str
+) -> int:
+    """The bytes of the StreamRequest that would carry `body` (sluice.wire.mux), the message
+    a server's limit applies to, when they are over `limit` (0: no limit); else 0. Measured
+    (its id at the widest, the body counted, not copied) only when near the limit."""
+    near = len(body) + STREAM_FRAMING + sum(len(k) + len(v) for k, v in metadata.items())
+    if not limit or near <= limit:
+        return 0
+    rest = pb.StreamRequest(
+        id=WIDEST_ID, timeout_s=timeout or 0.0, metadata=metadata, method=method
+    )
+    size = rest.ByteSize() + (1 + (len(body).bit_length() + 6) // 7 + len(body) if body else 0)
+    return size if size > limit else 0
+
+
 def upstream_tls(settings: BalancerSettings) -> ClientTLS | None:
     """TLS to the servers as the --upstream-tls-* flags say (None: plaintext); SluiceError if
     a file does not load, so a bad flag stops the balancer at start."""
@@ -125,13 +152,22 @@ class Upstream:
         self._keepalive_s = keepalive_s
         self._tasks: list[asyncio.Task[None]] = []
         self.hung = False  # a health check went unanswered: out until one is answered
+        # The largest message the server takes, as its Health says (0: not said, not
+        # checked). A larger request is refused here: on a stream, grpc at the server would
+        # end the stream, and every call on it, for it.
+        self.max_message_bytes = 0
         # Ask for its models now: it (re)started serving, or said it lacks a model.
         self._refresh = asyncio.Event()
 
     async def predict(
         self, body: bytes, metadata: Mapping[str, str], timeout: float | None, method: str = ""
     ) -> Reply:
-        """A Predict, or the stream method `method` names ("ModelInfer"), on a stream."""
+        """A Predict, or the stream method `method` names ("ModelInfer"), on a stream; one
+        over the server's limit is refused (RESOURCE_EXHAUSTED, naming it) and not sent."""
+        size = over_limit(self.max_message_bytes, body, metadata, timeout, method)
+        if size:
+            why = OVER_LIMIT.format(size=size, address=self.address, limit=self.max_message_bytes)
+            return Reply(Code.RESOURCE_EXHAUSTED, why)
         return self._heard(await next(self._turn).call(body, metadata, timeout, method))
 
     async def unary(
@@ -171,6 +207,7 @@ class Upstream:
                 except DecodeError as exc:
                     log.warning("models of %s: not a HealthResponse: %s", self.address, exc)
                     continue
+                self.max_message_bytes = health.max_message_bytes
                 if not health.models and health.model.name:
                     report(None, "")
                     continue

@@ -65,6 +65,7 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
         node_id=settings.node_id,
         default_timeout_s=settings.default_timeout_s or None,
         tenants=tenants,
+        max_message_bytes=settings.max_message_bytes,
     )
     # KServe v2 beside sluice.v1; its repository calls answer UNIMPLEMENTED unless asked for.
     kserve = KServeService(service, repository=repository if settings.repository_api else None)

@@ -78,8 +78,12 @@ class InferenceService:
         stats: ServingStats | None = None,
         default_timeout_s: float | None = None,
         tenants: Tenants | None = None,
+        max_message_bytes: int = 0,
     ) -> None:
         self.plane = plane
+        # --max-message-bytes, said in Health: a balancer refuses a larger request itself
+        # rather than send it on the stream it shares, which grpc here would end for it.
+        self.max_message_bytes = max_message_bytes
         self.tenants = tenants  # None: auth off, every caller alike
         self.node_id = node_id
         self.default_timeout_s = default_timeout_s  # for calls that carry no deadline
@@ -322,6 +326,7 @@ class InferenceService:
             status="SERVING" if self.serving and len(models) else "NOT_SERVING",
             **health_fields(self.stats),
             models=listed,
+            max_message_bytes=self.max_message_bytes,
             cache=pb.CacheStats(
                 enabled=self.plane.cache.enabled,
                 entries=len(self.plane.cache),

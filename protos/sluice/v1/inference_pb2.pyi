@@ -177,7 +177,7 @@ class LatencySummary(_message.Message):
     def __init__(self, count: _Optional[int] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., max_ms: _Optional[float] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("node_id", "status", "model", "provider", "uptime_s", "requests", "errors", "errors_by_code", "latency", "in_flight", "batcher", "cache", "buffers", "role", "backends", "balancer", "models", "fallback", "refusals", "tenants")
+    __slots__ = ("node_id", "status", "model", "provider", "uptime_s", "requests", "errors", "errors_by_code", "latency", "in_flight", "batcher", "cache", "buffers", "role", "backends", "balancer", "models", "fallback", "refusals", "tenants", "max_message_bytes")
     class ErrorsByCodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,7 @@ class HealthResponse(_message.Message):
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
     REFUSALS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     status: str
     model: ModelInfo
@@ -232,7 +233,8 @@ class HealthResponse(_message.Message):
     fallback: str
     refusals: _containers.ScalarMap[str, int]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStatus]
-    def __init__(self, node_id: _Optional[str] = ..., status: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., provider: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., errors_by_code: _Optional[_Mapping[str, int]] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., in_flight: _Optional[int] = ..., batcher: _Optional[_Union[BatcherStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., buffers: _Optional[_Union[BufferPoolStats, _Mapping]] = ..., role: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., balancer: _Optional[_Union[BalancerStats, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., fallback: _Optional[str] = ..., refusals: _Optional[_Mapping[str, int]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., status: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., provider: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., errors_by_code: _Optional[_Mapping[str, int]] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., in_flight: _Optional[int] = ..., batcher: _Optional[_Union[BatcherStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., buffers: _Optional[_Union[BufferPoolStats, _Mapping]] = ..., role: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., balancer: _Optional[_Union[BalancerStats, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., fallback: _Optional[str] = ..., refusals: _Optional[_Mapping[str, int]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class TenantStatus(_message.Message):
     __slots__ = ("name", "priority", "rate", "burst", "concurrency", "in_flight", "calls", "ok", "refused", "failed", "admin")
