@@ -1,13 +1,15 @@
 """grpc-core's own log lines (absl's `I1201 12:11:29.876655 28661 file.cc:123] ...`, in its
 format whatever --log-format says) stay off in every Sluice program however it is started:
 the installed command, what that command runs (sluice.entry), and `python -m` (as workers
-and the benchmarks start them). A plaintext handshake at a TLS port and a port already
-taken leave only the program's own lines on stderr; GRPC_VERBOSITY set by the user brings
-grpc-core's back. A port that cannot be had is said in our words, with its likely cause."""
+and the benchmarks start them). Failed handshakes at a mutual-TLS port (plaintext, TLS
+without a client certificate) and a port already taken leave only the program's own lines on
+stderr, in the --log-format asked for; GRPC_VERBOSITY set by the user brings grpc-core's
+back. A port that cannot be had is said in our words, with its likely cause."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -16,9 +18,12 @@ import sys
 import threading
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
 from perf.certs import Authority, Pair
+from perf.tls import mutual
+from sluice.client import SluiceClient
 from sluice.runtime.launch import BIN
 from tests.e2e.harness import Process, server_argv, wait_for
 
@@ -57,8 +62,18 @@ def arguments(program: str, *listener: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
-    return Authority(tmp_path_factory.mktemp("ca")).issue("quiet")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> Authority:
+    return Authority(tmp_path_factory.mktemp("ca"))
+
+
+@pytest.fixture(scope="module")
+def pair(ca: Authority) -> Pair:
+    return ca.issue("quiet")
+
+
+@pytest.fixture(scope="module")
+def client(ca: Authority) -> Pair:
+    return ca.issue("client")
 
 
 @pytest.fixture
@@ -108,16 +123,33 @@ def core_lines(text: str) -> list[str]:
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("program", ["sluice-server", "sluice-balancer"])
-def test_a_failed_handshake_logs_no_grpc_core_line(pair: Pair, program: str, form: str) -> None:
-    proc = Process([*command(program, form), *arguments(program, *tls_flags(pair))], env=UNSET)
+def test_failed_handshakes_leave_only_the_programs_json_lines(
+    ca: Authority, pair: Pair, client: Pair, program: str, form: str
+) -> None:
+    """A mutual-TLS program logging JSON answers a call with a client certificate (so what
+    follows fails in the handshake, not in the setup), then is sent a plaintext preface and a
+    TLS handshake without a certificate: every line on its stderr is one of its JSON lines."""
+    listener = [*mutual(ca, pair), "--log-format", "json"]
+    proc = Process([*command(program, form), *arguments(program, *listener)], env=UNSET)
     try:
+        shown = {"tls_cert": str(client.cert), "tls_key": str(client.key)}
+        with SluiceClient(proc.address, tls_ca=str(ca.cert), **shown) as ok:
+            ok.health(timeout=30)
         plaintext_at(proc.address)
+        with (
+            SluiceClient(proc.address, tls_ca=str(ca.cert)) as without,
+            pytest.raises(grpc.RpcError) as refused,
+        ):
+            without.health(timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
     finally:
         code = proc.terminate()
     log = proc.log()
     assert code == 0, log
     assert "stopped after" in log  # its last line is in: nothing can come after
     assert not core_lines(log), log
+    for line in filter(str.strip, log.splitlines()):
+        json.loads(line)  # --log-format json: every line is the program's own
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -1,41 +1,34 @@
 """A connection that fails for a TLS mismatch says which one and the option that fixes it:
 plaintext to a TLS port, TLS without the client certificate a mutual-TLS port requires, TLS
-to a plaintext port; and a TLS server's process logs no raw grpc-core lines for them, its
-own lines in the --log-format asked for. On real processes, with certificates made here."""
+to a plaintext port. On real processes, with certificates made here. (That the programs log
+no grpc-core lines for such handshakes is test_grpc_quiet's.)"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
 import pytest
 
-from perf.certs import Authority, Pair
+from perf.certs import Authority
 from perf.tls import mutual
 from sluice.client import AsyncSluiceClient, SluiceClient
 from sluice.client.connect import Connection
 from sluice.runtime.tls import ClientTLS, blocking_channel
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
-from tests.e2e.harness import BIN, Process, running_tls, server_argv, wait_for
+from tests.e2e.harness import BIN, Process, running_tls, server_argv
 
 pytestmark = pytest.mark.e2e
-
-# A grpc-core line: absl's "I1201 12:11:29.876655   28661 file.cc:123] ..." (E0000 00:00...
-# before its clock is set), e.g. "ssl_transport_security.cc:2563] Handshake failed".
-CORE_LINE = ("ssl_transport_security", "handshaker", "Handshake failed", "] ")
 
 
 @dataclass
 class Ports:
     ca: Authority
-    client: Pair
-    mutual: Process  # TLS, requiring a client certificate; JSON logs
+    mutual: Process  # TLS, requiring a client certificate
     one_way: Process  # TLS, no client certificate asked for
     plain: Process
 
@@ -48,15 +41,13 @@ def ports(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ports]:
     trusting = ClientTLS.of(ca=str(ca.cert))
     one_way = ca.issue("one-way")
     with (
-        running_tls(
-            server_argv(*mutual(ca, ca.issue("server")), "--log-format", "json"), shown
-        ) as mtls,
+        running_tls(server_argv(*mutual(ca, ca.issue("server"))), shown) as mtls,
         running_tls(
             server_argv("--tls-cert", str(one_way.cert), "--tls-key", str(one_way.key)), trusting
         ) as tls,
         running_tls(server_argv(), None) as plain,
     ):
-        yield Ports(ca, client, mtls, tls, plain)
+        yield Ports(ca, mtls, tls, plain)
 
 
 def refusal(target: str, **options: str) -> str:
@@ -149,59 +140,3 @@ def test_perf_prints_the_diagnosis(
     )
     assert done.returncode == 1, done.stderr
     assert f"sluice perf: {target}: UNAVAILABLE: {target} {said}" in done.stderr, done.stderr
-
-
-def entry(module: str, *argv: str) -> list[str]:
-    """A program started as its entry does: grpc-core quieted before anything loads grpc."""
-    code = (
-        "import sys; from sluice.runtime.process import quiet_grpc_core; quiet_grpc_core(); "
-        f"from {module} import main; sys.exit(main())"
-    )
-    return [sys.executable, "-c", code, *argv]
-
-
-# The child decides for itself: an inherited GRPC_VERBOSITY would hide what it does.
-UNSET = {"GRPC_VERBOSITY": ""}
-
-
-@pytest.mark.parametrize("program", ["sluice.server.main", "sluice.balancer.main"])
-def test_a_tls_program_logs_no_grpc_core_lines(ports: Ports, program: str) -> None:
-    """Handshakes fail at a mutual-TLS program logging JSON: its stderr holds its own lines
-    only, none of grpc-core's."""
-    listener = [*mutual(ports.ca, ports.ca.issue(program)), "--log-format", "json"]
-    if program.endswith("server.main"):
-        argv = entry(program, *server_argv(*listener)[1:])
-    else:
-        argv = entry(program, "--port", "0", "--backend", ports.plain.address, *listener)
-    proc = Process(argv, env=UNSET)
-    try:
-        with_certificate = {"tls_ca": str(ports.ca.cert), **pair(ports.client)}
-        with SluiceClient(proc.address, **with_certificate) as ok:
-            wait_for(lambda: ok.health().status == "SERVING" or None, "the program to serve")
-        refusal(proc.address)  # plaintext
-        refusal(proc.address, tls_ca=str(ports.ca.cert))  # TLS, no client certificate
-    finally:
-        proc.terminate()
-    lines = [line for line in proc.log().splitlines() if line.strip()]
-    assert any("listening on" in line for line in lines)
-    assert any("stopped after" in line for line in lines)  # the last line is in
-    for line in lines:
-        assert not any(mark in line for mark in CORE_LINE), line
-        json.loads(line)  # --log-format json: every line is ours, one JSON object
-
-
-def pair(client: Pair) -> dict[str, str]:
-    return {"tls_cert": str(client.cert), "tls_key": str(client.key)}
-
-
-def test_grpc_verbosity_given_turns_grpc_cores_lines_back_on(ports: Ports) -> None:
-    """GRPC_VERBOSITY set by the user is left as it is: INFO shows the handshake lines."""
-    listener = mutual(ports.ca, ports.ca.issue("loud"))
-    loud = Process(
-        entry("sluice.server.main", *server_argv(*listener)[1:]), env={"GRPC_VERBOSITY": "INFO"}
-    )
-    try:
-        refusal(loud.address)
-        wait_for(lambda: "Handshake failed" in loud.log(), "grpc-core's handshake line")
-    finally:
-        loud.kill()
