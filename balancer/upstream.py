@@ -21,6 +21,7 @@ from sluice.runtime.tls import ClientTLS, aio_channel
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import unary
 from sluice.wire.mux import MuxStream, Reply
+from sluice.wire.stream import framed
 
 log = logging.getLogger("sluice.upstream")
 
@@ -112,7 +113,7 @@ def over_limit(
     rest = pb.StreamRequest(
         id=WIDEST_ID, timeout_s=timeout or 0.0, metadata=metadata, method=method
     )
-    size = rest.ByteSize() + (1 + (len(body).bit_length() + 6) // 7 + len(body) if body else 0)
+    size = framed(rest, body)
     return size if size > limit else 0
 
 

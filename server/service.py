@@ -50,6 +50,14 @@ SPAN = "sluice.server/Predict"  # with tracing: one per Predict call or stream m
 # Other protocols' inference calls, by method: their service and span names.
 SPANS = {"ModelInfer": ("inference.GRPCInferenceService", "sluice.server/ModelInfer")}
 STREAM = "PredictStream"
+# A reply over --max-message-bytes is not sent: grpc would fail a unary call with its own
+# words, and end a stream, every call on it with it, for one such reply. That call alone
+# is answered RESOURCE_EXHAUSTED instead.
+REPLY_OVER_LIMIT = (
+    "the reply ({size} bytes) is over the limit of server {node} ({limit}): start it with a "
+    "larger --max-message-bytes (or SLUICE_MAX_MESSAGE_BYTES); a balancer and each server "
+    "behind it have their own"
+)
 
 
 @dataclass
@@ -67,6 +75,12 @@ class Call:
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
 Methods: TypeAlias = "dict[str, grpc.RpcMethodHandler[bytes, bytes]]"
 Method = Callable[[bytes, Call], Awaitable[bytes]]
+# The bytes of the message that carries a reply: a unary call's is the reply itself.
+Sized = Callable[[bytes, Call], int]
+
+
+def unary_size(reply: bytes, call: Call) -> int:
+    return len(reply)
 
 
 class InferenceService:
@@ -184,10 +198,17 @@ class InferenceService:
         )
 
     async def _invoke(
-        self, fn: Method, body: bytes, info: Call, stats: ServingStats, served: spans.Served | None
+        self,
+        fn: Method,
+        body: bytes,
+        info: Call,
+        stats: ServingStats,
+        served: spans.Served | None,
+        sized: Sized = unary_size,
     ) -> bytes | tuple[grpc.StatusCode, str]:
         """The reply, or the status and message of the failure, counted in `stats` (and in
-        the caller's tenant's account, with auth on), and told to `served` (tracing)."""
+        the caller's tenant's account, with auth on), and told to `served` (tracing). A
+        reply whose message (`sized`) is over --max-message-bytes is RESOURCE_EXHAUSTED."""
         started = stats.begin()
         tenants = self.tenants if stats is self.stats else None  # inference calls only
         account = info.account if tenants is not None else None
@@ -202,6 +223,15 @@ class InferenceService:
                 tenants.enter(account)
                 entered = True
             outcome = await fn(body, info)
+            size = sized(outcome, info)
+            if self.max_message_bytes and size > self.max_message_bytes:
+                status = "RESOURCE_EXHAUSTED"
+                outcome = (
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    REPLY_OVER_LIMIT.format(
+                        size=size, node=self.node_id, limit=self.max_message_bytes
+                    ),
+                )
         except SluiceError as exc:
             status, reason = exc.status, exc.reason
             if isinstance(exc, Overloaded):  # refused before any work: another may take it
@@ -276,7 +306,12 @@ class InferenceService:
                 metadata = [*metadata, (HEADER, stream_key)]
             info = self._call(metadata, timeout, refused)
             served = self._served(message.metadata, STREAM, info) if tracing.ON else None
-            outcome = await self._invoke(fn, message.request, info, self.stats, served)
+
+            def sized(response: bytes, call: Call) -> int:  # in its StreamResponse
+                head = pb.StreamResponse(id=message.id, trailers=dict(call.trailers))
+                return stream.framed(head, response)
+
+            outcome = await self._invoke(fn, message.request, info, self.stats, served, sized)
             reply = pb.StreamResponse(id=message.id, trailers=dict(info.trailers))
             if isinstance(outcome, bytes):
                 reply.response = outcome

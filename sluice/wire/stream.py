@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from sluice.core.errors import Code
 from sluice.v1 import inference_pb2 as pb
@@ -17,6 +17,13 @@ BAD_MESSAGE = pb.StreamResponse(
     code=Code.INVALID_ARGUMENT,
     message="a message on the stream is not a valid sluice.v1.StreamRequest; the stream ends",
 ).SerializeToString()
+
+
+def framed(head: Message, body: bytes) -> int:
+    """The bytes of `head` once `body` is its request (StreamRequest) or response
+    (StreamResponse), counted without copying `body` in: the size a message limit applies
+    to. Both fields are numbered under 16, so their tag is one byte."""
+    return head.ByteSize() + (1 + (len(body).bit_length() + 6) // 7 + len(body) if body else 0)
 
 
 def parse_request(raw: bytes) -> pb.StreamRequest | None:
