@@ -1,4 +1,4 @@
-"""Issue 12's table with h2load, side by side in one run: the echo floor, the server with
+"""The per-node speed table with h2load, side by side in one run: the echo floor, the server with
 its cache off (every call runs the model) and answering from its cache (h2load replays one
 body), and the server behind the balancer, at 1 and 32 calls in flight.
 
