@@ -6,6 +6,7 @@ that names every doc, and links and paths that lead somewhere."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,26 @@ def tracker_words(text: str) -> list[str]:
 @pytest.mark.parametrize("path", PROSE, ids=lambda p: str(p.relative_to(ROOT)))
 def test_docs_name_no_planned_work(path: Path) -> None:
     assert tracker_words(path.read_text()) == []
+
+
+def sources() -> list[Path]:
+    """The project's Python and scripts, which a reader of the code reads too."""
+    found = subprocess.run(
+        ["git", "ls-files", "*.py", "scripts/*", "Dockerfile", "*.yaml", "*.toml"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return [ROOT / name for name in found if name != "tests/unit/test_docs.py"]
+
+
+def test_code_names_no_planned_work() -> None:
+    named: dict[str, list[str]] = {}
+    for path in sources():
+        if path.is_file() and (found := tracker_words(path.read_text(errors="replace"))):
+            named[str(path.relative_to(ROOT))] = found
+    assert named == {}
 
 
 def test_the_planned_work_check_finds_what_it_is_for() -> None:

@@ -369,8 +369,8 @@ def test_the_check_finds_field_numbers_written_by_hand() -> None:
     assert faults_in("kserve.py", "x = kpb.ModelInferRequest.ID_FIELD_NUMBER")
     assert not faults_in("peek.py", "if number == 0:\n    pass")  # no field has number 0
     assert not faults_in("codec.py", "if number == facts.TENSOR_NAME:\n    pass")
-    # What the second restructure found written by hand: the balancer's route table, the KServe read's
-    # constants, fan-out's test of a field.
+    # What the second restructure found written by hand: the balancer's route table, the
+    # KServe read's constants, fan-out's test of a field.
     assert faults_in("service.py", 'ROUTE_FIELDS = {"": ((4, 5, 0), "x")}')
     assert faults_in("kserve.py", "_NAME, _VERSION, _ID = 1, 2, 3")
     assert faults_in("fanout.py", "if field == 3: pass")
