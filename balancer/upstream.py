@@ -168,7 +168,7 @@ class Upstream:
         size = over_limit(self.max_message_bytes, body, metadata, timeout, method)
         if size:
             why = OVER_LIMIT.format(size=size, address=self.address, limit=self.max_message_bytes)
-            return Reply(Code.RESOURCE_EXHAUSTED, why)
+            return Reply(Code.RESOURCE_EXHAUSTED, why, sent=False)
         return self._heard(await next(self._turn).call(body, metadata, timeout, method))
 
     async def unary(

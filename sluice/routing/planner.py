@@ -24,6 +24,11 @@ answers NOT_FOUND no longer serves it (unloaded since the pool learned what it s
 call goes on to another that does, and the server's NOT_FOUND is the answer when none is
 left. When no backend serves the model at all, the pool's NOT_FOUND is the answer at once.
 
+A reply the transport made itself, the call never sent (`sent` false: a request over its
+server's message limit, which sent would end the stream it shares), is the answer and says
+nothing of the backend: the attempt is withdrawn (`Pool.withdraw`: not one of its calls, no
+verdict, no latency sample), and it is not retried.
+
 What else watches a call (tracing, metrics) hangs on this one loop as an `Observer`, told of
 each attempt and of the answer; with none, a driver does no more than check for one."""
 
@@ -139,6 +144,9 @@ class ReplyLike(Protocol):
 
     @property
     def retryable(self) -> bool: ...
+
+    @property
+    def sent(self) -> bool: ...
 
 
 R = TypeVar("R", bound=ReplyLike)
@@ -261,6 +269,9 @@ class Plan(Generic[R]):
 
     def answered(self, attempt: Attempt, answer: R) -> R | None:
         """The reply to an attempt: the call's answer, or None to try the next backend."""
+        if not answer.sent:  # no outcome of the backend's: withdrawn (see above)
+            self._planner.pool.withdraw(attempt.backend)
+            return answer
         rule = rule_of(answer.code, answer.retryable)
         self._finish(attempt, rule)
         if rule is _OVERLOADED:

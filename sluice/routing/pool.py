@@ -425,6 +425,15 @@ class Pool:
                 self._next_look = now + self.outlier.interval_s
                 self.eject_outliers()
 
+    def withdraw(self, backend: Backend) -> None:
+        """A call `start` claimed that its transport never sent (refused on this side): as if
+        it had not been claimed. The balancer's transport refuses without yielding to the
+        event loop, so nothing reads the counts between the claim and this."""
+        backend.in_flight -= 1
+        backend.calls -= 1
+        self.calls -= 1
+        backend.breaker.release()
+
     def unreachable(self, backend: Backend) -> None:
         """The backend could not be reached outside a call (its health watch broke)."""
         backend.failures += 1

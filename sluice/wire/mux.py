@@ -32,6 +32,7 @@ class Reply:
     body: bytes = b""
     trailers: dict[str, str] = field(default_factory=dict)
     retryable: bool = False  # refused before any work
+    sent: bool = True  # False: refused on this side, never sent: no word on the server
 
 
 class _Generation:

@@ -105,3 +105,20 @@ def test_a_request_at_the_limit_goes_through(pair: Pair) -> None:
     with SluiceClient(pair.balancer.address, timeout=120) as client:
         answer = client.predict({"input": rows(count, seed=5)})
         assert answer["output"].shape == (count, 10)
+
+
+def test_a_refusal_is_no_word_on_the_server(pair: Pair) -> None:
+    """A request refused at the balancer never reached the server: it is not one of the
+    server's calls, and its near-zero time is no latency sample of the server's."""
+    before = wait_health(pair.balancer.address, lambda h: True, "health")
+    with (
+        SluiceClient(pair.balancer.address, timeout=60) as client,
+        pytest.raises(grpc.RpcError) as refused,
+    ):
+        client.predict({"input": rows(OVER, seed=6)})
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+    after = wait_health(pair.balancer.address, lambda h: True, "health")
+    assert after.requests == before.requests + 1  # the balancer answered it
+    [was], [now] = before.backends, after.backends
+    assert (now.calls, now.failures, now.in_flight) == (was.calls, was.failures, 0)
+    assert after.balancer.calls == before.balancer.calls
