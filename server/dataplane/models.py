@@ -20,6 +20,11 @@ from sluice.server.dataplane import staging
 from sluice.server.dataplane.batcher import Arrays, Batcher, Trip
 from sluice.server.dataplane.engine import Engine
 
+# What a node remembers of removals, to say why a call's model or version is not loaded: the
+# latest versions removed of each model, of the latest models.
+GONE_VERSIONS = 8
+GONE_MODELS = 32
+
 
 class Model:
     def __init__(
@@ -198,7 +203,8 @@ class Models:
         self._newest: dict[str, Model] = {}
         self._default = default
         # The versions removed, by name, with why: a call that names one hears it was, not
-        # that the model is unknown. A version installed again leaves it.
+        # that the model is unknown. A version installed again leaves it; past the caps the
+        # oldest go, so a server that swaps versions for months does not keep them all.
         self._gone: dict[str, dict[str, str]] = {}
         self.listeners: list[Listener] = []  # told of every install and removal
         for model in models:
@@ -229,7 +235,9 @@ class Models:
         # No await between the two: no call sees one updated without the other.
         self._versions[model.name] = {**versions, model.version: model}
         self._newest[model.name] = max(self._versions[model.name].values(), key=_order)
-        self._gone.get(model.name, {}).pop(model.version, None)
+        gone = self._gone.get(model.name, {})
+        if gone.pop(model.version, None) is not None and not gone:
+            del self._gone[model.name]
         for listener in self.listeners:
             if replaced is not None:
                 listener.removed(replaced)
@@ -243,9 +251,13 @@ class Models:
         model = versions.get(version)
         if model is None:
             return None
-        gone = self._gone.setdefault(name, {})
-        gone.pop(version, None)  # the latest removal last
+        # The latest removal last, of the model's versions and of the models.
+        gone = self._gone.pop(name, {})
+        gone.pop(version, None)
         gone[version] = why
+        self._gone[name] = dict(list(gone.items())[-GONE_VERSIONS:])
+        for forgotten in list(self._gone)[:-GONE_MODELS]:
+            del self._gone[forgotten]
         left = {v: m for v, m in versions.items() if v != version}
         if left:
             self._versions[name] = left
@@ -283,7 +295,7 @@ class Models:
                 f"{self._why(self._default)}; this node serves {self._served()}"
             )
         if not self._newest:
-            gone = [f"{n!r} is not loaded{self._why(n)}" for n in self._gone if self._gone[n]]
+            gone = [f"{n!r} is not loaded{self._why(n)}" for n in self._gone]
             return "this node serves no model" + (f": {', '.join(gone)}" if gone else "")
         return "this node serves several models and none is the default: name one of " + (
             self._served()

@@ -4,12 +4,16 @@ was unloaded: that it is not loaded, why, and what is. Real engines from a repos
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sluice.core.errors import ModelNotFound
-from sluice.server.dataplane.models import Models
+from sluice.models import DIGITS
+from sluice.server.dataplane.batcher import Batcher
+from sluice.server.dataplane.engine import Engine
+from sluice.server.dataplane.models import GONE_MODELS, GONE_VERSIONS, Model, Models
 from sluice.server.dataplane.modelsettings import ModelSettings
 from sluice.server.dataplane.repository import Repository
 from sluice.server.modelconfig import read_config
@@ -85,3 +89,56 @@ def test_a_node_that_never_served_a_model_says_so_without_promising_one() -> Non
     with pytest.raises(ModelNotFound) as default:
         Models(default="digits").get()
     assert str(default.value) == "the default model 'digits' is not loaded; this node serves none"
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    engine = Engine(DIGITS, device="cpu")
+    yield engine
+    engine.close()
+
+
+def test_what_a_node_remembers_of_removed_versions_is_bounded_and_the_latest_are_kept(
+    engine: Engine,
+) -> None:
+    """A long-running repository server removes versions without end: it remembers why for
+    the latest few of each model, and the latest models, so memory stays bounded while a call
+    that names a version just removed still hears why."""
+    served = Models([Model(engine, Batcher(engine.instances), name="m", version="0")])
+    removals = 40 * GONE_VERSIONS
+    for version in range(1, removals + 1):
+        served.install(Model(engine, Batcher(engine.instances), name="m", version=str(version)))
+        served.remove("m", str(version), f"unloaded, round {version}")
+    kept = range(removals - GONE_VERSIONS + 1, removals + 1)
+    for version in kept:
+        with pytest.raises(ModelNotFound) as recent:
+            served.get("m", str(version))
+        assert str(recent.value) == (
+            f"model 'm' version '{version}' is not loaded (unloaded, round {version}); ready: 0"
+        )
+    with pytest.raises(ModelNotFound) as forgotten:
+        served.get("m", str(kept[0] - 1))
+    assert str(forgotten.value) == f"model 'm' has no ready version '{kept[0] - 1}'; ready: 0"
+
+    # Whole models too: the latest ones removed are named, the oldest are forgotten.
+    for index in range(40 * GONE_MODELS):
+        served.install(Model(engine, Batcher(engine.instances), name=f"n{index}"))
+        served.remove(f"n{index}", "1", f"unloaded, model {index}")
+    last = 40 * GONE_MODELS - 1
+    with pytest.raises(ModelNotFound) as recent:
+        served.get(f"n{last}")
+    assert str(recent.value) == (
+        f"model 'n{last}' is not loaded (unloaded, model {last}); this node serves 'm'"
+    )
+    with pytest.raises(ModelNotFound, match=r"^unknown model 'n0'; this node serves 'm'$"):
+        served.get("n0")
+    remembered = [f"n{index}" for index in range(40 * GONE_MODELS) if _heard_of(served, index)]
+    assert len(remembered) <= GONE_MODELS and f"n{last}" in remembered
+
+
+def _heard_of(served: Models, index: int) -> bool:
+    try:
+        served.get(f"n{index}")
+    except ModelNotFound as missing:
+        return "is not loaded" in str(missing)
+    return True
