@@ -8,6 +8,12 @@ from sluice.runtime.process import quiet_grpc_core
 # the imports below load grpc; the installed command does it in sluice.entry.
 if __name__ == "__main__":
     quiet_grpc_core()
+    try:  # no ONNX Runtime: one line that says what to install, as sluice.entry ends with
+        import sluice.server.dataplane.engine  # noqa: F401
+    except ImportError as exc:
+        if exc.name != "onnxruntime":
+            raise
+        raise SystemExit(str(exc)) from None
 
 import contextlib
 import logging

@@ -12,8 +12,12 @@ from sluice.runtime.process import quiet_grpc_core
 def server() -> int:
     """`sluice-server`."""
     quiet_grpc_core()
-    from sluice.server.main import main
-
+    try:
+        from sluice.server.main import main
+    except ImportError as exc:
+        if exc.name != "onnxruntime":
+            raise
+        raise SystemExit(str(exc)) from None  # what to install, in one line: status 1
     return main()
 
 

@@ -27,11 +27,12 @@ try:
 except ModuleNotFoundError as exc:
     if exc.name != "onnxruntime":
         raise
-    # `pip install sluice` is the client alone; the server imports this as it starts. One
-    # line that says what to install, not a traceback.
-    raise SystemExit(
+    # `pip install sluice` is the client alone. What to install; an ImportError, so that
+    # whoever imports this decides (the server's commands end with this one line: entry.py).
+    raise ImportError(
         "sluice-server: ONNX Runtime is not installed: "
-        "pip install 'sluice[cpu]' (or 'sluice[gpu]' for NVIDIA GPUs)"
+        "pip install 'sluice[cpu]' (or 'sluice[gpu]' for NVIDIA GPUs)",
+        name="onnxruntime",
     ) from exc
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument as OrtInvalidArgument
 
