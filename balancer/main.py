@@ -96,7 +96,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return program.main(BalancerSettings, serve, argv, log)
+    return program.main(BalancerSettings, serve, argv, log, workers=WORKERS)
 
 
 if __name__ == "__main__":

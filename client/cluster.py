@@ -1,7 +1,7 @@
 """`sluice up`: a local cluster in the foreground: N servers on consecutive ports behind one
-balancer. Ctrl-C (or SIGTERM) stops all of them cleanly, balancer first. When one cannot
-start, or Ctrl-C comes before all serve, every one started stops at once and one line says
-which and why."""
+balancer. Ctrl-C (or SIGTERM) stops all of them cleanly, balancer first. A port that is
+taken is said before any starts; when one cannot start, or Ctrl-C comes before all serve,
+every one started stops at once and one line says which and why."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import threading
 import time
 from collections.abc import Sequence
 
+from sluice.core.errors import SluiceError
 from sluice.runtime.launch import BIN, wait_serving
+from sluice.runtime.listener import check_port_free
 
 START_S = 60.0  # for a server (it loads its models first) or the balancer to serve
 STARTING_STOP_S = 5.0  # a process that never served has no calls to finish
@@ -148,6 +150,14 @@ class Cluster:
             args.port, *ports = free_ports(args.host, args.servers + 1)
         else:
             ports = [args.port + i for i in range(1, args.servers + 1)]
+        # Every port looked at before anything starts: a taken one is said at once, not after
+        # the servers before it loaded their models.
+        names = ["balancer", *(f"server-{i}" for i in range(1, args.servers + 1))]
+        for name, port in zip(names, [args.port, *ports], strict=True):
+            try:
+                check_port_free(args.host, port)
+            except SluiceError as exc:
+                return f"{name} cannot start: {exc}"
         for i, port in enumerate(ports, 1):
             self.servers.append(
                 Child(

@@ -119,7 +119,9 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return program.main(ServerSettings, serve, argv, log, (SluiceError, FileNotFoundError))
+    return program.main(
+        ServerSettings, serve, argv, log, (SluiceError, FileNotFoundError), workers=WORKERS
+    )
 
 
 if __name__ == "__main__":

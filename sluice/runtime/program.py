@@ -108,6 +108,7 @@ async def _serve(
         max_pending_calls=settings.max_pending_calls,
     )
     if reuseport and not is_worker:
+        # Looked at again (main did before loading): taken since, it would be shared silently.
         check_port_free(settings.host, settings.port)  # its workers join it; no one else
     port = bind(server, settings.host, settings.port, tls=server_credentials(settings))
     if not is_worker and settings.plaintext_off_loopback(settings.host):
@@ -155,10 +156,13 @@ def main(
     argv: Sequence[str] | None,
     log: logging.Logger,
     errors: tuple[type[Exception], ...] = (SluiceError,),
+    workers: Workers | None = None,
 ) -> int:
     """The command `settings_class` describes: 2 for settings it cannot take, 1 (logged)
-    for one of `errors` on the way, 130 for Ctrl-C before the signal handlers are in, else
-    what `serve` says."""
+    for one of `errors` on the way, or for a port it cannot have, 130 for Ctrl-C before the
+    signal handlers are in, else what `serve` says. The port is looked at before `serve` loads
+    anything (models, backends): a taken one says so at once, not after a long load; not in
+    one of the program's `workers`, which joins the port its first process holds."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = settings_class.PROG
     try:
@@ -167,6 +171,12 @@ def main(
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format)
+    if workers is None or not workers.is_worker():
+        try:
+            check_port_free(settings.host, settings.port)
+        except SluiceError as exc:
+            log.error("%s", exc)
+            return 1
     return_large_blocks()
 
     async def traced() -> int:
