@@ -87,14 +87,15 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
         await plane.close()  # each model: its running batches, then its engine
 
     def banner() -> str:
-        # Each model's own settings: a config's override the flags' defaults.
-        listed = ", ".join(
-            f"{m.name} {m.version} on {m.engine.provider} ({m.describe()})" for m in models
-        )
-        return (
-            f"node {settings.node_id} serving {listed or 'no model'} "
-            f"(cache {settings.cache_entries} entries)"
-        )
+        # Each model's own settings (a config's override the flags' defaults), and the node's
+        # cache: among the settings of its one model, else once after them all.
+        listed = [f"{m.name} {m.version} on {m.engine.provider} ({m.describe()}" for m in models]
+        cache = f"cache {settings.cache_entries} entries"
+        if len(listed) == 1:
+            served = f"{listed[0]}, {cache})"
+        else:
+            served = f"{', '.join(f'{s})' for s in listed) or 'no model'}; {cache}"
+        return f"node {settings.node_id} serving {served}"
 
     return await program.run(
         program.Program(

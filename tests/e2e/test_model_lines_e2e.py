@@ -27,7 +27,11 @@ def test_the_start_line_and_the_after_unload_answer_say_what_is_in_force(tmp_pat
     argv = server_argv("--model-repository", str(root), "--repository-api")
     with running(argv) as proc, grpc.insecure_channel(proc.address) as channel:
         line = next(s for s in proc.lines if "listening on" in s)
-        assert "serving scale 1 on CPUExecutionProvider (max batch 8, 1 instance)" in line
+        # One parenthesis: the model's settings, with the node's cache among them.
+        assert (
+            "node test-node serving scale 1 on CPUExecutionProvider "
+            "(max batch 8, 1 instance, cache 10000 entries), listening on 127.0.0.1:"
+        ) in line
         assert "max batch 1" not in line
 
         kserve = kpb_grpc.GRPCInferenceServiceStub(channel)
@@ -44,3 +48,21 @@ def test_the_start_line_and_the_after_unload_answer_say_what_is_in_force(tmp_pat
         assert named.value.details() == (
             "model 'scale' version '1' is not loaded (unloaded on request); this node serves none"
         )
+
+
+def test_the_start_line_of_a_node_with_several_models_names_its_cache_once(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "repository"
+    for name, config in (("one", "max_batch_size: 8\n"), ("two", "")):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.onnx").write_bytes(scale_model(1.0))
+        (root / name / "config.pbtxt").write_text(config)
+    argv = server_argv("--model-repository", str(root), "--cache-entries", "64")
+    with running(argv) as proc:
+        line = next(s for s in proc.lines if "listening on" in s)
+    assert (
+        "node test-node serving one 1 on CPUExecutionProvider (max batch 8, 1 instance), "
+        "two 1 on CPUExecutionProvider (max batch 1, 1 instance); cache 64 entries, "
+        "listening on 127.0.0.1:"
+    ) in line
