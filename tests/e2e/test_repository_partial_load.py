@@ -1,10 +1,14 @@
 """RepositoryModelLoad on a real server whose repository holds a broken version beside good
 ones: the load succeeds when a version of the model serves after it, and says which versions
 serve and which were refused (trailers, a log warning, RepositoryIndex with the reason); it
-fails, naming each version's reason, only when none serves."""
+fails, naming each version's reason, only when none serves. Its answer has no fields (KServe's
+RepositoryModelLoadResponse is empty), so Triton's client, which reads neither trailers nor
+logs, learns of a refused version from the repository index: checked with that client too."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
 import grpc
@@ -15,6 +19,7 @@ from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from tests.conftest import scale_model
 from tests.e2e.harness import running, server_argv, wait_for
+from tests.e2e.test_tritonclient_e2e import tritonclient_python
 
 pytestmark = pytest.mark.e2e
 
@@ -101,3 +106,38 @@ def test_a_load_where_no_version_serves_fails_with_each_versions_reason(tmp_path
             "1": "UNAVAILABLE",
             "2": "UNAVAILABLE",
         }
+
+
+# Run in tritonclient's own venv (it pins protobuf<7): load, then read the index, as a user of
+# that client would; load_model raises on a failed load.
+TRITON_LOAD = """
+import json, sys
+import tritonclient.grpc as triton
+client = triton.InferenceServerClient(url=sys.argv[1])
+client.load_model(sys.argv[2])
+print(json.dumps(client.get_model_repository_index(as_json=True)))
+client.close()
+"""
+
+
+def test_tritonclient_loads_and_finds_the_refused_version_in_the_repository_index(
+    tmp_path: Path,
+) -> None:
+    root = repository(tmp_path, {1: scale_model(1.0), 2: scale_model(2.0), 3: BROKEN})
+    python = tritonclient_python()
+    with running(api(root)) as proc:
+        done = subprocess.run(
+            [python, "-c", TRITON_LOAD, proc.address, MODEL],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode == 0, done.stderr  # the load succeeded: versions 1 and 2 serve
+    rows = {m["version"]: m for m in json.loads(done.stdout)["models"] if m["name"] == MODEL}
+    assert {v: m["state"] for v, m in rows.items()} == {
+        "1": "READY",
+        "2": "READY",
+        "3": "UNAVAILABLE",
+    }
+    assert "3/model.onnx" in rows["3"]["reason"]
