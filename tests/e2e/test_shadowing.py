@@ -5,8 +5,10 @@ directory without `__init__.py` found on sys.path (the script's own directory co
 a namespace package. A regular package anywhere on sys.path wins over it, but an import
 hook that comes after the path search (setuptools' default editable install) does not:
 `from sluice import SluiceClient` then fails with "cannot import name 'SluiceClient' from
-'sluice' (unknown location)". scripts/bootstrap's editable install puts the checkout on
-sys.path instead, where sluice/ is a regular package."""
+'sluice' (unknown location)". scripts/bootstrap puts a path entry on sys.path that holds the
+checkout's sluice/ alone, a regular package there; nothing else of the checkout (server/,
+client/, tests/, perf/) becomes importable, where a user's own packages of those names
+would lose to it."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
+ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
 SCRIPT = """\
 import sluice
 from sluice import SluiceClient
@@ -31,9 +34,33 @@ def test_a_script_beside_a_folder_named_sluice_imports_the_package(tmp_path: Pat
     parent = tmp_path / "parent"
     (parent / "sluice").mkdir(parents=True)  # like a clone named sluice, seen from above it
     (parent / "use.py").write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
     done = subprocess.run(
-        [sys.executable, "use.py"], cwd=parent, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "use.py"], cwd=parent, env=ENV, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    assert Path(done.stdout.strip()) == REPO / "sluice" / "__init__.py"
+    assert Path(done.stdout.strip()).resolve() == REPO / "sluice" / "__init__.py"
+
+
+@pytest.mark.parametrize("name", ["server", "balancer", "client", "perf", "tests", "protos"])
+def test_no_other_folder_of_the_checkout_is_importable(name: str, tmp_path: Path) -> None:
+    done = python(f"import {name}; print({name}.__file__ or {name}.__path__)", tmp_path)
+    assert done.returncode != 0, f"{name} imported from {done.stdout}"
+    assert f"No module named {name!r}" in done.stderr, done.stderr
+
+
+def test_sluice_is_the_checkouts_from_anywhere(tmp_path: Path) -> None:
+    done = python("import sluice.server.main; print(sluice.__file__)", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()).resolve() == REPO / "sluice" / "__init__.py"
+
+
+def python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """This venv's Python running `code` in `cwd`, as a user's script elsewhere would."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
