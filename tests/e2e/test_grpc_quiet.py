@@ -165,13 +165,9 @@ def test_a_taken_port_is_said_in_our_words_alone(program: str, form: str, held_p
 
 
 @pytest.mark.parametrize("program", ["sluice-server", "sluice-balancer"])
-def test_grpc_verbosity_given_brings_grpc_cores_lines_back(
-    pair: Pair, program: str, held_port: int
-) -> None:
-    done = taken(program, "installed", held_port, {"GRPC_VERBOSITY": "INFO"})
-    assert done.returncode == 1, done.stderr
-    assert any("add_port.cc" in line for line in core_lines(done.stderr)), done.stderr
-
+def test_grpc_verbosity_given_brings_grpc_cores_lines_back(pair: Pair, program: str) -> None:
+    # A failed handshake: a taken port is found by the program's own look before grpc binds,
+    # so grpc-core never has a line to say about it.
     loud = Process(
         [*command(program, "module"), *arguments(program, *tls_flags(pair))],
         env={"GRPC_VERBOSITY": "INFO"},
