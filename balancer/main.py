@@ -56,6 +56,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         default_timeout_s=settings.default_timeout_s or None,
         fanout_rows=settings.fanout_rows,
         tenants=tenants,
+        max_message_bytes=settings.max_message_bytes,
     )
     readiness = Readiness(pool.serving)
     membership = Membership(

@@ -36,6 +36,7 @@ from sluice.core.keys import (
     RETRY_AFTER_HEADER,
     affinity_key,
 )
+from sluice.core.limits import too_large
 from sluice.core.stats import ServingStats, health_fields
 from sluice.core.tenants import HEADER, Account, Tenants
 from sluice.core.versions import version_key
@@ -67,6 +68,12 @@ FANOUT_CHUNK = "sluice.fanout.chunk"  # which one, from 1
 FANOUT_ROWS = "sluice.fanout.rows"  # its rows of the request's, "first-last"
 NO_METADATA: Mapping[str, str] = {}
 Context = grpc.aio.ServicerContext[bytes, bytes]
+# The bytes of the message that would carry a reply to the caller (0: far under the limit).
+Sized = Callable[[Reply], int]
+
+
+def unary_size(reply: Reply) -> int:
+    return len(reply.body)  # a unary call's message is the reply itself
 
 
 class ChunkFailed(Exception):
@@ -103,8 +110,13 @@ class BalancerService:
         default_timeout_s: float | None = None,
         fanout_rows: int = 0,
         tenants: Tenants | None = None,
+        max_message_bytes: int = 0,
     ) -> None:
         self.tenants = tenants  # None: auth off
+        # The largest reply its listener sends (--max-message-bytes; 0: none): a larger one
+        # is answered RESOURCE_EXHAUSTED for its call alone, where grpc would end a stream,
+        # and every call on it, for it, and fail a unary call in its own words.
+        self.max_message_bytes = max_message_bytes
         self.pool = pool
         self.fanout_rows = fanout_rows  # a Predict with more rows is split (0: never)
         self.fanned = fanout.FanoutStats()
@@ -145,7 +157,7 @@ class BalancerService:
             self._refused()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
         deadline = self._deadline(context.time_remaining())
-        reply = await self.forward(body, metadata, deadline, method=method)
+        reply = await self.forward(body, metadata, deadline, method=method, sized=unary_size)
         trailers = reply.trailers
         if reply.retryable and REFUSED_HEADER not in trailers:  # refused here, not upstream
             trailers = {**trailers, REFUSED_HEADER: OVERLOADED}
@@ -178,8 +190,15 @@ class BalancerService:
                     id=message.id, code=Code.INVALID_ARGUMENT, message=refused
                 ).SerializeToString()
             deadline = self._deadline(stream_timeout(timeout))
+
+            def sized(reply: Reply) -> int:  # in its StreamResponse, measured when near
+                if not stream.near(self.max_message_bytes, reply.body, reply.trailers):
+                    return 0
+                head = pb.StreamResponse(id=message.id, trailers=reply.trailers)
+                return stream.framed(head, reply.body)
+
             reply = await self.forward(
-                message.request, metadata, deadline, stream=True, method=method
+                message.request, metadata, deadline, stream=True, method=method, sized=sized
             )
             return pb.StreamResponse(
                 id=message.id,
@@ -204,12 +223,15 @@ class BalancerService:
         *,
         stream: bool = False,
         method: str = "",
+        sized: Sized | None = None,
     ) -> Reply:
         """One Predict (or, `method` INFER, one KServe v2 ModelInfer) through the planner,
         among the backends that serve the model the body names: each attempt goes over the
         chosen backend's multiplexed streams with the time left. `stream`: it came on a
         PredictStream. A Predict with more rows than `fanout_rows` (when set) goes as
-        chunks to several backends at once (sluice.balancer.fanout)."""
+        chunks to several backends at once (sluice.balancer.fanout). `sized`: the bytes of
+        the message that would carry a reply to the caller (None: not checked), so one over
+        --max-message-bytes is RESOURCE_EXHAUSTED."""
         started = self.stats.begin()
         account = None
         if self.tenants is not None:  # the caller's key, its tenant's share and quota
@@ -219,7 +241,7 @@ class BalancerService:
             except SluiceError as exc:
                 return self._turned_away(started, account, exc)
         try:
-            reply = await self._forward(started, body, metadata, deadline, stream, method)
+            reply = await self._forward(started, body, metadata, deadline, stream, method, sized)
         except BaseException:
             if account is not None:
                 Tenants.settle(account, True, "CANCELLED", "")
@@ -247,6 +269,7 @@ class BalancerService:
         deadline: float | None,
         stream: bool,
         method: str,
+        sized: Sized | None,
     ) -> Reply:
         """`forward` past the door."""
         forwarded = {k: metadata[k] for k in FORWARDED if k in metadata}
@@ -286,6 +309,8 @@ class BalancerService:
                 traced.failed(exc)
             self.stats.end(started, "CANCELLED")
             raise
+        if sized is not None and reply.code == 0:
+            reply = self._capped(reply, sized(reply))
         code = reply.code
         if traced is not None:
             if chunks:  # the split answered; a call that went whole counts none
@@ -295,6 +320,14 @@ class BalancerService:
             started, None if code == 0 else status_name(code), reason_of(code, reply.message)
         )
         return reply
+
+    def _capped(self, reply: Reply, size: int) -> Reply:
+        """`reply`, or RESOURCE_EXHAUSTED naming this balancer's limit when the message that
+        carries it (`size` bytes) is over it."""
+        if not self.max_message_bytes or size <= self.max_message_bytes:
+            return reply
+        why = too_large("reply", size, f"balancer {self.node_id}", self.max_message_bytes)
+        return Reply(Code.RESOURCE_EXHAUSTED, why, trailers=reply.trailers)
 
     def _call(
         self,

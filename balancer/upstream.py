@@ -16,12 +16,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.balancer.settings import BalancerSettings
 from sluice.core.errors import Code, SluiceError
+from sluice.core.limits import too_large
 from sluice.routing.pool import Health
 from sluice.runtime.tls import ClientTLS, aio_channel
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import unary
 from sluice.wire.mux import MuxStream, Reply
-from sluice.wire.stream import framed
+from sluice.wire.stream import framed, near
 
 log = logging.getLogger("sluice.upstream")
 
@@ -50,17 +51,7 @@ NO_METADATA: Mapping[str, str] = {}
 # The least time a models refresh may take before it is given up (until the next one).
 REFRESH_TIMEOUT_S = 1.0
 _NOT_FOUND = int(Code.NOT_FOUND)
-# A StreamRequest's bytes besides its body and its metadata's keys and values: its id,
-# timeout and method, each field's tag and length (tens of bytes for the few headers a
-# balancer forwards). A body this far under a server's limit, with its metadata, fits
-# without the message being measured.
-STREAM_FRAMING = 1024
 WIDEST_ID = 2**64 - 1  # a StreamRequest's id measured at its widest
-OVER_LIMIT = (
-    "the request ({size} bytes as the server receives it) is over the limit of the server at "
-    "{address} ({limit}): start it with a larger --max-message-bytes (or "
-    "SLUICE_MAX_MESSAGE_BYTES); a balancer and each server behind it have their own"
-)
 Models = dict[str, tuple[str, ...]]
 
 
@@ -107,8 +98,7 @@ def over_limit(
     """The bytes of the StreamRequest that would carry `body` (sluice.wire.mux), the message
     a server's limit applies to, when they are over `limit` (0: no limit); else 0. Measured
     (its id at the widest, the body counted, not copied) only when near the limit."""
-    near = len(body) + STREAM_FRAMING + sum(len(k) + len(v) for k, v in metadata.items())
-    if not limit or near <= limit:
+    if not near(limit, body, metadata):
         return 0
     rest = pb.StreamRequest(
         id=WIDEST_ID, timeout_s=timeout or 0.0, metadata=metadata, method=method
@@ -167,7 +157,13 @@ class Upstream:
         over the server's limit is refused (RESOURCE_EXHAUSTED, naming it) and not sent."""
         size = over_limit(self.max_message_bytes, body, metadata, timeout, method)
         if size:
-            why = OVER_LIMIT.format(size=size, address=self.address, limit=self.max_message_bytes)
+            why = too_large(
+                "request",
+                size,
+                f"the server at {self.address}",
+                self.max_message_bytes,
+                " as the server receives it",
+            )
             return Reply(Code.RESOURCE_EXHAUSTED, why, sent=False)
         return self._heard(await next(self._turn).call(body, metadata, timeout, method))
 

@@ -30,6 +30,7 @@ from sluice.core.keys import (
     REFUSED_HEADER,
     RETRY_AFTER_HEADER,
 )
+from sluice.core.limits import too_large
 from sluice.core.stats import ServingStats, health_fields
 from sluice.core.tenants import HEADER, INTERACTIVE, Account, Tenants
 from sluice.runtime import door, spans, tracing
@@ -50,14 +51,6 @@ SPAN = "sluice.server/Predict"  # with tracing: one per Predict call or stream m
 # Other protocols' inference calls, by method: their service and span names.
 SPANS = {"ModelInfer": ("inference.GRPCInferenceService", "sluice.server/ModelInfer")}
 STREAM = "PredictStream"
-# A reply over --max-message-bytes is not sent: grpc would fail a unary call with its own
-# words, and end a stream, every call on it with it, for one such reply. That call alone
-# is answered RESOURCE_EXHAUSTED instead.
-REPLY_OVER_LIMIT = (
-    "the reply ({size} bytes) is over the limit of server {node} ({limit}): start it with a "
-    "larger --max-message-bytes (or SLUICE_MAX_MESSAGE_BYTES); a balancer and each server "
-    "behind it have their own"
-)
 
 
 @dataclass
@@ -226,11 +219,11 @@ class InferenceService:
             size = sized(outcome, info)
             if self.max_message_bytes and size > self.max_message_bytes:
                 status = "RESOURCE_EXHAUSTED"
+                # Not sent: grpc would fail a unary call with its own words, and end a
+                # stream, every call on it with it, for one such reply.
                 outcome = (
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    REPLY_OVER_LIMIT.format(
-                        size=size, node=self.node_id, limit=self.max_message_bytes
-                    ),
+                    too_large("reply", size, f"server {self.node_id}", self.max_message_bytes),
                 )
         except SluiceError as exc:
             status, reason = exc.status, exc.reason

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 from google.protobuf.message import DecodeError, Message
 
@@ -17,6 +17,27 @@ BAD_MESSAGE = pb.StreamResponse(
     code=Code.INVALID_ARGUMENT,
     message="a message on the stream is not a valid sluice.v1.StreamRequest; the stream ends",
 ).SerializeToString()
+
+
+# A stream message's bytes besides its body and its map's (metadata's, trailers') keys and
+# values: its other fields (id at its widest, timeout, method, code, retryable; a refusal's
+# message is no reply's) with their tags and lengths, and each map entry's own tags and
+# lengths at their widest.
+ENVELOPE = 1024
+PAIR = 18
+UTF8 = 4  # the most bytes a character takes
+
+
+def near(limit: int, body: bytes, pairs: Mapping[str, str]) -> bool:
+    """Whether a stream message that carries `body` and `pairs` may be over `limit` (0: no
+    limit): only then is it worth measuring (`framed`). The body first: far under the limit,
+    only the map's few pairs are added up."""
+    room = limit - len(body) - ENVELOPE
+    if not limit or room < 0:
+        return bool(limit)
+    for key, value in pairs.items():
+        room -= UTF8 * (len(key) + len(value)) + PAIR
+    return room < 0
 
 
 def framed(head: Message, body: bytes) -> int:
