@@ -9,11 +9,16 @@ retry budget and call planner (sluice.routing.planner), and no extra hop.
 `AsyncSluiceClient` (asyncio) and `SluiceClient` (blocking, on grpc's blocking channels:
 no event loop or thread of its own) add only the sending.
 
+Plain values need their inputs' datatypes first: the model's Metadata, asked as a Predict
+is sent (several targets: through the planner, so a target that is down is passed over), within
+the call's one deadline; the Predict gets the time left.
+
 Failures raise `grpc.RpcError` whose `code()` and `details()` say what went wrong: with one
 target, grpc's own error for the call; with several, the last attempt's status, or
 UNAVAILABLE with the reason no server could take it (a `grpc.aio.AioRpcError`). Where grpc's
 words leave out what to fix (the size limit a message was over, a TLS mismatch with the
-target), sluice.client.diagnose puts it first, in a `grpc.aio.AioRpcError` of the same code.
+target), sluice.client.diagnose puts it first, in a `grpc.aio.AioRpcError` of the same code,
+naming this client's keywords (or, for the sluice commands, their flags: `hints`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import asyncio
 import itertools
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NoReturn, Self
@@ -49,9 +55,14 @@ from sluice.wire.mux import Reply
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 ChannelOptions = Sequence[tuple[str, Any]]
 Metadata = tuple[tuple[str, str], ...]
-PREDICT_ARGS = {"request_serializer": None, "response_deserializer": None}
-# Sends one raw Predict body on one channel (the targets' channels are used in turn).
+Inputs = Mapping[str, npt.ArrayLike]
+METADATA = "/sluice.v1.Inference/Metadata"
+RAW = {"request_serializer": None, "response_deserializer": None}  # bodies as bytes
+# Sends one raw body on one channel (a target's Predict channels are used in turn).
 Sender = Callable[..., Any]
+# One call to one target (target, body, metadata, timeout): a client's transport step.
+Step = Callable[[str, bytes, Metadata, float | None], Reply]
+AsyncStep = Callable[[str, bytes, Metadata, float | None], Awaitable[Reply]]
 SPAN = "sluice.client/Predict"  # with tracing (sluice.runtime.tracing): one per call
 
 
@@ -116,6 +127,10 @@ def declared(meta: pb.MetadataResponse) -> dict[str, str]:
     return {t.name: t.datatype for t in meta.model.inputs}
 
 
+def metadata_request(model: str, version: str) -> bytes:
+    return pb.MetadataRequest(model=model, version=version).SerializeToString()
+
+
 def call_metadata(request_id: str | None, no_cache: bool = False) -> dict[str, str]:
     metadata = {"x-request-id": request_id or os.urandom(8).hex()}
     if no_cache:
@@ -161,35 +176,72 @@ def router(targets: Sequence[str], breaker: BreakerSettings | None = None) -> Pl
 
 
 class _Core:
-    """What both clients are: their targets, routing state, request building and decoding."""
+    """What both clients are: their targets, routing state, request building and decoding,
+    and what a plain call decides (`_asks_datatypes`, `_unasked`, `_learned`, `_request`,
+    `_refused`): each client adds only the sending."""
 
     targets: list[str]
     target: str
     timeout: float | None
     _router: Planner[Reply] | None
+    _clock: Callable[[], float]  # the one clock of calls' deadlines (the planner's)
     _senders: dict[str, Iterator[Sender]]
+    _askers: dict[str, Sender]  # each target's raw Metadata callable
     _auth: Metadata
     _shown: diagnose.Shown | None  # None: channels the caller made, their TLS unknown
+    _hints: diagnose.Audience
     # The inputs' datatypes by (model, version), asked once, for plain values only.
     _declared: dict[tuple[str, str], dict[str, str]]
 
     def _start(
         self,
         methods: Mapping[str, Sequence[Sender]],
+        askers: Mapping[str, Sender],
         timeout: float | None,
         api_key: str,
         shown: diagnose.Shown | None,
+        hints: diagnose.Audience,
     ) -> None:
         """`methods`: each target's raw-bytes Predict callables (one per channel, used in
-        turn); `shown`: the TLS its channels offer."""
+        turn); `askers`: its raw-bytes Metadata callable; `shown`: the TLS its channels
+        offer; `hints`: whose options a failed call's hint names."""
         self._shown = shown
+        self._hints = hints
         self._declared = {}
         self.targets = target_list(list(methods))
         self.target = self.targets[0]
         self.timeout = timeout
         self._auth = auth_metadata(api_key)
         self._senders = {t: itertools.cycle(ms) for t, ms in methods.items()}
+        self._askers = dict(askers)
         self._router = router(self.targets) if len(self.targets) > 1 else None
+        self._clock = time.monotonic if self._router is None else self._router.clock
+
+    def _deadline(self, timeout: float | None) -> Deadline:
+        """A call's one deadline (`timeout`, else the client's): what it asks first, and
+        then its Predict, share it."""
+        return Deadline(timeout or self.timeout, self._clock)
+
+    def _asks_datatypes(
+        self, inputs: Mapping[str, npt.ArrayLike], model: str, version: str
+    ) -> bool:
+        """Whether this call asks the model's metadata first: a plain value whose datatype is
+        not known yet."""
+        return plain(inputs) and (model, version) not in self._declared
+
+    def _unasked(self, inputs: Inputs | None) -> None:
+        """The metadata a plain call needed could not be had: a value of `inputs` that no
+        datatype could take is the caller's first thing to fix (TypeError, raised here)."""
+        if inputs is not None:
+            check_plain(inputs)
+
+    def _learned(self, model: str, version: str, reply: Reply) -> pb.MetadataResponse:
+        """A Metadata reply's answer, its inputs' datatypes kept for plain values."""
+        if reply.code:
+            raise rpc_error(reply)
+        meta = pb.MetadataResponse.FromString(reply.body)
+        self._declared[model, version] = declared(meta)
+        return meta
 
     def _request(
         self,
@@ -199,31 +251,61 @@ class _Core:
         no_cache: bool,
         model: str = "",
         version: str = "",
-        datatypes: Mapping[str, str] | None = None,
     ) -> tuple[bytes, Metadata]:
+        """A Predict's body (plain values in their declared datatypes) and metadata."""
+        datatypes = self._declared.get((model, version)) if plain(inputs) else None
         body = predict_request(inputs, outputs, model, version, datatypes).SerializeToString()
         return body, (*call_metadata(request_id, no_cache).items(), *self._auth)
 
-    def _terms(self, body: bytes, metadata: Metadata, timeout: float | None) -> CallTerms:
-        """The terms one call goes on: straight to the one target, or through the planner
-        (each attempt gets the time left before the deadline)."""
-        timeout = timeout or self.timeout
+    def _refused(
+        self, error: grpc.RpcError, inputs: Mapping[str, npt.ArrayLike], model: str, version: str
+    ) -> None:
+        """A failed Predict: a plain one refused INVALID_ARGUMENT forgets the datatypes (a
+        swap may have changed them: the next call asks again)."""
+        if plain(inputs) and error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            self._declared.pop((model, version), None)
+
+    def _terms(
+        self, deadline: Deadline, body: bytes | None = None, metadata: Metadata = ()
+    ) -> CallTerms:
+        """The terms one call goes on: straight to the one target with the time left, or
+        through the planner (each attempt gets the time left before the deadline; a Predict
+        `body` routes by its ring key, other calls to the least loaded)."""
+        timeout = deadline.left()
         if self._router is None:
             return CallTerms(timeout, None, None)
-        deadline = None if timeout is None else self._router.clock() + timeout
-        return CallTerms(timeout, affinity_key(body, dict(metadata)), deadline)
+        key = None if body is None else affinity_key(body, dict(metadata))
+        return CallTerms(timeout, key, deadline.at)
 
-    def _predict_target(self) -> str:
-        """Where a Predict went, for a hint: the one target ("" when the planner chose)."""
+    def _routed_target(self) -> str:
+        """Where a routed call went, for a hint: the one target ("" when the planner chose)."""
         return self.target if self._router is None else ""
 
     def _raise(self, error: grpc.RpcError, target: str) -> NoReturn:
         """Raise `error`, or with a hint of what to fix when diagnose has one (may probe
-        `target`: a failed call only, bounded)."""
-        explained = diagnose.explained(error, target, self._shown)
+        `target`: a failed call only, bounded, and kept a while)."""
+        explained = diagnose.explained(error, target, self._shown, self._hints)
         if explained is error:
             raise error
         raise explained from error
+
+
+@dataclass(slots=True)
+class Deadline:
+    """One call's time, shared by what it sends: the first send gets `timeout` whole and
+    fixes the deadline (`at`, on `clock`), the later ones get what is left of it."""
+
+    timeout: float | None  # None: no limit
+    clock: Callable[[], float]
+    at: float | None = None  # set by the first `left`
+
+    def left(self) -> float | None:
+        if self.timeout is None:
+            return None
+        if self.at is None:
+            self.at = self.clock() + self.timeout
+            return self.timeout
+        return max(self.at - self.clock(), 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +336,8 @@ class AsyncSluiceClient(_Core):
     (empty: the system's), showing the certificate `tls_cert` with its key `tls_key` to a
     server that requires one (mutual TLS), and checking the server's certificate against
     `server_name` (empty: the target's host). `api_key` is sent on every call as
-    `authorization: Bearer KEY`."""
+    `authorization: Bearer KEY`. `hints`: whose options the hint on a failed call names
+    (the sluice commands pass Audience.COMMANDS: their flags and variables)."""
 
     def __init__(
         self,
@@ -269,6 +352,7 @@ class AsyncSluiceClient(_Core):
         tls_key: str = "",
         server_name: str = "",
         api_key: str = "",
+        hints: diagnose.Audience = diagnose.Audience.PYTHON,
     ) -> None:
         security = ClientTLS.of(
             tls=tls, ca=tls_ca, cert=tls_cert, key=tls_key, server_name=server_name
@@ -276,7 +360,7 @@ class AsyncSluiceClient(_Core):
         settings = channel_options(max_message_bytes, options)
         channels = {t: [aio_channel(t, security, settings)] for t in target_list(target)}
         shown = diagnose.Shown(tls=security is not None, certificate=bool(tls_cert))
-        self._attach(channels, timeout, api_key, owned=True, shown=shown)
+        self._attach(channels, timeout, api_key, owned=True, shown=shown, hints=hints)
 
     @classmethod
     def on_channels(
@@ -290,7 +374,12 @@ class AsyncSluiceClient(_Core):
         (used in turn); for the load generator's connection counts."""
         client = cls.__new__(cls)
         client._attach(
-            {t: list(chs) for t, chs in channels.items()}, timeout, api_key, owned=False, shown=None
+            {t: list(chs) for t, chs in channels.items()},
+            timeout,
+            api_key,
+            owned=False,
+            shown=None,
+            hints=diagnose.Audience.PYTHON,
         )
         return client
 
@@ -302,12 +391,11 @@ class AsyncSluiceClient(_Core):
         *,
         owned: bool,
         shown: diagnose.Shown | None,
+        hints: diagnose.Audience,
     ) -> None:
-        methods = {
-            t: [ch.unary_unary(PREDICT, **PREDICT_ARGS) for ch in chs]
-            for t, chs in channels.items()
-        }
-        self._start(methods, timeout, api_key, shown)
+        methods = {t: [ch.unary_unary(PREDICT, **RAW) for ch in chs] for t, chs in channels.items()}
+        askers = {t: chs[0].unary_unary(METADATA, **RAW) for t, chs in channels.items()}
+        self._start(methods, askers, timeout, api_key, shown, hints)
         self._channels = channels
         self._owned = owned
         self._stub = pb_grpc.InferenceStub(channels[self.target][0])
@@ -351,29 +439,19 @@ class AsyncSluiceClient(_Core):
         """Run the model; returns its outputs with the response metadata. Plain values
         (nested lists, scalars) are sent in the datatypes the model declares for them (its
         metadata, asked once per model and version); numpy arrays as they are."""
-        datatypes = None
-        if plain(inputs):
-            datatypes = self._declared.get((model, version))
-            if datatypes is None:
-                try:
-                    meta = await self.metadata(model=model, version=version, timeout=timeout)
-                except grpc.RpcError:
-                    check_plain(inputs)
-                    raise
-                datatypes = self._declared[model, version] = declared(meta)
-        body, metadata = self._request(
-            inputs, outputs, request_id, no_cache, model, version, datatypes
-        )
+        deadline = self._deadline(timeout)
+        if self._asks_datatypes(inputs, model, version):
+            await self._metadata(model, version, deadline, inputs)
+        body, metadata = self._request(inputs, outputs, request_id, no_cache, model, version)
         try:
-            return prediction(await self._call(body, metadata, timeout))
+            return prediction(await self._call(body, metadata, deadline))
         except grpc.RpcError as exc:
-            if datatypes is not None and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                self._declared.pop((model, version), None)  # a swap may have changed them
-            await self._araise(exc, self._predict_target())
+            self._refused(exc, inputs, model, version)
+            await self._araise(exc, self._routed_target())
 
     async def _araise(self, error: grpc.RpcError, target: str) -> NoReturn:
         """`_raise` off the event loop when it would probe the target."""
-        if diagnose.needs_probe(error):
+        if diagnose.needs_probe(error, target, self._shown):
             await asyncio.to_thread(self._raise, error, target)
         self._raise(error, target)
 
@@ -385,29 +463,35 @@ class AsyncSluiceClient(_Core):
     ) -> Reply:
         """One Predict of a serialized PredictRequest; failures come back as the Reply's
         status, never raised. For the load generator."""
+        sent = (*(metadata or {}).items(), *self._auth)
         try:
-            return await self._call(body, (*(metadata or {}).items(), *self._auth), timeout)
+            return await self._call(body, sent, self._deadline(timeout))
         except grpc.aio.AioRpcError as exc:
             return unary.failure(exc)
 
-    async def _call(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
+    async def _call(self, body: bytes, metadata: Metadata, deadline: Deadline) -> Reply:
+        """One Predict, traced when the application traces."""
         tracer = tracing.client_tracer()  # None unless the application traces
         if tracer is None:
-            return await self._calls(body, metadata, timeout)
+            return await self._calls(
+                body, metadata, self._terms(deadline, body, metadata), self._send
+            )
         with tracing.client_span(tracer, SPAN, metadata, self.targets, status_of) as (span, sent):
-            reply = await self._calls(body, sent, timeout)
+            reply = await self._calls(body, sent, self._terms(deadline, body, sent), self._send)
             tracing.set_code(span, reply.code, reply.message, server=False)
         return reply
 
-    async def _calls(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
-        """The call's attempts: one to the one target, or as the planner routes them."""
-        terms = self._terms(body, metadata, timeout)
+    async def _calls(
+        self, body: bytes, metadata: Metadata, terms: CallTerms, send: AsyncStep
+    ) -> Reply:
+        """The call's attempts, each by `send` (`_send`: a Predict; `_ask`: a Metadata): one
+        to the one target, or as the planner routes them."""
         if self._router is None:
-            return await self._send(self.target, body, metadata, terms.timeout)
+            return await send(self.target, body, metadata, terms.timeout)
 
         async def attempt(backend: Backend, left: float | None) -> Reply:
             try:
-                return await self._send(backend.address, body, metadata, left)
+                return await send(backend.address, body, metadata, left)
             except grpc.aio.AioRpcError as exc:
                 return unary.failure(exc)  # for the planner to classify
 
@@ -416,8 +500,14 @@ class AsyncSluiceClient(_Core):
     async def _send(
         self, target: str, body: bytes, metadata: Metadata, timeout: float | None
     ) -> Reply:
-        """One call to one target: the transport step. Raises grpc.aio.AioRpcError."""
+        """One Predict to one target: the transport step. Raises grpc.aio.AioRpcError."""
         return await unary.call(next(self._senders[target]), body, metadata, timeout)
+
+    async def _ask(
+        self, target: str, body: bytes, metadata: Metadata, timeout: float | None
+    ) -> Reply:
+        """One Metadata to one target: the transport step. Raises grpc.aio.AioRpcError."""
+        return await unary.call(self._askers[target], body, metadata, timeout)
 
     async def health(self, *, model: str = "", timeout: float | None = None) -> pb.HealthResponse:
         """The first target's Health (a model's, when named)."""
@@ -432,16 +522,21 @@ class AsyncSluiceClient(_Core):
     async def metadata(
         self, *, model: str = "", version: str = "", timeout: float | None = None
     ) -> pb.MetadataResponse:
-        """The first target's metadata of a model (the default one unless named)."""
+        """A model's metadata (the default one unless named), from a target that can answer
+        (several: as the planner routes it, passing over one that is down)."""
+        return await self._metadata(model, version, self._deadline(timeout))
+
+    async def _metadata(
+        self, model: str, version: str, deadline: Deadline, inputs: Inputs | None = None
+    ) -> pb.MetadataResponse:
+        """`inputs`: those of the plain call that needs it (`_unasked`)."""
+        body = metadata_request(model, version)
         try:
-            response: pb.MetadataResponse = await self._stub.Metadata(
-                pb.MetadataRequest(model=model, version=version),
-                timeout=timeout or self.timeout,
-                metadata=self._auth,
-            )
+            reply = await self._calls(body, self._auth, self._terms(deadline), self._ask)
+            return self._learned(model, version, reply)
         except grpc.RpcError as exc:
-            await self._araise(exc, self.target)
-        return response
+            self._unasked(inputs)
+            await self._araise(exc, self._routed_target())
 
     async def close(self) -> None:
         if self._owned:
@@ -475,6 +570,7 @@ class SluiceClient(_Core):
         tls_key: str = "",
         server_name: str = "",
         api_key: str = "",
+        hints: diagnose.Audience = diagnose.Audience.PYTHON,
     ) -> None:
         security = ClientTLS.of(
             tls=tls, ca=tls_ca, cert=tls_cert, key=tls_key, server_name=server_name
@@ -482,10 +578,12 @@ class SluiceClient(_Core):
         settings = channel_options(max_message_bytes, options)
         self._channels = {t: blocking_channel(t, security, settings) for t in target_list(target)}
         self._start(
-            {t: [ch.unary_unary(PREDICT, **PREDICT_ARGS)] for t, ch in self._channels.items()},
+            {t: [ch.unary_unary(PREDICT, **RAW)] for t, ch in self._channels.items()},
+            {t: ch.unary_unary(METADATA, **RAW) for t, ch in self._channels.items()},
             timeout,
             api_key,
             diagnose.Shown(tls=security is not None, certificate=bool(tls_cert)),
+            hints,
         )
         self._stub = pb_grpc.InferenceStub(self._channels[self.target])
         self._lock = threading.Lock()  # the planner's steps, when several threads call
@@ -528,52 +626,47 @@ class SluiceClient(_Core):
         """Run the model; returns its outputs with the response metadata. Plain values
         (nested lists, scalars) are sent in the datatypes the model declares for them (its
         metadata, asked once per model and version); numpy arrays as they are."""
-        datatypes = None
-        if plain(inputs):
-            datatypes = self._declared.get((model, version))
-            if datatypes is None:
-                try:
-                    meta = self.metadata(model=model, version=version, timeout=timeout)
-                except grpc.RpcError:
-                    check_plain(inputs)
-                    raise
-                datatypes = self._declared[model, version] = declared(meta)
-        body, metadata = self._request(
-            inputs, outputs, request_id, no_cache, model, version, datatypes
-        )
+        deadline = self._deadline(timeout)
+        if self._asks_datatypes(inputs, model, version):
+            self._metadata(model, version, deadline, inputs)
+        body, metadata = self._request(inputs, outputs, request_id, no_cache, model, version)
         try:
-            return prediction(self._call(body, metadata, timeout))
+            return prediction(self._call(body, metadata, deadline))
         except grpc.RpcError as exc:
-            if datatypes is not None and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                self._declared.pop((model, version), None)  # a swap may have changed them
-            self._raise(exc, self._predict_target())
+            self._refused(exc, inputs, model, version)
+            self._raise(exc, self._routed_target())
 
-    def _call(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
+    def _call(self, body: bytes, metadata: Metadata, deadline: Deadline) -> Reply:
+        """One Predict, traced when the application traces."""
         tracer = tracing.client_tracer()  # None unless the application traces
         if tracer is None:
-            return self._calls(body, metadata, timeout)
+            return self._calls(body, metadata, self._terms(deadline, body, metadata), self._send)
         with tracing.client_span(tracer, SPAN, metadata, self.targets, status_of) as (span, sent):
-            reply = self._calls(body, sent, timeout)
+            reply = self._calls(body, sent, self._terms(deadline, body, sent), self._send)
             tracing.set_code(span, reply.code, reply.message, server=False)
         return reply
 
-    def _calls(self, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
-        """The call's attempts: one to the one target, or as the planner routes them."""
-        terms = self._terms(body, metadata, timeout)
+    def _calls(self, body: bytes, metadata: Metadata, terms: CallTerms, send: Step) -> Reply:
+        """The call's attempts, each by `send` (`_send`: a Predict; `_ask`: a Metadata): one
+        to the one target, or as the planner routes them."""
         if self._router is None:
-            return self._send(self.target, body, metadata, terms.timeout)
+            return send(self.target, body, metadata, terms.timeout)
 
         def attempt(backend: Backend, left: float | None) -> Reply:
             try:
-                return self._send(backend.address, body, metadata, left)
+                return send(backend.address, body, metadata, left)
             except grpc.RpcError as exc:
                 return unary.failure(exc)  # for the planner to classify
 
         return self._router.run_sync(terms.key, terms.deadline, attempt, self._lock)
 
     def _send(self, target: str, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
-        """One call to one target: the transport step. Raises grpc.RpcError."""
+        """One Predict to one target: the transport step. Raises grpc.RpcError."""
         return unary.call_sync(next(self._senders[target]), body, metadata, timeout)
+
+    def _ask(self, target: str, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
+        """One Metadata to one target: the transport step. Raises grpc.RpcError."""
+        return unary.call_sync(self._askers[target], body, metadata, timeout)
 
     def health(self, *, model: str = "", timeout: float | None = None) -> pb.HealthResponse:
         """The first target's Health (a model's, when named)."""
@@ -588,16 +681,21 @@ class SluiceClient(_Core):
     def metadata(
         self, *, model: str = "", version: str = "", timeout: float | None = None
     ) -> pb.MetadataResponse:
-        """The first target's metadata of a model (the default one unless named)."""
+        """A model's metadata (the default one unless named), from a target that can answer
+        (several: as the planner routes it, passing over one that is down)."""
+        return self._metadata(model, version, self._deadline(timeout))
+
+    def _metadata(
+        self, model: str, version: str, deadline: Deadline, inputs: Inputs | None = None
+    ) -> pb.MetadataResponse:
+        """`inputs`: those of the plain call that needs it (`_unasked`)."""
+        body = metadata_request(model, version)
         try:
-            response: pb.MetadataResponse = self._stub.Metadata(
-                pb.MetadataRequest(model=model, version=version),
-                timeout=timeout or self.timeout,
-                metadata=self._auth,
-            )
+            reply = self._calls(body, self._auth, self._terms(deadline), self._ask)
+            return self._learned(model, version, reply)
         except grpc.RpcError as exc:
-            self._raise(exc, self.target)
-        return response
+            self._unasked(inputs)
+            self._raise(exc, self._routed_target())
 
     def close(self) -> None:
         for channel in self._channels.values():

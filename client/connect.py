@@ -46,7 +46,8 @@ class Connection:
         )
 
     def client_kwargs(self) -> dict[str, Any]:
-        """The SluiceClient / AsyncSluiceClient keyword arguments."""
+        """The SluiceClient / AsyncSluiceClient keyword arguments (hints on failed calls
+        name the commands' flags and variables, not the client's keywords)."""
         return {
             "tls": self.tls,
             "tls_ca": self.tls_ca,
@@ -54,13 +55,14 @@ class Connection:
             "tls_key": self.tls_key,
             "server_name": self.server_name,
             "api_key": self.api_key,
+            "hints": diagnose.Audience.COMMANDS,
         }
 
     def explained(self, error: grpc.RpcError, target: str) -> grpc.RpcError:
         """`error` of a call to `target` on channels of this connection (`sluice perf`'s own),
         with what to fix when diagnose sees it (SluiceClient does this itself)."""
         shown = diagnose.Shown(tls=self.secure, certificate=bool(self.tls_cert))
-        return diagnose.explained(error, target, shown)
+        return diagnose.explained(error, target, shown, diagnose.Audience.COMMANDS)
 
 
 PLAINTEXT = Connection()  # no TLS, no API key

@@ -1,69 +1,99 @@
 """What grpc's status of a failed call leaves out, added to it: which message size limit was
 hit and how to raise it, or the TLS mismatch behind a connection that never formed.
 
-Only failed calls come here. A size limit is read off grpc's own words; a connection that
-failed before any call went out is looked into with one probe of the target (a TCP connect
-and a TLS handshake that checks nothing, then one short read; `PROBE_S` in all), which tells
-a TLS port from a plaintext one and sees a port that closes after the handshake because it
-wanted a client certificate. The error keeps grpc's code and words, the hint goes first.
+Only failed calls come here. A size limit, and a certificate this client does not trust, are
+read off grpc's own words; a connection that failed before any call went out is looked into
+with one probe of the target (a TCP connect and a TLS handshake that checks nothing, then one
+short read; `PROBE_S` in all), which tells a TLS port from a plaintext one and sees a port that
+closes after the handshake because it wanted a client certificate. Only IP literals (and
+localhost) are probed: a name would be resolved without a bound. What a probe found is kept
+`KEEP_S` per target (`Probes`), so a retry loop against a host that drops packets waits for
+it once, not on every failed call. The error keeps grpc's code and words, the hint goes first,
+in the words of whoever reads it (`Audience`: the Python client's keywords, or the sluice
+commands' flags and variables).
 """
 
 from __future__ import annotations
 
 import enum
+import ipaddress
 import re
 import socket
 import ssl
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
 import grpc
 
 PROBE_S = 1.0  # the probe's bound, connect to last read
+KEEP_S = 10.0  # how long a target's probe result is kept
 # grpc's words for a message over a limit: whose limit (CLIENT: this process's own), which
 # way the message went, its size and the limit.
 OVER_LIMIT = re.compile(
     r"(CLIENT|SERVER): (Sent|Received) message larger than max \((\d+) vs\. (\d+)\)"
 )
 NO_CONNECTION = "failed to connect to all addresses"
+VERIFY_FAILED = "CERTIFICATE_VERIFY_FAILED"  # grpc's words for a certificate not trusted
 
-CLIENT_LIMIT = (
-    "raise this client's limit: max_message_bytes= of SluiceClient or AsyncSluiceClient "
-    "(default 64 MiB); sluice predict, health and metadata: --max-message-bytes "
-    "[env SLUICE_MAX_MESSAGE_BYTES, which the server and balancer read too]"
-)
+
+class Audience(enum.Enum):
+    """Who reads a hint, and so which options it names."""
+
+    PYTHON = "python"  # SluiceClient's and AsyncSluiceClient's keyword arguments
+    COMMANDS = "commands"  # the sluice commands' flags and SLUICE_ variables
+
+
+# The hints, in each audience's words; the server's own flags are the same for both.
+CLIENT_LIMIT = {
+    Audience.PYTHON: "raise this client's limit: max_message_bytes= of SluiceClient or "
+    "AsyncSluiceClient (default 64 MiB)",
+    Audience.COMMANDS: "raise this command's limit: --max-message-bytes (sluice predict, "
+    "health and metadata; default 64 MiB) [env SLUICE_MAX_MESSAGE_BYTES, which the server "
+    "and balancer read too]",
+}
 PEER_LIMIT = (
     "start it with a larger --max-message-bytes (or SLUICE_MAX_MESSAGE_BYTES); a balancer "
     "and each server behind it have their own"
 )
-WANTS_TLS = (
-    "{target} speaks TLS and this client sent plaintext: give tls_ca=PEM, the CA that signed "
-    "its certificate (tls=True: the system's CAs); the sluice commands: --tls-ca PEM "
-    "[env SLUICE_TLS_CA] or --tls [env SLUICE_TLS]"
-)
-AND_A_CERTIFICATE = (
-    "; it also requires a client certificate: tls_cert= and tls_key= (--tls-cert and "
-    "--tls-key [env SLUICE_CLIENT_TLS_CERT, SLUICE_CLIENT_TLS_KEY])"
-)
-WANTS_CERTIFICATE = (
-    "{target} requires a client certificate (mutual TLS) and this client showed none: give "
-    "tls_cert= and tls_key=; the sluice commands: --tls-cert PEM --tls-key PEM "
-    "[env SLUICE_CLIENT_TLS_CERT, SLUICE_CLIENT_TLS_KEY]"
-)
+WANTS_TLS = {
+    Audience.PYTHON: "{target} speaks TLS and this client sent plaintext: give tls_ca=PEM, "
+    "the CA that signed its certificate (tls=True: the system's CAs)",
+    Audience.COMMANDS: "{target} speaks TLS and this command sent plaintext: give --tls-ca "
+    "PEM [env SLUICE_TLS_CA], the CA that signed its certificate (--tls [env SLUICE_TLS]: the "
+    "system's CAs)",
+}
+AND_A_CERTIFICATE = {
+    Audience.PYTHON: "; it also requires a client certificate: tls_cert= and tls_key=",
+    Audience.COMMANDS: "; it also requires a client certificate: --tls-cert PEM --tls-key PEM "
+    "[env SLUICE_CLIENT_TLS_CERT, SLUICE_CLIENT_TLS_KEY]",
+}
+WANTS_CERTIFICATE = {
+    Audience.PYTHON: "{target} requires a client certificate (mutual TLS) and this client "
+    "showed none: give tls_cert= and tls_key=",
+    Audience.COMMANDS: "{target} requires a client certificate (mutual TLS) and this command "
+    "showed none: give --tls-cert PEM --tls-key PEM [env SLUICE_CLIENT_TLS_CERT, "
+    "SLUICE_CLIENT_TLS_KEY]",
+}
 REFUSES_CERTIFICATE = (
     "{target} requires a client certificate and closed the connection after the handshake: "
     "it does not take this one (is it signed by a CA in the server's --tls-client-ca?)"
 )
-WANTS_PLAINTEXT = (
-    "{target} speaks plaintext and this client sent TLS: drop its TLS options (tls, tls_ca, "
-    "tls_cert, tls_key, server_name; --tls* and SLUICE_TLS* for the sluice commands), or "
-    "start the server with --tls-cert and --tls-key"
-)
-UNTRUSTED = (
-    "this client does not trust {target}'s certificate: tls_ca= (--tls-ca) must hold the CA "
-    "that signed it"
-)
+WANTS_PLAINTEXT = {
+    Audience.PYTHON: "{target} speaks plaintext and this client sent TLS: drop its TLS "
+    "options (tls, tls_ca, tls_cert, tls_key, server_name), or start the server with "
+    "--tls-cert and --tls-key",
+    Audience.COMMANDS: "{target} speaks plaintext and this command sent TLS: drop its --tls* "
+    "options and SLUICE_TLS* variables, or start the server with --tls-cert and --tls-key",
+}
+UNTRUSTED = {
+    Audience.PYTHON: "this client does not trust {target}'s certificate: tls_ca= must hold "
+    "the CA that signed it",
+    Audience.COMMANDS: "this command does not trust {target}'s certificate: --tls-ca [env "
+    "SLUICE_TLS_CA] must hold the CA that signed it",
+}
 
 
 @dataclass(frozen=True)
@@ -83,15 +113,26 @@ class Port(enum.Enum):
     PLAINTEXT = "plaintext"  # it answered the handshake with bytes that are not TLS
 
 
-def explained(error: grpc.RpcError, target: str, shown: Shown | None) -> grpc.RpcError:
+def explained(
+    error: grpc.RpcError,
+    target: str,
+    shown: Shown | None,
+    audience: Audience,
+    probes: Probes | None = None,
+) -> grpc.RpcError:
     """`error` with a hint ahead of grpc's words when there is one (same code, metadata and
     words), else `error` itself. `target`: the one address the call went to ("" if it
     could have been one of several); `shown`: None when the client does not know its
-    channels' TLS (no TLS hint then). May probe `target` (`needs_probe`): at most PROBE_S."""
+    channels' TLS (no TLS hint then); `audience`: whose options the hint names. May probe
+    `target` (`needs_probe`: at most PROBE_S), through `probes` (None: this process's)."""
     details = _details(error)
-    hint = size_hint(details, target)
-    if not hint and shown is not None and target and needs_probe(error):
-        hint = tls_hint(details, target, shown, probe(target))
+    hint = size_hint(details, target, audience)
+    if not hint and shown is not None and target and _unavailable(error):
+        if shown.tls and VERIFY_FAILED in details:  # grpc said it: no probe
+            hint = UNTRUSTED[audience].format(target=target)
+        elif NO_CONNECTION in details:
+            port = (probes or PROBES).port(target)
+            hint = tls_hint(target, shown, port, audience)
     if not hint:
         return error
     call = cast(grpc.Call, error)  # a failed call's error is its Call too
@@ -104,13 +145,23 @@ def explained(error: grpc.RpcError, target: str, shown: Shown | None) -> grpc.Rp
     )
 
 
-def needs_probe(error: grpc.RpcError) -> bool:
-    """Whether `explained` would probe: the call failed before any connection was made."""
-    code = getattr(error, "code", lambda: None)()
-    return code == grpc.StatusCode.UNAVAILABLE and NO_CONNECTION in _details(error)
+def needs_probe(
+    error: grpc.RpcError, target: str, shown: Shown | None, probes: Probes | None = None
+) -> bool:
+    """Whether `explained` would probe now: a connection that never formed, grpc's words do
+    not say why, and `target`'s last probe is not kept."""
+    details = _details(error)
+    return (
+        shown is not None
+        and bool(target)
+        and _unavailable(error)
+        and NO_CONNECTION in details
+        and not (shown.tls and VERIFY_FAILED in details)
+        and (probes or PROBES).kept(target) is None
+    )
 
 
-def size_hint(details: str, target: str) -> str:
+def size_hint(details: str, target: str, audience: Audience) -> str:
     """Which limit a message was over, and how to raise it ("" if none was)."""
     over = OVER_LIMIT.search(details)
     if over is None:
@@ -118,34 +169,73 @@ def size_hint(details: str, target: str) -> str:
     side, way, size, limit = over.groups()
     message = "request" if (side == "CLIENT") == (way == "Sent") else "reply"
     if side == "CLIENT":
-        return f"the {message} ({size} bytes) is over this client's limit ({limit}): {CLIENT_LIMIT}"
+        raise_it = CLIENT_LIMIT[audience]
+        return f"the {message} ({size} bytes) is over this client's limit ({limit}): {raise_it}"
     peer = f"the server or balancer at {target}" if target else "a server"
     return f"the {message} ({size} bytes) is over the limit of {peer} ({limit}): {PEER_LIMIT}"
 
 
-def tls_hint(details: str, target: str, shown: Shown, port: Port) -> str:
+def tls_hint(target: str, shown: Shown, port: Port, audience: Audience) -> str:
     """The TLS mismatch between what the client showed and what the probe found ("" if
     none is seen)."""
-    if shown.tls and "CERTIFICATE_VERIFY_FAILED" in details:
-        return UNTRUSTED.format(target=target)
     if not shown.tls and port in (Port.TLS, Port.TLS_CLOSED):
-        more = AND_A_CERTIFICATE if port is Port.TLS_CLOSED else ""
-        return WANTS_TLS.format(target=target) + more
+        more = AND_A_CERTIFICATE[audience] if port is Port.TLS_CLOSED else ""
+        return WANTS_TLS[audience].format(target=target) + more
     if shown.tls and port is Port.PLAINTEXT:
-        return WANTS_PLAINTEXT.format(target=target)
+        return WANTS_PLAINTEXT[audience].format(target=target)
     if shown.tls and port is Port.TLS_CLOSED:
-        return (REFUSES_CERTIFICATE if shown.certificate else WANTS_CERTIFICATE).format(
-            target=target
-        )
+        if shown.certificate:
+            return REFUSES_CERTIFICATE.format(target=target)
+        return WANTS_CERTIFICATE[audience].format(target=target)
     return ""
 
 
+class Probes:
+    """Each target's last probe result, kept `keep_s` on `clock`: a client that fails call
+    after call against one target (a retry loop; a host that drops packets costs a probe
+    its whole bound) probes it once in that time. Safe from several threads."""
+
+    def __init__(
+        self,
+        keep_s: float = KEEP_S,
+        bound_s: float = PROBE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.keep_s = keep_s
+        self.bound_s = bound_s
+        self.clock = clock
+        self._kept: dict[str, tuple[float, Port]] = {}  # target: (until, what was found)
+        self._lock = threading.Lock()
+
+    def kept(self, target: str) -> Port | None:
+        """What the last probe of `target` found, while it is kept (else None)."""
+        with self._lock:
+            until, port = self._kept.get(target, (0.0, Port.UNKNOWN))
+            return port if self.clock() < until else None
+
+    def port(self, target: str) -> Port:
+        """What answers at `target`: the kept result, or a probe's (then kept)."""
+        port = self.kept(target)
+        if port is not None:
+            return port
+        port = probe(target, self.bound_s)
+        with self._lock:
+            now = self.clock()
+            # Drop what is no longer kept: the map holds the targets failed on lately.
+            self._kept = {t: kept for t, kept in self._kept.items() if kept[0] > now}
+            self._kept[target] = (now + self.keep_s, port)
+        return port
+
+
+PROBES = Probes()  # this process's: every client's failed calls share what was found
+
+
 def probe(target: str, bound_s: float = PROBE_S) -> Port:
-    """What answers at `target` (HOST:PORT): a TCP connect, a TLS handshake that checks no
-    certificate and shows none, then one read. A gRPC server speaks first once the handshake
-    is done (its settings); one that wanted a client certificate closes instead (TLS 1.3
-    sends the client's certificate after the client's side of the handshake is done, so
-    the refusal comes as the read's end of file or an alert)."""
+    """What answers at `target` (an IP literal or localhost, `host_port`): a TCP connect, a
+    TLS handshake that checks no certificate and shows none, then one read. A gRPC server
+    speaks first once the handshake is done (its settings); one that wanted a client
+    certificate closes instead (TLS 1.3 sends the client's certificate after the client's side
+    of the handshake is done, so the refusal comes as the read's end of file or an alert)."""
     address = host_port(target)
     if address is None:
         return Port.UNKNOWN
@@ -174,15 +264,25 @@ def probe(target: str, bound_s: float = PROBE_S) -> Port:
 
 
 def host_port(target: str) -> tuple[str, int] | None:
-    """The host and port of a `HOST:PORT` target (also `[IPv6]:PORT`, `dns:///HOST:PORT`,
-    `ipv4:HOST:PORT`); None for other kinds (a Unix socket, several addresses)."""
+    """The IP address and port of a `HOST:PORT` target (also `[IPv6]:PORT`,
+    `dns:///HOST:PORT`, `ipv4:HOST:PORT`) whose host is an IP literal or localhost; None for
+    a name (resolving it has no bound) and other kinds (a Unix socket, several addresses)."""
     for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
         target = target.removeprefix(scheme)
     host, sep, port = target.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or "," in target or "/" in target:
+    if not sep or not port.isdigit() or "," in target or "/" in target:
         return None
-    return host, int(port)
+    if host == "localhost":
+        return "127.0.0.1", int(port)  # the name every host gives its own loopback
+    try:
+        return str(ipaddress.ip_address(host)), int(port)
+    except ValueError:
+        return None
+
+
+def _unavailable(error: grpc.RpcError) -> bool:
+    return bool(getattr(error, "code", lambda: None)() == grpc.StatusCode.UNAVAILABLE)
 
 
 def _details(error: grpc.RpcError) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -101,6 +102,28 @@ def test_both_clients_send_whole_numbers_in_the_models_datatype(server: Process)
 
     async def predict() -> list[int]:
         async with AsyncSluiceClient(server.address) as client:
+            answer = await client.predict({"input": WHOLE})
+        return list(answer["label"])
+
+    assert asyncio.run(predict()) == [3]
+
+
+@pytest.fixture
+def dead() -> Iterator[str]:
+    """An address that refuses every connection at once: a bound socket that never listens."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_plain_values_are_asked_past_a_target_that_is_down(server: Process, dead: str) -> None:
+    """With several targets the model's datatypes are asked as calls are routed: the first
+    target refusing connections is passed over, as it is for a numpy array."""
+    with SluiceClient([dead, server.address]) as client:
+        assert client.predict({"input": WHOLE})["label"] == [3]
+
+    async def predict() -> list[int]:
+        async with AsyncSluiceClient([dead, server.address]) as client:
             answer = await client.predict({"input": WHOLE})
         return list(answer["label"])
 

@@ -1,17 +1,28 @@
 """Plain Python values as tensors: nested lists, tuples and scalars are converted to the
 input's declared datatype (or a stated default without one); what cannot be converted is a
-TypeError naming the input and the datatype wanted; numpy arrays pass untouched."""
+TypeError naming the input and the datatype wanted; numpy arrays pass untouched. The clients
+ask the datatypes (Metadata) within the call's one deadline, routed as calls are: here on
+faked transport steps and an injected clock, no socket (the e2e tier has the real server)."""
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 import pytest
 
-from sluice.client import SluiceClient
+from sluice.client import AsyncSluiceClient, SluiceClient
+from sluice.client.client import predict_request, rpc_error
 from sluice.core.datatypes import DATATYPES
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
+from sluice.wire.mux import Reply
+
+Client = TypeVar("Client", SluiceClient, AsyncSluiceClient)
+Outputs = dict[str, np.ndarray]
 
 
 def sent(value: object, datatype: str = "") -> np.ndarray:
@@ -134,21 +145,122 @@ def test_encode_all_takes_each_inputs_declared_datatype() -> None:
     assert [(t.name, t.datatype) for t in tensors] == [("a", "FP32"), ("b", "UINT8"), ("c", "INT8")]
 
 
-def test_the_client_refuses_a_ragged_list_before_sending() -> None:
-    # Nothing listens on port 1: the refusal must come from encoding, before any call.
-    with (
-        SluiceClient("127.0.0.1:1", timeout=5) as client,
-        pytest.raises(TypeError, match=r"input 'input'.*differ in length"),
-    ):
-        client.predict({"input": [[1.0, 2.0], [3.0]]})
+def test_predict_request_sends_plain_values_in_their_declared_datatypes() -> None:
+    request = predict_request(
+        {"a": [[0, 1]], "b": 3, "c": np.ones(2, np.int8)},
+        datatypes={"a": "FP32", "b": "UINT8", "c": "FP32"},
+    )
+    a, b, c = request.inputs
+    assert (a.datatype, list(a.shape), a.raw_data) == (
+        "FP32", [1, 2], np.array([[0, 1]], np.float32).tobytes()
+    )  # fmt: skip
+    assert (b.datatype, list(b.shape), b.raw_data) == ("UINT8", [], b"\x03")
+    assert (c.datatype, c.raw_data) == ("INT8", b"\x01\x01")  # an array as it is
 
 
-def test_the_client_sends_a_plain_list_as_a_tensor() -> None:
-    # Encoded without a complaint, the call goes out and meets the closed port: the list was
-    # accepted as a tensor (the e2e tier checks the answer from a real server).
-    with (
-        SluiceClient("127.0.0.1:1", timeout=5) as client,
-        pytest.raises(grpc.RpcError) as caught,
-    ):
-        client.predict({"input": [[0.0, 1.0]]})
-    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+class Servers:
+    """Stands in for the clients' transport steps (`_ask`: Metadata, `_send`: Predict), on an
+    injected clock: no socket. Each Metadata takes `asking_s` of the clock; `down` targets
+    answer UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.asking_s = 0.0
+        self.down: set[str] = set()
+        self.calls: list[tuple[str, str, float | None]] = []  # (method, target, timeout)
+
+    def clock(self) -> float:
+        return self.now
+
+    def ask(self, target: str, body: bytes, metadata: object, timeout: float | None) -> Reply:
+        self.calls.append(("Metadata", target, timeout))
+        self.now += self.asking_s
+        if target in self.down:
+            raise rpc_error(Reply(grpc.StatusCode.UNAVAILABLE.value[0], f"{target} is down"))
+        spec = pb.TensorSpec(name="input", datatype="FP32", shape=[-1, 2])
+        meta = pb.MetadataResponse(model=pb.ModelInfo(name="m", inputs=[spec]))
+        return Reply(0, "", meta.SerializeToString(), {})
+
+    def send(self, target: str, body: bytes, metadata: object, timeout: float | None) -> Reply:
+        self.calls.append(("Predict", target, timeout))
+        if target in self.down:
+            raise rpc_error(Reply(grpc.StatusCode.UNAVAILABLE.value[0], f"{target} is down"))
+        request = pb.PredictRequest.FromString(body)
+        response = pb.PredictResponse(outputs=request.inputs)  # the inputs, as they came
+        return Reply(0, "", response.SerializeToString(), {})
+
+
+@pytest.fixture
+def servers(monkeypatch: pytest.MonkeyPatch) -> Servers:
+    fake = Servers()
+
+    async def ask_async(client: AsyncSluiceClient, *args: Any) -> Reply:
+        return fake.ask(*args)
+
+    async def send_async(client: AsyncSluiceClient, *args: Any) -> Reply:
+        return fake.send(*args)
+
+    monkeypatch.setattr(SluiceClient, "_ask", lambda client, *args: fake.ask(*args))
+    monkeypatch.setattr(SluiceClient, "_send", lambda client, *args: fake.send(*args))
+    monkeypatch.setattr(AsyncSluiceClient, "_ask", ask_async)
+    monkeypatch.setattr(AsyncSluiceClient, "_send", send_async)
+    return fake
+
+
+def on_clock(client: Client, servers: Servers) -> Client:
+    client._clock = servers.clock
+    if client._router is not None:
+        client._router.clock = servers.clock
+    return client
+
+
+def each(targets: list[str], servers: Servers, **call: Any) -> list[Callable[[], Outputs]]:
+    """`predict(**call)` by the blocking client and by the asyncio one, each on a new one."""
+
+    async def with_async() -> Outputs:
+        async with AsyncSluiceClient(targets, timeout=10.0) as client:
+            return await on_clock(client, servers).predict(**call)
+
+    def blocking() -> Outputs:
+        with SluiceClient(targets, timeout=10.0) as client:
+            return on_clock(client, servers).predict(**call)
+
+    return [blocking, lambda: asyncio.run(with_async())]
+
+
+def both(targets: list[str], servers: Servers, **call: Any) -> list[Outputs]:
+    return [predict() for predict in each(targets, servers, **call)]
+
+
+def test_a_ragged_list_is_refused_before_its_predict(servers: Servers) -> None:
+    # The datatypes known: the encoder refuses it naming the model's datatype. Unknown, and
+    # the model not asked for want of a server: refused all the same, for want of any.
+    for down, wanted in ((set(), "FP32"), ({"127.0.0.1:1"}, "a numeric datatype")):
+        servers.down = down
+        for predict in each(["127.0.0.1:1"], servers, inputs={"input": [[1.0, 2.0], [3.0]]}):
+            with pytest.raises(TypeError, match=rf"input 'input'.*{wanted}.*differ in length"):
+                predict()
+    assert [method for method, _, _ in servers.calls] == ["Metadata"] * 4
+
+
+def test_a_plain_call_and_its_metadata_share_one_deadline(servers: Servers) -> None:
+    servers.asking_s = 3.0
+    answers = both(["127.0.0.1:1"], servers, inputs={"input": [[1, 2]]})
+    for answer in answers:
+        assert answer["input"].dtype == np.float32  # the declared datatype
+    assert servers.calls == [("Metadata", "127.0.0.1:1", 10.0), ("Predict", "127.0.0.1:1", 7.0)] * 2
+
+
+def test_an_array_asks_nothing_and_gets_the_whole_timeout(servers: Servers) -> None:
+    both(["127.0.0.1:1"], servers, inputs={"input": np.zeros((1, 2), np.float32)})
+    assert servers.calls == [("Predict", "127.0.0.1:1", 10.0)] * 2
+
+
+def test_with_several_targets_the_metadata_passes_over_one_that_is_down(
+    servers: Servers,
+) -> None:
+    servers.down = {"127.0.0.1:1"}
+    for answer in both(["127.0.0.1:1", "127.0.0.1:2"], servers, inputs={"input": [[1, 2]]}):
+        assert answer["input"].dtype == np.float32
+    asked = [target for method, target, _ in servers.calls if method == "Metadata"]
+    assert asked[-1] == "127.0.0.1:2"  # answered by the live one, whichever was asked first
