@@ -28,6 +28,8 @@ from typing import cast
 
 import grpc
 
+from sluice.core import limits
+
 PROBE_S = 1.0  # the probe's bound, connect to last read
 KEEP_S = 10.0  # how long a target's probe result is kept
 # grpc's words for a message over a limit: whose limit (CLIENT: this process's own), which
@@ -54,10 +56,7 @@ CLIENT_LIMIT = {
     "health and metadata; default 64 MiB) [env SLUICE_MAX_MESSAGE_BYTES, which the server "
     "and balancer read too]",
 }
-PEER_LIMIT = (
-    "start it with a larger --max-message-bytes (or SLUICE_MAX_MESSAGE_BYTES); a balancer "
-    "and each server behind it have their own"
-)
+PEER_LIMIT = limits.RAISE  # the words the server and balancer refuse with themselves
 WANTS_TLS = {
     Audience.PYTHON: "{target} speaks TLS and this client sent plaintext: give tls_ca=PEM, "
     "the CA that signed its certificate (tls=True: the system's CAs)",
@@ -172,7 +171,7 @@ def size_hint(details: str, target: str, audience: Audience) -> str:
         raise_it = CLIENT_LIMIT[audience]
         return f"the {message} ({size} bytes) is over this client's limit ({limit}): {raise_it}"
     peer = f"the server or balancer at {target}" if target else "a server"
-    return f"the {message} ({size} bytes) is over the limit of {peer} ({limit}): {PEER_LIMIT}"
+    return limits.too_large(message, int(size), peer, int(limit))
 
 
 def tls_hint(target: str, shown: Shown, port: Port, audience: Audience) -> str:
