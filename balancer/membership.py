@@ -43,6 +43,7 @@ def upstreams(settings: BalancerSettings) -> Callable[[str], Upstream]:
             max_in_flight=settings.stream_max_in_flight,
             keepalive_s=settings.keepalive_s,
             tls=tls,
+            certificate=bool(settings.upstream_tls_cert),
         )
 
     return connect

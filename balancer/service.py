@@ -537,6 +537,7 @@ class BalancerService:
                     share=b.calls / total,
                     limit=self.planner.limits.limit(b) or 0.0,
                     models=served([b], b.default),
+                    reason=b.down,
                 )
                 for b in backends
                 if self.tenants is None or (account is not None and account.tenant.admin)

@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.balancer.settings import BalancerSettings
+from sluice.client import diagnose
 from sluice.core.errors import Code, SluiceError
 from sluice.core.limits import too_large
 from sluice.routing.pool import Health
@@ -52,6 +53,7 @@ NO_METADATA: Mapping[str, str] = {}
 REFRESH_TIMEOUT_S = 1.0
 _NOT_FOUND = int(Code.NOT_FOUND)
 WIDEST_ID = 2**64 - 1  # a StreamRequest's id measured at its widest
+REFUSES = "refuses connections"
 Models = dict[str, tuple[str, ...]]
 
 
@@ -88,8 +90,30 @@ def unreached(exc: grpc.aio.AioRpcError) -> str:
     """Why a health watch could not reach its server, as a refusal names a backend: grpc's
     own words are long and the same whatever the call."""
     if "Connection refused" in (exc.details() or ""):
-        return "refuses connections"
+        return REFUSES
     return f"unreachable ({exc.code().name})"
+
+
+def mismatch(port: diagnose.Port, shown: diagnose.Shown) -> str:
+    """The TLS mismatch between what the balancer showed a server (`shown`: its
+    --upstream-tls-* flags) and what a probe found at its port, with the flag that fixes it
+    ("" if none is seen)."""
+    if not shown.tls and port in (diagnose.Port.TLS, diagnose.Port.TLS_CLOSED):
+        return "speaks TLS: give the balancer --upstream-tls-ca" + (
+            " (and --upstream-tls-cert/--upstream-tls-key: it wants a client certificate)"
+            if port is diagnose.Port.TLS_CLOSED
+            else ""
+        )
+    if shown.tls and port is diagnose.Port.PLAINTEXT:
+        return "is plaintext: drop --upstream-tls-ca"
+    if shown.tls and port is diagnose.Port.TLS_CLOSED:
+        if shown.certificate:
+            return (
+                "refuses the balancer's client certificate (--upstream-tls-cert): is it "
+                "signed by a CA in the server's --tls-client-ca?"
+            )
+        return "wants a client certificate: --upstream-tls-cert/--upstream-tls-key"
+    return ""
 
 
 def over_limit(
@@ -132,8 +156,12 @@ class Upstream:
         max_in_flight: int = 256,
         keepalive_s: float = 1.0,
         tls: ClientTLS | None = None,
+        certificate: bool = False,
     ) -> None:
         self.address = address
+        # What it shows the server (TLS, a client certificate): a probe's finding is read
+        # against it.
+        self.shown = diagnose.Shown(tls is not None, certificate)
         # Its health watch, models refresh and streams all ride this one channel.
         self.channel = aio_channel(address, tls, channel_options(keepalive_s))
         self.streams = [
@@ -216,18 +244,25 @@ class Upstream:
     def watch_health(self, report: Callable[[str, bool, str], None]) -> None:
         """Report (state, unreachable, why): SERVING / NOT_SERVING as the server's health
         watch says (why ""); a server the watch cannot reach is NOT_SERVING, why says what
-        was found (it refuses connections, does not answer, ...), and it is unreachable (a
-        backend failure) once per outage, unless it said it was going (NOT_SERVING, or a watch that
-        ended cleanly): a drained server's absence until it serves again is no fault, and
-        neither kind of absence may pile failures on its breaker while it is gone (a long
-        outage would keep it out for many seconds after it returns). Reconnects with
-        backoff."""
+        was found (it refuses connections, does not answer, a TLS mismatch, ...), and it is
+        unreachable (a backend failure) once per outage, unless it said it was going
+        (NOT_SERVING, or a watch that ended cleanly): a drained server's absence until it
+        serves again is no fault, and neither kind of absence may pile failures on its
+        breaker while it is gone (a long outage would keep it out for many seconds after it
+        returns). Reconnects with backoff.
+
+        grpc says only UNAVAILABLE of a TLS mismatch (plaintext to a TLS port, no client
+        certificate for a mutual-TLS one, TLS to a plaintext one): a connection that never
+        formed and was not refused is probed once per outage (`diagnose.probe`, in a thread,
+        at most PROBE_S; the reconnect waits for it), and what it finds stands as why until
+        the server answers or refuses connections."""
 
         async def watch() -> None:
             stub = health_pb2_grpc.HealthStub(self.channel)
             backoff = 0.05
             announced = False  # it said it was not serving: its absence is expected
             lost = False  # this outage was already counted against it
+            found: str | None = None  # this outage's probe's finding (None: not probed)
             while True:
                 unreachable = False
                 try:
@@ -235,6 +270,7 @@ class Upstream:
                         serving = update.status == health_pb2.HealthCheckResponse.SERVING
                         announced = not serving
                         lost = False
+                        found = None
                         if serving:  # new, or back: what it serves may have changed
                             self._refresh.set()
                         report(Health.SERVING if serving else Health.NOT_SERVING, False, "")
@@ -244,6 +280,13 @@ class Upstream:
                     unreachable = not announced and not lost
                     lost = True
                     why = unreached(exc)
+                    if why == REFUSES:
+                        found = None  # nothing listens: probe what listens there next
+                    elif found is None and diagnose.NO_CONNECTION in (exc.details() or ""):
+                        report(Health.NOT_SERVING, unreachable, why)  # out now, not after it
+                        unreachable = False
+                        found = await self._mismatch()
+                    why = found or why
                 else:
                     announced = True  # a watch that ended cleanly: a server shutting down
                     why = ""
@@ -287,6 +330,18 @@ class Upstream:
                 await asyncio.sleep(max(0.0, asked + period - loop.time()))
 
         self._tasks += [asyncio.create_task(watch()), asyncio.create_task(probe())]
+
+    async def _mismatch(self) -> str:
+        """The TLS mismatch a probe of the server's port finds ("" if none), off the event
+        loop; a name that does not resolve within the bound finds none (its thread ends on
+        its own)."""
+        try:
+            port = await asyncio.wait_for(
+                asyncio.to_thread(diagnose.probe, self.address), 2 * diagnose.PROBE_S
+            )
+        except TimeoutError:
+            return ""
+        return mismatch(port, self.shown)
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -5,8 +5,8 @@ node, role, status and provider; calls/s (from the change in the request counter
 polls), latency percentiles over the target's window of recent calls, errors by status (new
 since the last poll and in all); for a server its batcher (queue, batch sizes, why batches
 closed, admission refusals) and cache; for a balancer every backend (health, breaker, in
-flight, share, EWMA latency, failures, learned limit) and its retries, shed and unavailable
-calls.
+flight, share, EWMA latency, failures, learned limit, why it is out) and its retries, shed
+and unavailable calls.
 
 `render` turns two Health answers into a rich renderable and touches no terminal, so it is
 tested alone. The loop keeps going when the target does not answer (it shows "unreachable:
@@ -352,6 +352,12 @@ def backends_table(
     if not current.backends:
         # With auth on, a balancer lists its backends to admin keys only.
         table.add_row(Text("no backends (or not shown to this key)", style="red"), *([""] * 8))
+    # Why a backend is out, as the balancer found (a TLS mismatch names the flag that fixes
+    # it): under the table, as one line each, too long for a column.
+    out = [f"{b.address}: {b.reason}" for b in current.backends if b.reason]
+    if out:
+        table.caption = Text("\n".join(out), style="red")
+        table.caption_justify = "left"
     return table
 
 

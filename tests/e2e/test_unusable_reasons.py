@@ -2,22 +2,34 @@
 a Predict, a KServe ModelInfer and a Metadata each answer UNAVAILABLE naming the backend and
 that it refuses connections (not `not_serving`, which is what a server says of itself), and
 the balancer's log line says it too. The backend's port is held by a socket that is bound but
-not listening, so every connect is refused and nothing else can take the port meanwhile."""
+not listening, so every connect is refused and nothing else can take the port meanwhile.
+
+A TLS mismatch between the balancer and its servers is named with the flag that fixes it, in
+a Predict's UNAVAILABLE, in the balancer's Health (each backend's `reason`) and in `sluice
+top`: plaintext to a TLS server, TLS without the client certificate a mutual-TLS server
+requires, TLS to a plaintext server. Real servers, certificates made here."""
 
 from __future__ import annotations
 
+import io
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
 import pytest
+from rich.console import Console
 
-from sluice.client import SluiceClient
+from perf.certs import Authority
+from perf.tls import mutual
+from sluice.client import SluiceClient, top
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
+from sluice.runtime.tls import ClientTLS
+from sluice.v1 import inference_pb2 as pb
 from tests.conftest import SAMPLES
-from tests.e2e.harness import BIN, Process, running, wait_for, wait_health
+from tests.e2e.harness import BIN, Process, running, running_tls, server_argv, wait_for, wait_health
 
 pytestmark = pytest.mark.e2e
 
@@ -94,3 +106,91 @@ def test_metadata_names_itself_and_the_backend_that_refuses_connections(
 def test_the_log_says_why_the_backend_is_out(balancer: Process, refusing: str) -> None:
     line = f"backend {refusing} is NOT_SERVING: refuses connections"
     wait_for(lambda: any(line in text for text in list(balancer.lines)), "the log line")
+
+
+@dataclass
+class Mismatched:
+    tls: Process  # TLS, no client certificate asked for
+    mutual: Process  # TLS, requiring a client certificate
+    plain: Process
+    no_tls: Process  # a balancer without --upstream-tls-ca, in front of `tls`
+    with_ca: Process  # a balancer with --upstream-tls-ca alone, in front of `mutual` and `plain`
+
+
+@pytest.fixture(scope="module")
+def mismatched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mismatched]:
+    ca = Authority(tmp_path_factory.mktemp("ca"))
+    client = ca.issue("client")
+    one_way = ca.issue("one-way")
+    shown = ClientTLS.of(ca=str(ca.cert), cert=str(client.cert), key=str(client.key))
+    balancer = [str(BIN / "sluice-balancer"), "--port", "0"]
+    with (
+        running_tls(
+            server_argv("--tls-cert", str(one_way.cert), "--tls-key", str(one_way.key)),
+            ClientTLS.of(ca=str(ca.cert)),
+        ) as tls,
+        running_tls(server_argv(*mutual(ca, ca.issue("server"))), shown) as mtls,
+        running(server_argv()) as plain,
+        running([*balancer, "--backend", tls.address], serving=False) as no_tls,
+        running(
+            [
+                *balancer,
+                *("--upstream-tls-ca", str(ca.cert)),
+                *("--backend", mtls.address, "--backend", plain.address),
+            ],
+            serving=False,
+        ) as with_ca,
+    ):
+        yield Mismatched(tls, mtls, plain, no_tls, with_ca)
+
+
+def screen_of(health: pb.HealthResponse) -> str:
+    """What `sluice top --once` shows of `health`, as text."""
+    console = Console(record=True, width=200, color_system=None, file=io.StringIO())
+    console.print(top.render(None, health, 0.0))
+    return console.export_text()
+
+
+def reasons(address: str, count: int) -> pb.HealthResponse:
+    """The balancer's Health once each of its `count` backends has a reason it is out."""
+    return wait_health(
+        address,
+        lambda h: len(h.backends) == count and all(b.reason for b in h.backends),
+        "the reasons its backends are out",
+    )
+
+
+def test_plaintext_to_a_tls_server_says_to_give_the_ca(mismatched: Mismatched) -> None:
+    server = mismatched.tls.address
+    health = reasons(mismatched.no_tls.address, 1)
+    [backend] = health.backends
+    assert backend.reason == "speaks TLS: give the balancer --upstream-tls-ca", backend
+    with SluiceClient(mismatched.no_tls.address) as client, pytest.raises(grpc.RpcError) as caught:
+        client.predict({"input": SAMPLES[0].input}, timeout=30)
+    details = refused(caught.value)
+    assert f"{server} speaks TLS: give the balancer --upstream-tls-ca" in details, details
+    screen = screen_of(health)
+    assert f"{server}: speaks TLS: give the balancer --upstream-tls-ca" in screen, screen
+
+
+def test_tls_to_a_mutual_tls_server_says_to_give_a_certificate(mismatched: Mismatched) -> None:
+    server = mismatched.mutual.address
+    health = reasons(mismatched.with_ca.address, 2)
+    reason = {b.address: b.reason for b in health.backends}[server]
+    assert reason == "wants a client certificate: --upstream-tls-cert/--upstream-tls-key"
+    with (
+        SluiceClient(mismatched.with_ca.address) as client,
+        pytest.raises(grpc.RpcError) as caught,
+    ):
+        client.predict({"input": SAMPLES[0].input}, timeout=30)
+    details = refused(caught.value)
+    assert f"{server} wants a client certificate: --upstream-tls-cert" in details, details
+
+
+def test_tls_to_a_plaintext_server_says_to_drop_the_ca(mismatched: Mismatched) -> None:
+    server = mismatched.plain.address
+    health = reasons(mismatched.with_ca.address, 2)
+    reason = {b.address: b.reason for b in health.backends}[server]
+    assert reason == "is plaintext: drop --upstream-tls-ca", reason
+    line = f"backend {server} is NOT_SERVING: is plaintext: drop --upstream-tls-ca"
+    wait_for(lambda: any(line in text for text in list(mismatched.with_ca.lines)), "the log line")

@@ -277,7 +277,7 @@ class TenantStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., priority: _Optional[str] = ..., rate: _Optional[float] = ..., burst: _Optional[float] = ..., concurrency: _Optional[int] = ..., in_flight: _Optional[int] = ..., calls: _Optional[int] = ..., ok: _Optional[int] = ..., refused: _Optional[_Mapping[str, int]] = ..., failed: _Optional[_Mapping[str, int]] = ..., admin: _Optional[bool] = ...) -> None: ...
 
 class BackendStatus(_message.Message):
-    __slots__ = ("address", "health", "breaker", "in_flight", "calls", "failures", "ewma_ms", "share", "limit", "models")
+    __slots__ = ("address", "health", "breaker", "in_flight", "calls", "failures", "ewma_ms", "share", "limit", "models", "reason")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     BREAKER_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +288,7 @@ class BackendStatus(_message.Message):
     SHARE_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     address: str
     health: str
     breaker: str
@@ -298,7 +299,8 @@ class BackendStatus(_message.Message):
     share: float
     limit: float
     models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
-    def __init__(self, address: _Optional[str] = ..., health: _Optional[str] = ..., breaker: _Optional[str] = ..., in_flight: _Optional[int] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., ewma_ms: _Optional[float] = ..., share: _Optional[float] = ..., limit: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ...) -> None: ...
+    reason: str
+    def __init__(self, address: _Optional[str] = ..., health: _Optional[str] = ..., breaker: _Optional[str] = ..., in_flight: _Optional[int] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., ewma_ms: _Optional[float] = ..., share: _Optional[float] = ..., limit: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class BalancerStats(_message.Message):
     __slots__ = ("calls", "retries", "retries_refused", "unavailable", "shed")
