@@ -52,7 +52,7 @@ NO_METADATA: Mapping[str, str] = {}
 # The least time a models refresh may take before it is given up (until the next one).
 REFRESH_TIMEOUT_S = 1.0
 _NOT_FOUND = int(Code.NOT_FOUND)
-WIDEST_ID = 2**64 - 1  # a StreamRequest's id measured at its widest
+WIDEST_ID = 0xFFFF_FFFF_FFFF_FFFF  # a StreamRequest's id (uint64) measured at its widest
 REFUSES = "refuses connections"
 Models = dict[str, tuple[str, ...]]
 
