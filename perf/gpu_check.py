@@ -38,7 +38,7 @@ import grpc
 import numpy as np
 import onnxruntime as ort
 
-from perf import make_mlp, make_resnet, paired
+from perf import make_mlp, make_pool, make_resnet, paired
 from perf.launch import module_argv, running
 from sluice.perf.sweep import request_body
 from sluice.server.dataplane import gpu
@@ -79,27 +79,6 @@ def environment() -> dict[str, Any]:
         "missing_libraries": list(gpu.missing_libraries()),
         "cupy": cupy_version,
     }
-
-
-def pool_model(folder: Path, image: int) -> Path:
-    """The cheapest model that takes the ResNet's input: a global average pool to FP32[N, 3].
-    Its server p50 minus its own run time is the per-call cost of the server itself."""
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph(
-        [
-            helper.make_node("GlobalAveragePool", ["input"], ["pooled"]),
-            helper.make_node("Flatten", ["pooled"], ["output"]),
-        ],
-        "pool",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, image, image])],
-        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 3])],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path = folder / f"pool{image}.onnx"
-    path.write_bytes(model.SerializeToString())
-    return path
 
 
 # -- checks -----------------------------------------------------------------------------------
@@ -432,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["ort_alone_batch1_nhwc"] = ort_alone(resnet, x, device, args.count, NHWC)
 
     def overhead() -> None:
-        pool = pool_model(folder, image)
+        pool = make_pool.cached(image)
         ort_p50 = ort_alone(pool, x, "cpu", args.count)["session_run"]["p50_ms"]
         cpu = ["--device", "cpu"]
         served = serve(
