@@ -15,10 +15,10 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.balancer.settings import BalancerSettings
-from sluice.client import diagnose
 from sluice.core.errors import Code, SluiceError
 from sluice.core.limits import too_large
 from sluice.routing.pool import Health
+from sluice.runtime.probe import NO_CONNECTION, Port, Shown, resolving
 from sluice.runtime.tls import ClientTLS, aio_channel
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import unary
@@ -94,19 +94,19 @@ def unreached(exc: grpc.aio.AioRpcError) -> str:
     return f"unreachable ({exc.code().name})"
 
 
-def mismatch(port: diagnose.Port, shown: diagnose.Shown) -> str:
+def mismatch(port: Port, shown: Shown) -> str:
     """The TLS mismatch between what the balancer showed a server (`shown`: its
     --upstream-tls-* flags) and what a probe found at its port, with the flag that fixes it
     ("" if none is seen)."""
-    if not shown.tls and port in (diagnose.Port.TLS, diagnose.Port.TLS_CLOSED):
+    if not shown.tls and port in (Port.TLS, Port.TLS_CLOSED):
         return "speaks TLS: give the balancer --upstream-tls-ca" + (
             " (and --upstream-tls-cert/--upstream-tls-key: it wants a client certificate)"
-            if port is diagnose.Port.TLS_CLOSED
+            if port is Port.TLS_CLOSED
             else ""
         )
-    if shown.tls and port is diagnose.Port.PLAINTEXT:
+    if shown.tls and port is Port.PLAINTEXT:
         return "is plaintext: drop --upstream-tls-ca"
-    if shown.tls and port is diagnose.Port.TLS_CLOSED:
+    if shown.tls and port is Port.TLS_CLOSED:
         if shown.certificate:
             return (
                 "refuses the balancer's client certificate (--upstream-tls-cert): is it "
@@ -161,7 +161,7 @@ class Upstream:
         self.address = address
         # What it shows the server (TLS, a client certificate): a probe's finding is read
         # against it.
-        self.shown = diagnose.Shown(tls is not None, certificate)
+        self.shown = Shown(tls is not None, certificate)
         # Its health watch, models refresh and streams all ride this one channel.
         self.channel = aio_channel(address, tls, channel_options(keepalive_s))
         self.streams = [
@@ -253,9 +253,9 @@ class Upstream:
 
         grpc says only UNAVAILABLE of a TLS mismatch (plaintext to a TLS port, no client
         certificate for a mutual-TLS one, TLS to a plaintext one): a connection that never
-        formed and was not refused is probed once per outage (`diagnose.probe`, in a thread,
-        at most PROBE_S; the reconnect waits for it), and what it finds stands as why until
-        the server answers or refuses connections."""
+        formed and was not refused is probed once per outage (sluice.runtime.probe's
+        `resolving`, a name resolved first, at most PROBE_S; the reconnect waits for it), and
+        what it finds stands as why until the server answers or refuses connections."""
 
         async def watch() -> None:
             stub = health_pb2_grpc.HealthStub(self.channel)
@@ -282,7 +282,7 @@ class Upstream:
                     why = unreached(exc)
                     if why == REFUSES:
                         found = None  # nothing listens: probe what listens there next
-                    elif found is None and diagnose.NO_CONNECTION in (exc.details() or ""):
+                    elif found is None and NO_CONNECTION in (exc.details() or ""):
                         report(Health.NOT_SERVING, unreachable, why)  # out now, not after it
                         unreachable = False
                         found = await self._mismatch()
@@ -332,16 +332,9 @@ class Upstream:
         self._tasks += [asyncio.create_task(watch()), asyncio.create_task(probe())]
 
     async def _mismatch(self) -> str:
-        """The TLS mismatch a probe of the server's port finds ("" if none), off the event
-        loop; a name that does not resolve within the bound finds none (its thread ends on
-        its own)."""
-        try:
-            port = await asyncio.wait_for(
-                asyncio.to_thread(diagnose.probe, self.address), 2 * diagnose.PROBE_S
-            )
-        except TimeoutError:
-            return ""
-        return mismatch(port, self.shown)
+        """The TLS mismatch a probe of the server's port finds ("" if none), within the
+        probe's bound."""
+        return mismatch(await resolving(self.address), self.shown)
 
     async def close(self) -> None:
         for task in self._tasks:

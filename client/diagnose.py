@@ -3,10 +3,8 @@ hit and how to raise it, or the TLS mismatch behind a connection that never form
 
 Only failed calls come here. A size limit, and a certificate this client does not trust, are
 read off grpc's own words; a connection that failed before any call went out is looked into
-with one probe of the target (a TCP connect and a TLS handshake that checks nothing, then one
-short read; `PROBE_S` in all), which tells a TLS port from a plaintext one and sees a port that
-closes after the handshake because it wanted a client certificate. Only IP literals (and
-localhost) are probed: a name would be resolved without a bound. What a probe found is kept
+with one probe of the target (sluice.runtime.probe: at most `PROBE_S`, IP literals and
+localhost only, a name would be resolved without a bound). What a probe found is kept
 `KEEP_S` per target (`Probes`), so a retry loop against a host that drops packets waits for
 it once, not on every failed call. The error keeps grpc's code and words, the hint goes first,
 in the words of whoever reads it (`Audience`: the Python client's keywords, or the sluice
@@ -16,29 +14,24 @@ commands' flags and variables).
 from __future__ import annotations
 
 import enum
-import ipaddress
 import re
-import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import cast
 
 import grpc
 
 from sluice.core import limits
+from sluice.runtime.probe import NO_CONNECTION, PROBE_S, VERIFY_FAILED, Port, probe
+from sluice.runtime.probe import Shown as Shown  # explained()'s: callers name it here
 
-PROBE_S = 1.0  # the probe's bound, connect to last read
 KEEP_S = 10.0  # how long a target's probe result is kept
 # grpc's words for a message over a limit: whose limit (CLIENT: this process's own), which
 # way the message went, its size and the limit.
 OVER_LIMIT = re.compile(
     r"(CLIENT|SERVER): (Sent|Received) message larger than max \((\d+) vs\. (\d+)\)"
 )
-NO_CONNECTION = "failed to connect to all addresses"
-VERIFY_FAILED = "CERTIFICATE_VERIFY_FAILED"  # grpc's words for a certificate not trusted
 
 
 class Audience(enum.Enum):
@@ -93,23 +86,6 @@ UNTRUSTED = {
     Audience.COMMANDS: "this command does not trust {target}'s certificate: --tls-ca [env "
     "SLUICE_TLS_CA] must hold the CA that signed it",
 }
-
-
-@dataclass(frozen=True)
-class Shown:
-    """What a client offered the target: TLS, and a client certificate."""
-
-    tls: bool = False
-    certificate: bool = False
-
-
-class Port(enum.Enum):
-    """What one probe found at a port."""
-
-    UNKNOWN = "unknown"  # no connection, or an answer that tells nothing
-    TLS = "tls"  # a handshake, then it spoke
-    TLS_CLOSED = "tls-closed"  # a handshake (showing no certificate), then it closed
-    PLAINTEXT = "plaintext"  # it answered the handshake with bytes that are not TLS
 
 
 def explained(
@@ -227,57 +203,6 @@ class Probes:
 
 
 PROBES = Probes()  # this process's: every client's failed calls share what was found
-
-
-def probe(target: str, bound_s: float = PROBE_S) -> Port:
-    """What answers at `target` (an IP literal or localhost, `host_port`): a TCP connect, a
-    TLS handshake that checks no certificate and shows none, then one read. A gRPC server
-    speaks first once the handshake is done (its settings); one that wanted a client
-    certificate closes instead (TLS 1.3 sends the client's certificate after the client's side
-    of the handshake is done, so the refusal comes as the read's end of file or an alert)."""
-    address = host_port(target)
-    if address is None:
-        return Port.UNKNOWN
-    deadline = time.monotonic() + bound_s
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE  # only whether it speaks TLS, not whom to trust
-    context.set_alpn_protocols(["h2"])
-    try:
-        with socket.create_connection(address, timeout=bound_s) as raw:
-            raw.settimeout(max(deadline - time.monotonic(), 0.01))
-            try:
-                tls = context.wrap_socket(raw)
-            except ssl.SSLError as exc:
-                return Port.PLAINTEXT if exc.reason == "WRONG_VERSION_NUMBER" else Port.UNKNOWN
-            with tls:
-                tls.settimeout(max(deadline - time.monotonic(), 0.01))
-                try:
-                    return Port.TLS if tls.recv(1) else Port.TLS_CLOSED
-                except ssl.SSLError as exc:  # an alert: TLS 1.3's CERTIFICATE_REQUIRED
-                    return Port.TLS_CLOSED if "CERTIFICATE" in str(exc.reason) else Port.UNKNOWN
-                except TimeoutError:
-                    return Port.TLS  # a TLS port that waits for the client to speak
-    except OSError:
-        return Port.UNKNOWN
-
-
-def host_port(target: str) -> tuple[str, int] | None:
-    """The IP address and port of a `HOST:PORT` target (also `[IPv6]:PORT`,
-    `dns:///HOST:PORT`, `ipv4:HOST:PORT`) whose host is an IP literal or localhost; None for
-    a name (resolving it has no bound) and other kinds (a Unix socket, several addresses)."""
-    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
-        target = target.removeprefix(scheme)
-    host, sep, port = target.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not port.isdigit() or "," in target or "/" in target:
-        return None
-    if host == "localhost":
-        return "127.0.0.1", int(port)  # the name every host gives its own loopback
-    try:
-        return str(ipaddress.ip_address(host)), int(port)
-    except ValueError:
-        return None
 
 
 def _unavailable(error: grpc.RpcError) -> bool:

@@ -7,7 +7,8 @@ not listening, so every connect is refused and nothing else can take the port me
 A TLS mismatch between the balancer and its servers is named with the flag that fixes it, in
 a Predict's UNAVAILABLE, in the balancer's Health (each backend's `reason`) and in `sluice
 top`: plaintext to a TLS server, TLS without the client certificate a mutual-TLS server
-requires, TLS to a plaintext server. Real servers, certificates made here."""
+requires, TLS to a plaintext server. A backend given by name is probed at the address its
+name resolves to. Real servers, certificates made here."""
 
 from __future__ import annotations
 
@@ -115,6 +116,7 @@ class Mismatched:
     plain: Process
     no_tls: Process  # a balancer without --upstream-tls-ca, in front of `tls`
     with_ca: Process  # a balancer with --upstream-tls-ca alone, in front of `mutual` and `plain`
+    by_name: Process  # a balancer without --upstream-tls-ca, in front of `tls` by a name
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +142,16 @@ def mismatched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mismatched]
             ],
             serving=False,
         ) as with_ca,
+        running([*balancer, "--backend", named(tls.address)], serving=False) as by_name,
     ):
-        yield Mismatched(tls, mtls, plain, no_tls, with_ca)
+        yield Mismatched(tls, mtls, plain, no_tls, with_ca, by_name)
+
+
+def named(address: str) -> str:
+    """`address` (127.0.0.1:PORT) by a name only a resolver turns into 127.0.0.1: the hosts
+    file's localhost (names are case-insensitive), not the spelling read without one."""
+    assert address.startswith("127.0.0.1:"), address
+    return address.replace("127.0.0.1", "LOCALHOST")
 
 
 def screen_of(health: pb.HealthResponse) -> str:
@@ -194,3 +204,9 @@ def test_tls_to_a_plaintext_server_says_to_drop_the_ca(mismatched: Mismatched) -
     assert reason == "is plaintext: drop --upstream-tls-ca", reason
     line = f"backend {server} is NOT_SERVING: is plaintext: drop --upstream-tls-ca"
     wait_for(lambda: any(line in text for text in list(mismatched.with_ca.lines)), "the log line")
+
+
+def test_a_backend_given_by_name_is_probed_where_it_resolves(mismatched: Mismatched) -> None:
+    [backend] = reasons(mismatched.by_name.address, 1).backends
+    assert backend.address == named(mismatched.tls.address), backend
+    assert backend.reason == "speaks TLS: give the balancer --upstream-tls-ca", backend

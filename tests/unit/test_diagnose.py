@@ -1,8 +1,8 @@
 """The hints sluice.client.diagnose adds: read off grpc's words for a size limit or an
-untrusted certificate, a target probed at most once a while and never by name, and naming
-only options that exist, in the reader's words (the client's parameters for Python, the
-commands' flags and variables for the commands; the programs' flag for both). The probes go
-to a listening socket on 127.0.0.1 made here, which never answers."""
+untrusted certificate, a target probed at most once a while (the probe itself is
+test_probe's), and naming only options that exist, in the reader's words (the client's
+parameters for Python, the commands' flags and variables for the commands; the programs' flag
+for both). The probes go to a listening socket on 127.0.0.1 made here, which never answers."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import grpc
 import pytest
 
 from sluice.client import SluiceClient, cli, connect, diagnose
-from sluice.client.diagnose import Audience, Port, Shown
+from sluice.client.diagnose import Audience
 from sluice.runtime import config
+from sluice.runtime.probe import Port, Shown
 from sluice.runtime.settings import ProgramSettings
 
 TARGET = "127.0.0.1:9"
@@ -124,30 +125,6 @@ def test_the_tls_hint_of_each_mismatch(shown: Shown, port: Port, words: str) -> 
 )
 def test_no_tls_hint_where_client_and_port_agree(shown: Shown, port: Port) -> None:
     assert diagnose.tls_hint(TARGET, shown, port, PYTHON) == ""
-
-
-@pytest.mark.parametrize(
-    ("target", "address"),
-    [
-        ("127.0.0.1:8000", ("127.0.0.1", 8000)),
-        ("localhost:1", ("127.0.0.1", 1)),  # loopback, without asking a resolver
-        ("[::1]:8000", ("::1", 8000)),
-        ("dns:///127.0.0.1:443", ("127.0.0.1", 443)),
-        ("ipv4:10.0.0.1:80", ("10.0.0.1", 80)),
-        # A name is not probed: resolving it has no bound (a resolver that drops packets).
-        ("dns:///example.org:443", None),
-        ("example.org:443", None),
-        ("unix:/tmp/sock", None),
-        ("ipv4:10.0.0.1:80,10.0.0.2:80", None),
-        ("example.org", None),
-    ],
-)
-def test_host_port(target: str, address: tuple[str, int] | None) -> None:
-    assert diagnose.host_port(target) == address
-
-
-def test_a_port_nothing_listens_on_is_unknown() -> None:
-    assert diagnose.probe("127.0.0.1:9", bound_s=0.5) in (Port.UNKNOWN,)
 
 
 def hints() -> dict[str, list[str]]:
