@@ -18,7 +18,7 @@ from sluice.balancer.settings import BalancerSettings
 from sluice.core.errors import Code, SluiceError
 from sluice.core.limits import too_large
 from sluice.routing.pool import Health
-from sluice.runtime.probe import NO_CONNECTION, Port, Shown, resolving
+from sluice.runtime.probe import NO_CONNECTION, VERIFY_FAILED, Port, Shown, resolving
 from sluice.runtime.tls import ClientTLS, aio_channel
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import unary
@@ -54,6 +54,12 @@ REFRESH_TIMEOUT_S = 1.0
 _NOT_FOUND = int(Code.NOT_FOUND)
 WIDEST_ID = 0xFFFF_FFFF_FFFF_FFFF  # a StreamRequest's id (uint64) measured at its widest
 REFUSES = "refuses connections"
+UNTRUSTED = "presents a certificate --upstream-tls-ca does not trust: give the CA that signed it"
+OTHER_NAME = (
+    "presents a certificate for another name than the balancer checks (--upstream-server-name, "
+    "default the backend's host): give a name the certificate holds"
+)
+NAME_FAILED = "Hostname Verification Check failed"  # grpc's words for a certificate's name
 Models = dict[str, tuple[str, ...]]
 
 
@@ -94,10 +100,15 @@ def unreached(exc: grpc.aio.AioRpcError) -> str:
     return f"unreachable ({exc.code().name})"
 
 
-def mismatch(port: Port, shown: Shown) -> str:
+def mismatch(port: Port, shown: Shown, details: str = "") -> str:
     """The TLS mismatch between what the balancer showed a server (`shown`: its
-    --upstream-tls-* flags) and what a probe found at its port, with the flag that fixes it
-    ("" if none is seen)."""
+    --upstream-tls-* flags) and what a probe found at its port, or what grpc said of a
+    connection that failed (`details`: a certificate not trusted, or not for the name
+    checked), with the flag that fixes it ("" if none is seen)."""
+    if shown.tls and VERIFY_FAILED in details:
+        return UNTRUSTED
+    if shown.tls and NAME_FAILED in details:
+        return OTHER_NAME
     if not shown.tls and port in (Port.TLS, Port.TLS_CLOSED):
         return "speaks TLS: give the balancer --upstream-tls-ca" + (
             " (and --upstream-tls-cert/--upstream-tls-key: it wants a client certificate)"
@@ -255,7 +266,9 @@ class Upstream:
         certificate for a mutual-TLS one, TLS to a plaintext one): a connection that never
         formed and was not refused is probed once per outage (sluice.runtime.probe's
         `resolving`, a name resolved first, at most PROBE_S; the reconnect waits for it), and
-        what it finds stands as why until the server answers or refuses connections."""
+        what it finds stands as why until the server answers or refuses connections. A
+        certificate the balancer does not trust, or one for another name, grpc names itself:
+        no probe then."""
 
         async def watch() -> None:
             stub = health_pb2_grpc.HealthStub(self.channel)
@@ -285,7 +298,7 @@ class Upstream:
                     elif found is None and NO_CONNECTION in (exc.details() or ""):
                         report(Health.NOT_SERVING, unreachable, why)  # out now, not after it
                         unreachable = False
-                        found = await self._mismatch()
+                        found = await self._mismatch(exc.details() or "")
                     why = found or why
                 else:
                     announced = True  # a watch that ended cleanly: a server shutting down
@@ -331,10 +344,11 @@ class Upstream:
 
         self._tasks += [asyncio.create_task(watch()), asyncio.create_task(probe())]
 
-    async def _mismatch(self) -> str:
-        """The TLS mismatch a probe of the server's port finds ("" if none), within the
-        probe's bound."""
-        return mismatch(await resolving(self.address), self.shown)
+    async def _mismatch(self, details: str) -> str:
+        """The TLS mismatch grpc's `details` name, or else a probe of the server's port finds
+        ("" if none), within the probe's bound."""
+        said = mismatch(Port.UNKNOWN, self.shown, details)  # grpc's words alone: no probe
+        return said or mismatch(await resolving(self.address), self.shown)
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -7,8 +7,10 @@ not listening, so every connect is refused and nothing else can take the port me
 A TLS mismatch between the balancer and its servers is named with the flag that fixes it, in
 a Predict's UNAVAILABLE, in the balancer's Health (each backend's `reason`) and in `sluice
 top`: plaintext to a TLS server, TLS without the client certificate a mutual-TLS server
-requires, TLS to a plaintext server. A backend given by name is probed at the address its
-name resolves to. Real servers, certificates made here."""
+requires, TLS to a plaintext server, TLS with a CA that did not sign the server's certificate
+(a second CA), TLS checking a name the server's certificate does not hold. A backend given by
+name is probed at the address its name resolves to. Real
+servers, certificates made here."""
 
 from __future__ import annotations
 
@@ -116,12 +118,15 @@ class Mismatched:
     plain: Process
     no_tls: Process  # a balancer without --upstream-tls-ca, in front of `tls`
     with_ca: Process  # a balancer with --upstream-tls-ca alone, in front of `mutual` and `plain`
+    other_ca: Process  # a balancer trusting another CA, in front of `tls`
+    other_name: Process  # a balancer checking a name `tls`'s certificate lacks, in front of it
     by_name: Process  # a balancer without --upstream-tls-ca, in front of `tls` by a name
 
 
 @pytest.fixture(scope="module")
 def mismatched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mismatched]:
     ca = Authority(tmp_path_factory.mktemp("ca"))
+    other = Authority(tmp_path_factory.mktemp("other-ca"), "other")
     client = ca.issue("client")
     one_way = ca.issue("one-way")
     shown = ClientTLS.of(ca=str(ca.cert), cert=str(client.cert), key=str(client.key))
@@ -142,9 +147,21 @@ def mismatched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mismatched]
             ],
             serving=False,
         ) as with_ca,
+        running(
+            [*balancer, "--upstream-tls-ca", str(other.cert), "--backend", tls.address],
+            serving=False,
+        ) as other_ca,
+        running(
+            [
+                *balancer,
+                *("--upstream-tls-ca", str(ca.cert), "--upstream-server-name", "elsewhere.test"),
+                *("--backend", tls.address),
+            ],
+            serving=False,
+        ) as other_name,
         running([*balancer, "--backend", named(tls.address)], serving=False) as by_name,
     ):
-        yield Mismatched(tls, mtls, plain, no_tls, with_ca, by_name)
+        yield Mismatched(tls, mtls, plain, no_tls, with_ca, other_ca, other_name, by_name)
 
 
 def named(address: str) -> str:
@@ -204,6 +221,27 @@ def test_tls_to_a_plaintext_server_says_to_drop_the_ca(mismatched: Mismatched) -
     assert reason == "is plaintext: drop --upstream-tls-ca", reason
     line = f"backend {server} is NOT_SERVING: is plaintext: drop --upstream-tls-ca"
     wait_for(lambda: any(line in text for text in list(mismatched.with_ca.lines)), "the log line")
+
+
+@pytest.mark.parametrize(
+    ("balancer", "said"),
+    [
+        ("other_ca", "presents a certificate --upstream-tls-ca does not trust"),
+        ("other_name", "presents a certificate for another name than the balancer checks"),
+    ],
+)
+def test_a_certificate_the_balancer_refuses_says_which_flag(
+    mismatched: Mismatched, balancer: str, said: str
+) -> None:
+    server, address = mismatched.tls.address, getattr(mismatched, balancer).address
+    [backend] = reasons(address, 1).backends
+    assert backend.reason.startswith(said), backend
+    flag = "--upstream-tls-ca" if balancer == "other_ca" else "--upstream-server-name"
+    assert flag in backend.reason, backend
+    with SluiceClient(address) as client, pytest.raises(grpc.RpcError) as caught:
+        client.predict({"input": SAMPLES[0].input}, timeout=30)
+    details = refused(caught.value)
+    assert f"{server} {said}" in details, details
 
 
 def test_a_backend_given_by_name_is_probed_where_it_resolves(mismatched: Mismatched) -> None:
