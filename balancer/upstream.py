@@ -18,7 +18,7 @@ from sluice.balancer.settings import BalancerSettings
 from sluice.core.errors import Code, SluiceError
 from sluice.core.limits import too_large
 from sluice.routing.pool import Health
-from sluice.runtime.probe import NO_CONNECTION, VERIFY_FAILED, Port, Shown, resolving
+from sluice.runtime.probe import NAME_FAILED, NO_CONNECTION, Port, Shown, resolving, untrusted
 from sluice.runtime.tls import ClientTLS, aio_channel
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import unary
@@ -59,7 +59,6 @@ OTHER_NAME = (
     "presents a certificate for another name than the balancer checks (--upstream-server-name, "
     "default the backend's host): give a name the certificate holds"
 )
-NAME_FAILED = "Hostname Verification Check failed"  # grpc's words for a certificate's name
 Models = dict[str, tuple[str, ...]]
 
 
@@ -105,7 +104,7 @@ def mismatch(port: Port, shown: Shown, details: str = "") -> str:
     --upstream-tls-* flags) and what a probe found at its port, or what grpc said of a
     connection that failed (`details`: a certificate not trusted, or not for the name
     checked), with the flag that fixes it ("" if none is seen)."""
-    if shown.tls and VERIFY_FAILED in details:
+    if shown.tls and untrusted(details):
         return UNTRUSTED
     if shown.tls and NAME_FAILED in details:
         return OTHER_NAME

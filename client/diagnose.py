@@ -23,7 +23,7 @@ from typing import cast
 import grpc
 
 from sluice.core import limits
-from sluice.runtime.probe import NO_CONNECTION, PROBE_S, VERIFY_FAILED, Port, probe
+from sluice.runtime.probe import NAME_FAILED, NO_CONNECTION, PROBE_S, Port, probe, untrusted
 from sluice.runtime.probe import Shown as Shown  # explained()'s: callers name it here
 
 KEEP_S = 10.0  # how long a target's probe result is kept
@@ -87,6 +87,14 @@ UNTRUSTED = {
     "SLUICE_TLS_CA] must hold the CA that signed it",
 }
 
+OTHER_NAME = {
+    Audience.PYTHON: "{target}'s certificate is for another name than this client checks "
+    "(server_name=, default the target's host): give a name the certificate holds",
+    Audience.COMMANDS: "{target}'s certificate is for another name than this command checks "
+    "(--server-name [env SLUICE_SERVER_NAME], default the target's host): give a name the "
+    "certificate holds",
+}
+
 
 def explained(
     error: grpc.RpcError,
@@ -103,8 +111,10 @@ def explained(
     details = _details(error)
     hint = size_hint(details, target, audience)
     if not hint and shown is not None and target and _unavailable(error):
-        if shown.tls and VERIFY_FAILED in details:  # grpc said it: no probe
+        if shown.tls and untrusted(details):  # grpc said it: no probe
             hint = UNTRUSTED[audience].format(target=target)
+        elif shown.tls and NAME_FAILED in details:
+            hint = OTHER_NAME[audience].format(target=target)
         elif NO_CONNECTION in details:
             port = (probes or PROBES).port(target)
             hint = tls_hint(target, shown, port, audience)
@@ -131,7 +141,7 @@ def needs_probe(
         and bool(target)
         and _unavailable(error)
         and NO_CONNECTION in details
-        and not (shown.tls and VERIFY_FAILED in details)
+        and not (shown.tls and (untrusted(details) or NAME_FAILED in details))
         and (probes or PROBES).kept(target) is None
     )
 

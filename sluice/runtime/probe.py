@@ -23,10 +23,13 @@ import time
 from dataclasses import dataclass
 
 PROBE_S = 1.0  # the probe's bound, resolving (where it does) to last read
-# grpc's words for a connection that failed: one that never formed (worth a probe), and a
-# certificate that was not trusted (it says so itself: no probe).
+# grpc's words for a connection that never formed (worth a probe, where grpc's words below
+# do not already say why).
 NO_CONNECTION = "failed to connect to all addresses"
-VERIFY_FAILED = "CERTIFICATE_VERIFY_FAILED"
+# grpc's words for a certificate the caller's CAs do not take: an unknown issuer, or an
+# issuer of the same name whose signature does not check.
+UNTRUSTED_WORDS = ("CERTIFICATE_VERIFY_FAILED", "BAD_SIGNATURE")
+NAME_FAILED = "Hostname Verification Check failed"  # grpc's words for a certificate's name
 
 
 @dataclass(frozen=True)
@@ -147,3 +150,8 @@ def literal(host: str) -> str | None:
         return str(ipaddress.ip_address(host))
     except ValueError:
         return None
+
+
+def untrusted(details: str) -> bool:
+    """Whether grpc's `details` say the peer's certificate is not trusted."""
+    return any(word in details for word in UNTRUSTED_WORDS)

@@ -103,6 +103,22 @@ def test_tls_to_a_plaintext_port_says_it_is_plaintext(ports: Ports) -> None:
     assert f"{target} speaks plaintext" in details, details
 
 
+def test_a_certificate_for_another_name_says_which_option(ports: Ports) -> None:
+    target = ports.one_way.address
+    details = refusal(target, tls_ca=str(ports.ca.cert), server_name="elsewhere.test")
+    assert f"{target}'s certificate is for another name" in details, details
+    assert "server_name=" in details and "--server-name" not in details
+
+
+def test_an_untrusted_certificate_says_which_option(
+    ports: Ports, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    other = Authority(tmp_path_factory.mktemp("other-ca"))
+    target = ports.one_way.address
+    details = refusal(target, tls_ca=str(other.cert))
+    assert f"this client does not trust {target}'s certificate" in details, details
+
+
 def test_a_reachable_port_in_the_right_mode_is_not_diagnosed(ports: Ports) -> None:
     with SluiceClient(ports.one_way.address, tls_ca=str(ports.ca.cert)) as client:
         assert client.health().node_id == "test-node"
