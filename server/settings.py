@@ -61,6 +61,15 @@ class ServerSettings(ProgramSettings):
             "make it faster, measured when the model loads"
         },
     )
+    ort_spinning: bool = field(
+        default=False,
+        metadata={
+            "help": "let ONNX Runtime's intra-op threads spin while they wait for work (on or "
+            "off): a multi-threaded run alone gets faster, but spinning threads take the "
+            "cores the event loop and gRPC's threads need, so a served convnet used more CPU "
+            "per call, for no shorter calls, with it on"
+        },
+    )
     workers: str = field(
         default="1",
         metadata={
@@ -170,6 +179,7 @@ class ServerSettings(ProgramSettings):
             pinned=self.pinned_staging,
             cuda_options=self.provider_options(),
             inline_max_s=self.inline_max_us / 1e6,
+            spinning=self.ort_spinning,
         )
 
     def worker_count(self, gpu: bool) -> int:

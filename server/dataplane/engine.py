@@ -383,6 +383,7 @@ class Engine:
         stage: bool | None = None,
         cuda_options: Mapping[str, str] | None = None,
         max_batch: int = 1,
+        spinning: bool = False,
     ) -> None:
         path = Path(model_path)
         if not path.is_file():
@@ -395,6 +396,10 @@ class Engine:
         # The CPU arena keeps each run's peak for good (+230 MB after one 100,000-row run of
         # the digits model); without it small runs were no slower here (40 us against 63).
         options.enable_cpu_mem_arena = False
+        # Every session below, the probes of _threads and _start_cuda included, takes these.
+        spin = "1" if spinning else "0"
+        options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+        options.add_session_config_entry("session.inter_op.allow_spinning", spin)
         providers = choose_providers(device)
         self.fallback = ""  # why CUDA was asked for and the CPU serves ("" if it was not)
         if device == "auto" and CUDA not in providers and gpu.device_count() > 0:
