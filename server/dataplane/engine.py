@@ -214,7 +214,11 @@ class Instance:
             for buffer in buffers:
                 self.pool.give(buffer)
         if len(batch) > 1:
-            split = staging.split(results, rows)
+            # Outputs of a known row shape sit in pooled buffers when there are any; the rest
+            # are ONNX Runtime's own arrays, which views keep alive.
+            pooled = self._row_shapes if out_buffers else {}
+            owned = [name for name in results if name not in pooled]
+            split = staging.split(results, rows, views=owned)
         elif out_buffers:  # copies out of the pooled buffers, which go back now
             split = [{name: array.copy() for name, array in results.items()}]
         else:

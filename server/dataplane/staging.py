@@ -1,10 +1,11 @@
 """Merging requests into one batch and splitting the outputs back, along the first
 dimension. Batch inputs are copied straight into pooled staging buffers (no concatenate);
-outputs are cut back into per-request copies, so the buffers can return to the pool."""
+outputs are cut back into per-request copies where they sit in pooled buffers, so the
+buffers can return to the pool, and into views where ONNX Runtime allocated them."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -39,8 +40,13 @@ def merge(
     return merged, taken
 
 
-def split(outputs: Mapping[str, np.ndarray], rows: Sequence[int]) -> list[dict[str, np.ndarray]]:
-    """Per-request copies of each output's rows, in request order."""
+def split(
+    outputs: Mapping[str, np.ndarray], rows: Sequence[int], views: Collection[str] = ()
+) -> list[dict[str, np.ndarray]]:
+    """Each output's rows per request, in request order: copies (the arrays may sit in pooled
+    buffers, which go back to the pool), but views for the outputs named in `views` (arrays
+    of their own, such as ONNX Runtime's: a view keeps the batch's array alive as long as a
+    request's reply needs it)."""
     results: list[dict[str, np.ndarray]] = [{} for _ in rows]
     for name, array in outputs.items():
         if len(array) != sum(rows):
@@ -50,7 +56,8 @@ def split(outputs: Mapping[str, np.ndarray], rows: Sequence[int]) -> list[dict[s
             )
         offset = 0
         for result, n in zip(results, rows, strict=True):
-            result[name] = array[offset : offset + n].copy()
+            rows_of_one = array[offset : offset + n]
+            result[name] = rows_of_one if name in views else rows_of_one.copy()
             offset += n
     return results
 

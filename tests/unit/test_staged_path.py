@@ -15,6 +15,7 @@ from onnx import TensorProto, helper
 
 from sluice import models
 from sluice.core.errors import InvalidInput, ModelFailed
+from sluice.server.dataplane import staging
 from sluice.server.dataplane.batcher import Batcher, Pending
 from sluice.server.dataplane.engine import Engine, Instance, _run_error
 from sluice.server.dataplane.models import Model
@@ -280,3 +281,38 @@ def test_only_onnx_runtimes_input_checks_are_the_callers_fault() -> None:
         "Invalid input shape"
     )
     assert isinstance(_run_error(kernel), ModelFailed)
+
+
+def test_split_copies_unless_told_to_cut_views() -> None:
+    """ONNX Runtime's own output arrays stay alive as long as a view of them does: a batch's
+    requests get views. Outputs in pooled buffers, which go back to the pool, are copied."""
+    out = np.arange(12, dtype=np.float32).reshape(3, 4)
+    viewed = staging.split({"y": out}, [1, 2], views={"y"})
+    assert all(np.shares_memory(r["y"], out) for r in viewed)
+    copied = staging.split({"y": out}, [1, 2])
+    assert not any(np.shares_memory(r["y"], out) for r in copied)
+    for result in (viewed, copied):
+        np.testing.assert_array_equal(np.concatenate([r["y"] for r in result]), out)
+
+
+async def test_a_batch_gets_views_of_onnx_runtimes_outputs_and_copies_of_pooled_ones(
+    folder: Path,
+) -> None:
+    """`wide` has no known row shape, so ONNX Runtime allocates it: each request's rows are a
+    view of that one array. `fixed` sits in a pooled buffer: each request gets a copy."""
+    path = _model(
+        folder / "two_outputs.onnx",
+        [helper.make_node("Add", ["x", "x"], ["wide"]), helper.make_node("Neg", ["k"], ["fixed"])],
+        [_fp32("x", ["N", "W"]), _fp32("k", ["N", 4])],
+        [_fp32("wide", ["N", "W"]), _fp32("fixed", ["N", 4])],
+    )
+    for engine in staged(path):
+        x = np.arange(6, dtype=np.float32).reshape(3, 2)
+        k = np.arange(12, dtype=np.float32).reshape(3, 4)
+        for _ in range(2):  # the second time from pooled buffers
+            results = await _run(engine, [{"x": x[:1], "k": k[:1]}, {"x": x[1:], "k": k[1:]}])
+            np.testing.assert_array_equal(np.concatenate([r["wide"] for r in results]), 2 * x)
+            np.testing.assert_array_equal(np.concatenate([r["fixed"] for r in results]), -k)
+            first, second = (r["wide"] for r in results)
+            assert first.base is not None and first.base is second.base
+            assert all(r["fixed"].flags.owndata for r in results)
