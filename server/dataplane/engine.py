@@ -132,7 +132,9 @@ def _run_error(exc: Exception) -> Exception:
 
 class Instance:
     """One model instance: runs one batch at a time, inline on the event loop when its runs
-    are tiny (the thread hop would cost more), else in a thread.
+    are tiny (the thread hop would cost more), else in a thread. Tiny is decided once, from
+    `row_seconds`, the cost of a row measured at load: a run slowed by load on the machine
+    does not move it.
 
     Staged (CUDA, or asked for): every batch, even of one request, is copied into pooled
     staging buffers and run through IO binding, outputs written into pooled buffers too
@@ -153,6 +155,7 @@ class Instance:
         stage_always: bool = False,
         batchable: bool = False,
         inline_max_s: float = 0.0,
+        row_seconds: float = math.inf,
         stream: Any = None,
         by_rows: Mapping[int, ort.InferenceSession] | None = None,
         spill: Callable[[], ort.InferenceSession] | None = None,
@@ -168,6 +171,7 @@ class Instance:
         self.stage_always = stage_always
         self.pad = stage_always and batchable
         self.inline_max_s = inline_max_s
+        self.row_seconds = row_seconds
         self.stream = stream  # (stream, handle): keeps a user compute stream alive with the session
         # Where the first dimension of every input and output is the batch, outputs whose
         # other dimensions are known are written into pooled buffers. ONNX Runtime allocates
@@ -179,11 +183,9 @@ class Instance:
             if batchable and all(d is not None for d in s.shape[1:])
         }
         self._dtypes = {s.name: s.dtype for s in output_specs}
-        self.runs = 0
-        self.seconds_per_row = 0.0  # decaying average of model time per row
 
     def _inline(self, rows: int) -> bool:
-        return self.runs >= 8 and self.seconds_per_row * rows <= self.inline_max_s
+        return self.row_seconds * rows <= self.inline_max_s
 
     def run_inline(
         self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int
@@ -227,11 +229,6 @@ class Instance:
             self.pool.give(buffer)
         return split
 
-    def _observe(self, seconds: float, rows: int) -> None:
-        self.runs += 1
-        weight = 0.2 if self.runs > 1 else 1.0
-        self.seconds_per_row += weight * (seconds / max(rows, 1) - self.seconds_per_row)
-
     def run_sync(
         self,
         inputs: Mapping[str, np.ndarray],
@@ -245,12 +242,10 @@ class Instance:
         session.run: its arrays are already in place, and IO binding's Python calls cost
         about 30 us more than the whole run of a small model."""
         if not pooled_inputs and not self.stage_always:
-            started = time.perf_counter()
             try:
                 values = self.session.run(list(outputs), dict(inputs))
             except Exception as exc:
                 raise _run_error(exc) from None
-            self._observe(time.perf_counter() - started, rows)
             return dict(zip(outputs, values, strict=True)), []
         # ONNX Runtime keeps raw pointers: every bound array lives until the run ends.
         bound = [np.ascontiguousarray(given) for given in inputs.values()]
@@ -275,14 +270,12 @@ class Instance:
             bound.append(array)
             binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
             results[name] = array[:rows]
-        started = time.perf_counter()
         try:
             session.run_with_iobinding(binding)
         except Exception as exc:
             for buffer in pooled:
                 self.pool.give(buffer)
             raise _run_error(exc) from None
-        self._observe(time.perf_counter() - started, rows)
         if dynamic:
             for name, value in zip(outputs, binding.get_outputs(), strict=True):
                 if name not in dynamic:
@@ -327,11 +320,14 @@ def zeros(specs: Sequence[TensorSpec], rows: int = 1) -> dict[str, np.ndarray]:
     }
 
 
-def run_seconds(session: ort.InferenceSession, inputs: Mapping[str, np.ndarray]) -> float:
-    """The best of a few timed runs, after one that allocates."""
+def run_seconds(
+    session: ort.InferenceSession, inputs: Mapping[str, np.ndarray], budget_s: float = math.inf
+) -> float:
+    """The best of a few timed runs, after one that allocates; fewer once the timed runs
+    add up to `budget_s` (a slow model is known slow from one run)."""
     session.run(None, dict(inputs))
-    times = []
-    for _ in range(5):
+    times: list[float] = []
+    while len(times) < 5 and sum(times) < budget_s:
         started = time.perf_counter()
         session.run(None, dict(inputs))
         times.append(time.perf_counter() - started)
@@ -469,6 +465,8 @@ class Engine:
         # changing sizes ran at 55 calls/s where single requests ran at 610. Each padded
         # batch size above 1 gets a session of its own, which only ever sees that shape.
         sizes = self.warm_rows()[1:] if on_cuda else []
+        inline_max_s = 0.0 if on_cuda else inline_max_s
+        row_seconds = self._row_seconds(first, inline_max_s)
         # Made only once the model is known to load: a refused one leaves no threads behind.
         self.executor = ThreadPoolExecutor(instances, thread_name_prefix="sluice-run")
         self.instances = [
@@ -480,7 +478,8 @@ class Engine:
                 output_specs=self.outputs,
                 stage_always=self.staged,
                 batchable=self.batchable,
-                inline_max_s=0.0 if on_cuda else inline_max_s,
+                inline_max_s=inline_max_s,
+                row_seconds=row_seconds,
                 stream=stream,
                 by_rows={rows: session_on(stream) for rows in sizes},
                 spill=functools.partial(session_on, stream) if on_cuda and self.padded else None,
@@ -522,6 +521,17 @@ class Engine:
             ),
             default=0,
         )
+
+    def _row_seconds(self, session: ort.InferenceSession, inline_max_s: float) -> float:
+        """What a run costs per row, measured now on a batch of one (every instance runs the
+        same model), for the inline decision: infinite when nothing runs inline."""
+        if inline_max_s <= 0:
+            return math.inf
+        try:
+            # Ten times the bound in timed runs tells a model far too slow from one run.
+            return run_seconds(session, zeros(self.inputs), budget_s=10 * inline_max_s)
+        except Exception:  # the warm-up run says what is wrong, in its words
+            return math.inf
 
     @staticmethod
     def _threads(path: Path, options: ort.SessionOptions, providers: list[str]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,13 @@ from sluice.core.errors import Unavailable
 from sluice.server.dataplane import gpu
 from sluice.server.dataplane.batcher import Batcher, Pending
 from sluice.server.dataplane.buffers import BufferPool
-from sluice.server.dataplane.engine import MAX_AUTO_THREADS, Engine, Instance, choose_providers
+from sluice.server.dataplane.engine import (
+    MAX_AUTO_THREADS,
+    Engine,
+    Instance,
+    choose_providers,
+    zeros,
+)
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.v1 import model_statuses
 from tests.conftest import SAMPLES
@@ -212,3 +219,45 @@ def test_auto_threads_stay_one_for_a_tiny_model_and_are_measured_for_a_convnet()
     # Chosen by measurement: more than one only where the machine has the cores for it.
     assert heavy.intra_op_threads in (1, min(os.cpu_count() or 1, MAX_AUTO_THREADS))
     heavy.close()
+
+
+class Slow:
+    """A session whose runs take 5 ms longer: what a busy machine does to a tiny model."""
+
+    def __init__(self, session: ort.InferenceSession) -> None:
+        self.session = session
+
+    def run(self, outputs: list[str], inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        time.sleep(0.005)
+        return self.session.run(outputs, inputs)
+
+
+def test_the_inline_decision_is_made_from_the_cost_measured_at_load() -> None:
+    """Digits' run takes ~15 us: inline (on the event loop) from its first call, and still
+    after runs made slow by load, which no longer move the decision."""
+    engine = Engine(models.DIGITS, device="cpu", inline_max_s=100e-6)
+    try:
+        instance = engine.instances[0]
+        x, outputs = SAMPLES[0].input, ["label", "probabilities"]
+        first = instance.run_inline({"input": x}, outputs, 1)
+        assert first is not None
+        np.testing.assert_array_equal(first["label"], [SAMPLES[0].label])
+        fast, instance.session = instance.session, Slow(instance.session)  # type: ignore[assignment]
+        for _ in range(10):
+            assert instance.run_inline({"input": x}, outputs, 1) is not None
+        instance.session = fast
+        # Its cost is per row: a batch of 10,000 rows runs in a thread.
+        assert instance.run_inline({"input": np.repeat(x, 10_000, 0)}, outputs, 10_000) is None
+    finally:
+        engine.close()
+
+
+def test_a_model_that_costs_more_than_the_bound_never_runs_inline() -> None:
+    convnet = Path(onnx.__file__).parent / "backend/test/data/light/light_squeezenet.onnx"
+    for path, bound in ((convnet, 100e-6), (models.DIGITS, 0.0)):
+        engine = Engine(path, device="cpu", inline_max_s=bound)
+        try:
+            inputs = zeros(engine.inputs)
+            assert engine.instances[0].run_inline(inputs, [engine.outputs[0].name], 1) is None
+        finally:
+            engine.close()
