@@ -94,6 +94,7 @@ async def load_model(name: str, version: int | str, path: Path, settings: ModelS
             cuda_options=settings.cuda_options,
             max_batch=settings.max_batch,
             inline_max_s=settings.inline_max_s,
+            spinning=settings.spinning,
         )
     )
     try:
@@ -182,8 +183,6 @@ def _warm(
             raise LoadFailed(
                 f"output {spec.name!r} is declared {spec.datatype} but a run of zeros gave {got}"
             )
-    # The first run is slow by nature: it must not count in the instance's run time.
-    instance.runs, instance.seconds_per_row = 0, 0.0
 
 
 @dataclass

@@ -14,6 +14,8 @@ from sluice import models
 from sluice.runtime import config
 from sluice.server.dataplane import engine as engine_module
 from sluice.server.dataplane.engine import Engine
+from sluice.server.dataplane.modelsettings import ModelSettings
+from sluice.server.dataplane.repository import load_model
 from sluice.server.settings import ServerSettings
 
 KEYS = ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning")
@@ -73,3 +75,15 @@ def test_a_server_setting_with_its_flag_and_variable() -> None:
     assert parse([], {"SLUICE_ORT_SPINNING": "on"}).model_settings().spinning is True
     help_text = config.build_parser(ServerSettings, "sluice-server", "").format_help()
     assert "--ort-spinning" in help_text
+
+
+@pytest.mark.parametrize(("spinning", "entry"), [(False, "0"), (True, "1")])
+async def test_a_loaded_model_takes_the_servers_setting(spinning: bool, entry: str) -> None:
+    """--ort-spinning reaches the sessions a load builds (through ModelSettings)."""
+    model = await load_model(
+        "digits", 1, models.DIGITS, ModelSettings(device="cpu", spinning=spinning)
+    )
+    try:
+        assert spinning_of(model.engine.instances[0].session) == [entry, entry]
+    finally:
+        model.engine.close()
