@@ -17,6 +17,7 @@ import struct
 import subprocess
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -100,9 +101,11 @@ def run_level(
     duration: float,
     warmup: float,
     connection: Connection = PLAINTEXT,
+    warmed: Callable[[], None] | None = None,
 ) -> LevelResult:
     """One closed-loop level: `concurrency` calls in flight over `connections` connections
-    for `duration` seconds after `warmup`; latencies from h2load's per-request log."""
+    for `duration` seconds after `warmup`; latencies from h2load's per-request log. `warmed`
+    is called when the warm-up ends (by this clock: h2load tells nothing while it runs)."""
     connections = max(1, min(connections, concurrency))
     streams = math.ceil(concurrency / connections)
     with tempfile.TemporaryDirectory() as folder:
@@ -112,9 +115,15 @@ def run_level(
         argv += ["-D", f"{round(duration * 1000)}ms", "--warm-up-time", f"{round(warmup * 1000)}ms"]
         argv += ["-d", str(framed), "--log-file", str(log)]
         argv += request_args(target, method, connection)
-        out = subprocess.run(argv, capture_output=True, text=True, check=False)
-        if out.returncode != 0:
-            raise SystemExit(f"h2load failed ({out.returncode}): {out.stderr or out.stdout}")
+        h2load = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            stdout, stderr = h2load.communicate(timeout=warmup)
+        except subprocess.TimeoutExpired:  # the warm-up is over: the measured time begins
+            if warmed is not None:
+                warmed()
+            stdout, stderr = h2load.communicate()
+        if h2load.returncode != 0:
+            raise SystemExit(f"h2load failed ({h2load.returncode}): {stderr or stdout}")
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         histogram = stats.new_histogram()
         statuses: Counter[str] = Counter()

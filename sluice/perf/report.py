@@ -23,9 +23,19 @@ COLUMNS = (
     ("client cpu", 11),
     ("server", 24),
 )
+TARGET_COLUMN = ("target cpu/call", 22)  # unless --target-cpu off
 
 
-def _cells(level: Any) -> list[str]:
+def columns(with_target: bool) -> tuple[tuple[str, int], ...]:
+    return (*COLUMNS, TARGET_COLUMN) if with_target else COLUMNS
+
+
+def shows_target(result: dict[str, Any]) -> bool:
+    """Whether the sweep measured the target's CPU (results from before it did not)."""
+    return str(result.get("target_cpu", "off")) != "off"
+
+
+def _cells(level: Any, with_target: bool = False) -> list[str]:
     lat = level["latency"] if isinstance(level, dict) else vars(level["latency"])
     value = level["value"]
     name = f"c={value:g}" if level["mode"] == "concurrency" else f"{value:g}/s"
@@ -47,7 +57,16 @@ def _cells(level: Any) -> list[str]:
         f"{lat['max']:.3f}",
         cpu,
         _server_cell(level["server"]),
+        *([_target_cell(level.get("target_cpu", {}))] if with_target else []),
     ]
+
+
+def _target_cell(cpu: dict[str, Any]) -> str:
+    """The target's CPU per call and the cores it kept busy ('-': not measured, and a
+    warning says why)."""
+    if cpu.get("per_call_ms") is None:
+        return "-"
+    return f"{cpu['per_call_ms']:.3f} ms, {cpu['cores']:.2f} cores"
 
 
 def _server_cell(server: dict[str, float]) -> str:
@@ -60,14 +79,15 @@ def _server_cell(server: dict[str, float]) -> str:
     return " ".join(parts) or "-"
 
 
-def live_header() -> None:
-    print("  ".join(name.rjust(width) for name, width in COLUMNS), flush=True)
+def live_header(with_target: bool = False) -> None:
+    print("  ".join(name.rjust(width) for name, width in columns(with_target)), flush=True)
 
 
-def live_row(level: Any) -> None:
-    row = _cells(asdict(level))
+def live_row(level: Any, with_target: bool = False) -> None:
+    row = _cells(asdict(level), with_target)
     _clear_progress()
-    print("  ".join(c.rjust(w) for c, (_, w) in zip(row, COLUMNS, strict=True)), flush=True)
+    shown = zip(row, columns(with_target), strict=True)
+    print("  ".join(c.rjust(w) for c, (_, w) in shown), flush=True)
 
 
 def progress(mode: str, value: float, elapsed: float, expected: float) -> None:
@@ -93,16 +113,18 @@ def live_footer(result: dict[str, Any]) -> None:
 
 
 def markdown(result: dict[str, Any]) -> str:
+    with_target = shows_target(result)
+    shown = columns(with_target)
     lines = [
         f"### {result['title']}",
         "",
         f"`{result['command']}`",
         "",
-        "| " + " | ".join(name for name, _ in COLUMNS) + " |",
-        "|" + "---:|" * len(COLUMNS),
+        "| " + " | ".join(name for name, _ in shown) + " |",
+        "|" + "---:|" * len(shown),
     ]
     for i, level in enumerate(result["levels"]):
-        cells = _cells(level)
+        cells = _cells(level, with_target)
         if i == result["knee"]:
             cells[0] += " (knee)"
         lines.append("| " + " | ".join(cells) + " |")
@@ -114,9 +136,8 @@ def write_csv(result: dict[str, Any], path: Path) -> None:
     server_keys = sorted({k for lv in result["levels"] for k in lv["server"]})
     latency_keys = ["min", "p50", "p90", "p99", "p999", "max", "mean"]
     header = ["mode", "value", "calls", "ok", "throughput", "goodput", "client_cpu"]
-    header += (
-        [f"{k}_ms" for k in latency_keys] + ["statuses"] + [f"server_{k}" for k in server_keys]
-    )
+    header += [f"{k}_ms" for k in latency_keys] + ["statuses"]
+    header += ["target_cpu_ms_per_call", "target_cores"] + [f"server_{k}" for k in server_keys]
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(header)
@@ -125,8 +146,13 @@ def write_csv(result: dict[str, Any], path: Path) -> None:
                 [lv[k] for k in header[:7]]
                 + [lv["latency"][k] for k in latency_keys]
                 + [json.dumps(lv["statuses"], sort_keys=True)]
+                + [_blank(lv.get("target_cpu", {}).get(k)) for k in ("per_call_ms", "cores")]
                 + [lv["server"].get(k, "") for k in server_keys]
             )
+
+
+def _blank(value: object) -> object:
+    return "" if value is None else value
 
 
 PNG_EXTRA = "pip install 'sluice[perf]'"

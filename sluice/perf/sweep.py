@@ -1,7 +1,8 @@
 """`sluice perf` / `python -m sluice.perf.sweep`: a ghz-style load sweep against a server or a
 balancer. Each level runs in `--procs` load-generator processes whose HDR histograms are
 merged; every level reports throughput, errors by status, latency percentiles, the load
-generator's own CPU use, and the target's Health deltas.
+generator's own CPU use, the target's Health deltas and, for a local target, its CPU time
+per call (sluice.perf.target).
 
   python -m sluice.perf.sweep --target 127.0.0.1:8001 -c 1,4,16 -z 5s --out perf/results/run1
   python -m sluice.perf.sweep --target 127.0.0.1:8001 --rps 500,1000,2000 -z 5s --unique
@@ -44,6 +45,7 @@ from sluice.perf.loadgen import (
     LevelSpec,
     run_level_in_process,
 )
+from sluice.perf.target import Meter, processes
 from sluice.runtime.tls import blocking_channel
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
@@ -70,6 +72,9 @@ class Level:
     client_saturated: bool = False
     max_outstanding: int = 0
     server: dict[str, float] = field(default_factory=dict)
+    # The target's CPU from the end of the warm-up to the end of the level (Meter):
+    # pids, found (how), children, cpu_s, per_call_ms, cores; empty when not measured.
+    target_cpu: dict[str, Any] = field(default_factory=dict)
 
 
 def duration(text: str) -> float:
@@ -86,6 +91,13 @@ def number_list(text: str) -> list[float]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas: {text}")
     return values
+
+
+def pid_list(text: str) -> list[int]:
+    pids = [v.strip() for v in text.split(",") if v.strip()]
+    if not pids or not all(v.isdigit() and int(v) > 0 for v in pids):
+        raise argparse.ArgumentTypeError(f"expected pids separated by commas: {text}")
+    return [int(v) for v in pids]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +145,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connections", type=int, default=1, help="connections per process")
     p.add_argument("--procs", type=int, default=1, help="load-generator processes")
     p.add_argument("--timeout", type=duration, default=10.0, help="deadline per call")
+    p.add_argument(
+        "--target-cpu",
+        choices=["auto", "off"],
+        default="auto",
+        help="auto: the target's CPU time per call, when it runs on this machine (found by "
+        "its port: every process listening there, with their children); off: not measured",
+    )
+    p.add_argument(
+        "--target-pid",
+        type=pid_list,
+        default=[],
+        metavar="PID[,PID]",
+        help="the processes whose CPU is the target's (with their children), instead of "
+        "those found by the port, e.g. a supervisor holding no socket",
+    )
     p.add_argument(
         "--out",
         default="",
@@ -266,9 +293,11 @@ def run_level(
     mode: str,
     value: float,
     base: int = 0,
+    notes: list[str] | None = None,
 ) -> Level:
+    meter = target_meter(args, [] if notes is None else notes)
     if args.engine == "h2load":
-        return h2load_level(args, bodies, mode, value)
+        return h2load_level(args, bodies, mode, value, meter, notes)
     connection = connect.from_args(args)
     procs = args.procs if mode == "rate" else min(args.procs, int(value))
     shares = split(int(value), procs) if mode == "concurrency" else [value / procs] * procs
@@ -295,19 +324,58 @@ def run_level(
     first = args.target.split(",")[0]
     before = server_health(first, CONTROL_TIMEOUT, connection)
     started = time.monotonic()
+    warmed = started + args.warmup  # when the target's CPU starts to count
+    if meter is not None and not args.warmup:
+        meter.start()
     futures: list[Future[LevelResult]] = [pool.submit(run_level_in_process, s) for s in specs]
     samples = []  # the target's Health while the level runs: queue depth is a snapshot
     while True:
-        _, pending = wait(futures, timeout=0.25)
+        waiting = meter is not None and not meter.started
+        left = warmed - time.monotonic()
+        _, pending = wait(futures, timeout=max(0.0, min(0.25, left)) if waiting else 0.25)
         if not pending:
             break
-        if before is not None and (sample := server_health(first, CONTROL_TIMEOUT, connection)):
-            samples.append(sample)
         if not args.quiet:
             report.progress(mode, value, time.monotonic() - started, args.warmup + args.duration)
+        if waiting and (left := warmed - time.monotonic()) < 0.3:
+            # The target's CPU is read on time at the warm-up's end, not after a Health call
+            # (the load processes end their warm-ups on their own clocks, about then).
+            if left <= 0:
+                assert meter is not None
+                meter.start()
+            continue
+        if before is not None and (sample := server_health(first, CONTROL_TIMEOUT, connection)):
+            samples.append(sample)
     results = [f.result() for f in futures]
+    if meter is not None:
+        meter.stop()  # before the Health call below, which the target spends CPU on
     after = server_health(first, CONTROL_TIMEOUT, connection)
-    return summarize_level(mode, value, results, server_deltas(before, after, samples))
+    level = summarize_level(mode, value, results, server_deltas(before, after, samples))
+    return measured(level, meter, notes)
+
+
+def target_meter(args: argparse.Namespace, notes: list[str]) -> Meter | None:
+    """A meter of the target's CPU for the next level (the processes found anew, so workers
+    a supervisor respawned between levels count), or None, with the reason in `notes`."""
+    if args.target_cpu == "off":
+        return None
+    found = processes(args.target.split(","), args.target_pid)
+    if isinstance(found, str):
+        notes.append(found)
+        return None
+    return Meter(found)
+
+
+def measured(level: Level, meter: Meter | None, notes: list[str] | None) -> Level:
+    """The level with its `target_cpu` (calls: those answered, errors included)."""
+    if meter is not None:
+        figures = meter.figures(level.calls, level.wall_s)
+        if isinstance(figures, str):
+            if notes is not None:
+                notes.append(f"{figures} at {level.mode} {level.value:g}")
+        else:
+            level.target_cpu = figures
+    return level
 
 
 def h2load_refusal(args: argparse.Namespace) -> str:
@@ -328,17 +396,24 @@ def h2load_refusal(args: argparse.Namespace) -> str:
     return ""
 
 
-def h2load_level(args: argparse.Namespace, bodies: Bodies, mode: str, value: float) -> Level:
+def h2load_level(
+    args: argparse.Namespace,
+    bodies: Bodies,
+    mode: str,
+    value: float,
+    meter: Meter | None = None,
+    notes: list[str] | None = None,
+) -> Level:
     """One level driven by h2load; the target's own figures around it as usual."""
-    target, method = args.target, MODEL_INFER if args.call == "modelinfer" else PREDICT
+    address, method = args.target, MODEL_INFER if args.call == "modelinfer" else PREDICT
     body = bodies.bodies[0]
     connection = connect.from_args(args)
-    h2engine.check_call(target, method, body, CONTROL_TIMEOUT, connection)
-    before = server_health(target, CONTROL_TIMEOUT, connection)
+    h2engine.check_call(address, method, body, CONTROL_TIMEOUT, connection)
+    before = server_health(address, CONTROL_TIMEOUT, connection)
     if not args.quiet:
         report.progress(mode, value, 0.0, args.warmup + args.duration)
     result = h2engine.run_level(
-        target,
+        address,
         method,
         body,
         int(value),
@@ -346,9 +421,13 @@ def h2load_level(args: argparse.Namespace, bodies: Bodies, mode: str, value: flo
         args.duration,
         args.warmup,
         connection,
+        warmed=meter.start if meter is not None else None,
     )
-    after = server_health(target, CONTROL_TIMEOUT, connection)
-    return summarize_level(mode, value, [result], server_deltas(before, after))
+    if meter is not None:
+        meter.stop()
+    after = server_health(address, CONTROL_TIMEOUT, connection)
+    level = summarize_level(mode, value, [result], server_deltas(before, after))
+    return measured(level, meter, notes)
 
 
 def summarize_level(
@@ -386,18 +465,19 @@ def sweep(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
     levels: list[tuple[str, float]] = [("concurrency", c) for c in args.concurrency or []]
     levels += [("rate", r) for r in args.rps or []]
     results: list[Level] = []
+    notes: list[str] = []  # why a level has no target cpu/call
     base = random.randrange(10**6) * SWEEP_STRIDE  # a fresh range of unique bodies per sweep
     if not args.quiet:
-        report.live_header()
+        report.live_header(args.target_cpu != "off")
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=args.procs, mp_context=context) as pool:
         # Start every process before the first level, so none of them starts late.
         list(pool.map(loadgen.ready, [0.2] * args.procs))
         for index, (mode, value) in enumerate(levels):
-            level = run_level(pool, args, bodies, index, mode, value, base)
+            level = run_level(pool, args, bodies, index, mode, value, base, notes)
             results.append(level)
             if not args.quiet:
-                report.live_row(level)
+                report.live_row(level, args.target_cpu != "off")
     knee = stats.find_knee([lv.throughput for lv in results], [lv.latency.p99 for lv in results])
     return {
         "title": args.title or f"sluice perf against {args.target}",
@@ -410,6 +490,7 @@ def sweep(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
         "procs": args.procs,
         "connections": args.connections,
         "cpus": os.cpu_count(),
+        "target_cpu": args.target_cpu,  # each level's figures are in its own target_cpu
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "knee": knee,
         "levels": [asdict(lv) for lv in results],
@@ -418,7 +499,8 @@ def sweep(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
             f"{lv.client_cpu:.0%} of a core, so these figures bound the client, not the target"
             for lv in results
             if lv.client_saturated
-        ],
+        ]
+        + list(dict.fromkeys(notes)),  # once each, though every level found it so
     }
 
 

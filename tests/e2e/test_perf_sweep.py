@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import BIN, Process, module_argv, running, server_argv
+from tests.e2e.harness import (
+    BIN,
+    Process,
+    module_argv,
+    running,
+    server_argv,
+    with_workers,
+    workers,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -55,6 +63,69 @@ def test_sweep_writes_every_output_with_sane_numbers(server: Process, tmp_path: 
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_sweep_reports_the_local_targets_cpu_per_call(server: Process, tmp_path: Path) -> None:
+    out = tmp_path / "cpu"
+    done = sweep(
+        "--target", server.address, "-c", "2", "-z", "1s", "--warmup", "0.2s", "--unique",
+        "--out", str(out),
+    )  # fmt: skip
+    assert "target cpu/call" in done.stdout  # the live table
+    result = json.loads(out.with_suffix(".json").read_text())
+    (level,) = result["levels"]
+    cpu = level["target_cpu"]
+    # Found by its port: the server alone (no workers, no children).
+    assert (
+        cpu["pids"] == [server.pid]
+        and cpu["found"] == f"listening on port {server.address.rsplit(':', 1)[1]}"
+    )
+    assert cpu["per_call_ms"] > 0 and cpu["cpu_s"] > 0 and cpu["cores"] > 0
+    assert cpu["per_call_ms"] == pytest.approx(cpu["cpu_s"] / level["calls"] * 1000)
+    assert result["warnings"] == []
+    table = out.with_suffix(".md").read_text()
+    assert "| target cpu/call |" in table and f"{cpu['per_call_ms']:.3f} ms" in table
+    with out.with_suffix(".csv").open() as f:
+        (row,) = list(csv.DictReader(f))
+    assert float(row["target_cpu_ms_per_call"]) == pytest.approx(cpu["per_call_ms"])
+    # Off: not measured, and no column.
+    sweep(
+        "--target", server.address, "-c", "2", "-n", "20", "--warmup", "0", "--quiet",
+        "--target-cpu", "off", "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["levels"][0]["target_cpu"] == {} and result["warnings"] == []
+    assert "target cpu/call" not in out.with_suffix(".md").read_text()
+
+
+def test_the_cpu_of_every_worker_on_the_port_is_summed(tmp_path: Path) -> None:
+    argv = server_argv("--workers", "2", node_id="perf-w")
+    with with_workers(argv, 2, b"sluice.server.main") as server:
+        (worker,) = workers(server, 1)
+        out = tmp_path / "workers"
+        sweep(
+            "--target", server.address, "-c", "4", "--connections", "4", "-n", "200",
+            "--warmup", "0", "--quiet", "--out", str(out),
+        )  # fmt: skip
+    cpu = json.loads(out.with_suffix(".json").read_text())["levels"][0]["target_cpu"]
+    # Both hold a socket on the port (SO_REUSEPORT): found as listeners, not as a child.
+    assert cpu["pids"] == sorted([server.pid, worker]) and cpu["children"] == []
+    assert cpu["per_call_ms"] > 0
+
+
+def test_a_target_pid_that_is_gone_leaves_the_field_empty_with_a_warning(
+    server: Process, tmp_path: Path
+) -> None:
+    out = tmp_path / "gone"
+    done = sweep(
+        "--target", server.address, "-n", "20", "--warmup", "0", "--target-pid", "999999999",
+        "--quiet", "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["levels"][0]["target_cpu"] == {}
+    assert result["warnings"] == ["target pid gone (--target-pid 999999999): no target cpu/call"]
+    assert "WARNING: target pid gone" in done.stderr
+    assert "| - |" in out.with_suffix(".md").read_text()
+
+
 def test_open_loop_sweep_through_the_bare_proxy_to_the_echo_floor(tmp_path: Path) -> None:
     with (
         running(module_argv("perf.echo_server")) as echo,
@@ -76,6 +147,8 @@ def test_open_loop_sweep_through_the_bare_proxy_to_the_echo_floor(tmp_path: Path
         # the rate is no behaviour of the sweep (the unit tests check the schedule exactly).
         assert lv["wall_s"] >= (lv["calls"] - 1) / lv["value"]
         assert lv["throughput"] == pytest.approx(lv["calls"] / lv["wall_s"])
+        # Any local process is measured: here the proxy, not the echo behind it.
+        assert lv["target_cpu"]["pids"] == [proxy.pid] and lv["target_cpu"]["per_call_ms"] > 0
 
 
 @pytest.mark.parametrize(
@@ -122,6 +195,9 @@ def test_the_h2load_engine_sweeps_like_the_python_one(tmp_path: Path) -> None:
             lat = lv["latency"]
             assert 0 < lat["min"] <= lat["p50"] <= lat["p99"] <= lat["max"] < 10_000
             assert lv["server"]["requests"] >= lv["calls"]  # the server saw them all
+            assert lv["target_cpu"]["pids"] == [target.pid]
+            assert lv["target_cpu"]["per_call_ms"] > 0
+        assert "| target cpu/call |" in out.with_suffix(".md").read_text()
         refused = subprocess.run(
             [
                 str(BIN / "sluice"),
