@@ -175,8 +175,8 @@ class BalancerService:
             (str(v) for k, v in context.invocation_metadata() or () if k == HEADER), None
         )
 
-        async def answer(message: pb.StreamRequest) -> bytes:
-            metadata, timeout, method = dict(message.metadata), message.timeout_s, message.method
+        async def answer(message: stream.Request) -> bytes:
+            metadata, timeout, method = message.metadata, message.timeout_s, message.method
             if stream_key is not None and HEADER not in metadata:
                 metadata[HEADER] = stream_key
             refused = refusal(metadata, timeout)
@@ -186,9 +186,9 @@ class BalancerService:
                 )
             if refused is not None:
                 self._refused()
-                return pb.StreamResponse(
-                    id=message.id, code=Code.INVALID_ARGUMENT, message=refused
-                ).SerializeToString()
+                return stream.write_response(
+                    message.id, code=Code.INVALID_ARGUMENT, message=refused
+                )
             deadline = self._deadline(stream_timeout(timeout))
 
             def sized(reply: Reply) -> int:  # in its StreamResponse, measured when near
@@ -200,14 +200,14 @@ class BalancerService:
             reply = await self.forward(
                 message.request, metadata, deadline, stream=True, method=method, sized=sized
             )
-            return pb.StreamResponse(
-                id=message.id,
-                code=reply.code,
-                message=reply.message,
-                response=reply.body,
-                trailers=reply.trailers,
-                retryable=reply.retryable,
-            ).SerializeToString()
+            return stream.write_response(
+                message.id,
+                reply.body,
+                reply.code,
+                reply.message,
+                reply.trailers.items(),
+                reply.retryable,
+            )
 
         await stream.serve(requests, context.write, answer)
 

@@ -281,7 +281,7 @@ class InferenceService:
         # each carry their caller's).
         stream_key = next((v for k, v in context.invocation_metadata() or () if k == HEADER), None)
 
-        async def answer(message: pb.StreamRequest) -> bytes:
+        async def answer(message: stream.Request) -> bytes:
             refused: SluiceError | None = None
             try:
                 timeout = stream_timeout(message.timeout_s)
@@ -300,28 +300,33 @@ class InferenceService:
             info = self._call(metadata, timeout, refused)
             served = self._served(message.metadata, STREAM, info) if tracing.ON else None
 
-            def sized(response: bytes, call: Call) -> int:  # in its StreamResponse
-                head = pb.StreamResponse(id=message.id, trailers=dict(call.trailers))
+            def sized(response: bytes, call: Call) -> int:  # in its StreamResponse, when near
+                trailers = dict(call.trailers)
+                if not stream.near(self.max_message_bytes, response, trailers):
+                    return 0
+                head = pb.StreamResponse(id=message.id, trailers=trailers)
                 return stream.framed(head, response)
 
             outcome = await self._invoke(fn, message.request, info, self.stats, served, sized)
-            reply = pb.StreamResponse(id=message.id, trailers=dict(info.trailers))
             if isinstance(outcome, bytes):
-                reply.response = outcome
-            else:
-                reply.code, reply.message = outcome[0].value[0], outcome[1]
-                reply.retryable = REFUSED_HEADER in reply.trailers
-            return reply.SerializeToString()
+                return stream.write_response(message.id, outcome, trailers=info.trailers)
+            return stream.write_response(
+                message.id,
+                code=outcome[0].value[0],
+                message=outcome[1],
+                trailers=info.trailers,
+                retryable=any(key == REFUSED_HEADER for key, _ in info.trailers),
+            )
 
-        def refuse(message: pb.StreamRequest) -> bytes | None:
+        def refuse(message: stream.Request) -> bytes | None:
             if not self._draining.is_set():
                 return None
-            return pb.StreamResponse(
-                id=message.id,
+            return stream.write_response(
+                message.id,
                 code=Code.UNAVAILABLE,
                 message=f"node {self.node_id} is draining",
                 retryable=True,
-            ).SerializeToString()
+            )
 
         await stream.serve(requests, context.write, answer, refuse=refuse, stop=self._draining)
 

@@ -4,7 +4,8 @@ per-call id (KServe's `id`) and where that sits, and, when asked, the first dime
 inputs share (the rows fan-out splits on). The balancer routes on these facts, the server
 keys its cache on them, fan-out splits on them.
 
-The field numbers of the request messages live here and in the generated code only."""
+The field numbers of the request messages, and of the stream messages that carry them
+(sluice.wire.stream frames and reads those), live here and in the generated code only."""
 
 from __future__ import annotations
 
@@ -37,6 +38,26 @@ PREDICT_OUTPUTS = pb.PredictRequest.OUTPUTS_FIELD_NUMBER
 PREDICT_TYPED_OUTPUTS = pb.PredictRequest.TYPED_OUTPUTS_FIELD_NUMBER
 PREDICT_MODEL = pb.PredictRequest.MODEL_FIELD_NUMBER
 PREDICT_VERSION = pb.PredictRequest.VERSION_FIELD_NUMBER
+
+# sluice.v1.PredictResponse's (a reply written by hand: sluice.wire.codec).
+RESPONSE_MODEL = pb.PredictResponse.MODEL_FIELD_NUMBER
+RESPONSE_OUTPUTS = pb.PredictResponse.OUTPUTS_FIELD_NUMBER
+RESPONSE_VERSION = pb.PredictResponse.VERSION_FIELD_NUMBER
+# sluice.v1.StreamRequest's and StreamResponse's, and their maps' entries'.
+_Request, _Response = pb.StreamRequest, pb.StreamResponse
+STREAM_REQUEST_ID = _Request.ID_FIELD_NUMBER
+STREAM_REQUEST_BODY = _Request.REQUEST_FIELD_NUMBER
+STREAM_REQUEST_TIMEOUT = _Request.TIMEOUT_S_FIELD_NUMBER
+STREAM_REQUEST_METADATA = _Request.METADATA_FIELD_NUMBER
+STREAM_REQUEST_METHOD = _Request.METHOD_FIELD_NUMBER
+STREAM_RESPONSE_ID = _Response.ID_FIELD_NUMBER
+STREAM_RESPONSE_CODE = _Response.CODE_FIELD_NUMBER
+STREAM_RESPONSE_MESSAGE = _Response.MESSAGE_FIELD_NUMBER
+STREAM_RESPONSE_BODY = _Response.RESPONSE_FIELD_NUMBER
+STREAM_RESPONSE_TRAILERS = _Response.TRAILERS_FIELD_NUMBER
+STREAM_RESPONSE_RETRYABLE = _Response.RETRYABLE_FIELD_NUMBER
+ENTRY_KEY = _Request.MetadataEntry.KEY_FIELD_NUMBER
+ENTRY_VALUE = _Request.MetadataEntry.VALUE_FIELD_NUMBER
 
 MAX_RANK = 64  # a tensor's most dimensions: numpy's own limit (NPY_MAXDIMS)
 # A packed shape of MAX_RANK dimensions takes at most 10 bytes each.
@@ -72,6 +93,9 @@ MODEL_INFER = Kind(
     _Infer.INPUTS_FIELD_NUMBER,
     _Infer.InferInputTensor.SHAPE_FIELD_NUMBER,
 )
+# KServe v2's raw tensor bytes, read and written by hand (sluice.server.kserve).
+INFER_RAW_INPUTS = _Infer.RAW_INPUT_CONTENTS_FIELD_NUMBER
+INFER_RESPONSE_RAW_OUTPUTS = kpb.ModelInferResponse.RAW_OUTPUT_CONTENTS_FIELD_NUMBER
 METADATA = Kind(
     pb.MetadataRequest.DESCRIPTOR.full_name,
     pb.MetadataRequest.MODEL_FIELD_NUMBER,

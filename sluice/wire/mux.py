@@ -11,10 +11,11 @@ import itertools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 import grpc
 
-from sluice.v1 import inference_pb2 as pb
+from sluice.wire.stream import read_response, write_request
 
 log = logging.getLogger("sluice.mux")
 METHOD = "/sluice.v1.Inference/PredictStream"
@@ -63,7 +64,10 @@ class _Generation:
                 raw = await self.call.read()
                 if raw is EOF:
                     break
-                reply = pb.StreamResponse.FromString(bytes(raw))  # type: ignore[call-overload]
+                reply = read_response(cast(bytes, raw))
+                if reply is None:
+                    why = "a reply on the stream is not a valid sluice.v1.StreamResponse"
+                    break
                 waiter = self.pending.pop(reply.id, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(
@@ -71,7 +75,7 @@ class _Generation:
                             reply.code,
                             reply.message,
                             reply.response,
-                            dict(reply.trailers),
+                            reply.trailers,
                             reply.retryable,
                         )
                     )
@@ -114,14 +118,7 @@ class MuxStream:
             ident = next(self._ids)
             waiter: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
             stream.pending[ident] = waiter
-            message = pb.StreamRequest(
-                id=ident,
-                request=body,
-                timeout_s=timeout or 0.0,
-                metadata=metadata,
-                method=method,
-            )
-            stream.outbox.put_nowait(message.SerializeToString())
+            stream.outbox.put_nowait(write_request(ident, body, timeout or 0.0, metadata, method))
             try:
                 async with asyncio.timeout(timeout):
                     return await waiter

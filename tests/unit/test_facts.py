@@ -229,9 +229,10 @@ def test_an_id_that_is_not_utf8_is_refused() -> None:
     assert facts.read(b"\x1a\x02\xc3\x28", facts.PREDICT).model == ""  # not Predict's
 
 
-# The modules that walk a message's fields by hand: this reader, and the tensor codec's
-# large-body decoder (its field numbers from here).
-WALKERS = {"facts.py", "codec.py", "peek.py"}
+# The modules that walk a message's fields by hand: this reader, the tensor codec's and the
+# KServe protocol's large-body decoders, and the stream messages' framing (their field
+# numbers from here).
+WALKERS = {"facts.py", "codec.py", "peek.py", "kserve.py", "stream.py"}
 # Importing either makes a module a body reader, where a bare tuple of small ints is suspect.
 WIRE_READERS = {"sluice.wire.facts", "sluice.wire.peek"}
 
@@ -372,7 +373,7 @@ def test_the_check_finds_field_numbers_written_by_hand() -> None:
     # What the second restructure found written by hand: the balancer's route table, the
     # KServe read's constants, fan-out's test of a field.
     assert faults_in("service.py", 'ROUTE_FIELDS = {"": ((4, 5, 0), "x")}')
-    assert faults_in("kserve.py", "_NAME, _VERSION, _ID = 1, 2, 3")
+    assert faults_in("plane.py", "_NAME, _VERSION, _ID = 1, 2, 3")
     assert faults_in("fanout.py", "if field == 3: pass")
     assert faults_in("fanout.py", "match tag:\n    case 3:\n        pass")
     assert faults_in("v1.py", "from sluice.wire import facts\nwanted = (4, 5)")
