@@ -1,5 +1,6 @@
 """The sluice.v1 protocol on the dataplane: PredictRequest bytes to a core request, outputs
-to PredictResponse bytes (the tensors by sluice.wire.codec), a model's specs to a ModelInfo."""
+to PredictResponse bytes (both read and written by sluice.wire.codec where it can), a model's
+specs to a ModelInfo."""
 
 from __future__ import annotations
 
@@ -61,12 +62,7 @@ class SluiceV1:
         return Request(inputs, request.outputs, request.typed_outputs)
 
     def encode(self, model: Model, request: Request[bool], outputs: Arrays) -> bytes:
-        response = pb.PredictResponse(
-            model=model.name,
-            version=model.version,
-            outputs=codec.encode_all(outputs, typed=request.options),
-        )
-        return response.SerializeToString()
+        return codec.encode_predict_response(model.name, model.version, outputs, request.options)
 
 
 V1 = SluiceV1()

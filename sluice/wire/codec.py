@@ -4,13 +4,16 @@ Shared by the server and the client so that both sides agree on datatype names,
 byte order and the typed fields. Decoding checks the message against itself
 (known datatype, sane shape, element count); checking against a model is the
 server's job. Encoding also takes plain Python values (nested lists, tuples, scalars),
-converted to the input's declared datatype (`array_of`).
+converted to the input's declared datatype (`array_of`). Predict's request and response
+bodies are written here by hand (`encode_predict`, `encode_predict_response`): the arrays'
+bytes copied once, each request input aligned for the server to read it in place.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -56,6 +59,117 @@ def encode(
     else:
         tensor.raw_data = np.ascontiguousarray(array, dtype=dt.dtype).tobytes()
     return tensor
+
+
+# A tensor's raw_data starts at a multiple of this from the start of a body written here:
+# read as a view of the body, an input is then aligned for every datatype (numpy flags it
+# and ORT runs it; an unaligned one is copied first), and on a cache line.
+ALIGN = 64
+# The Tensor field that pads before raw_data (reserved in inference.proto): every parser
+# keeps it as an unknown field, and the wire read skips it.
+PADDING = 15
+
+
+def encode_predict(
+    inputs: Mapping[str, npt.ArrayLike],
+    outputs: Sequence[str] = (),
+    model: str = "",
+    version: str = "",
+    datatypes: Mapping[str, str] | None = None,
+) -> bytes:
+    """A PredictRequest's body: the message protobuf writes (raw_data; `datatypes` as in
+    `encode_all`), each raw_data padded to start at a multiple of ALIGN, and the arrays'
+    bytes copied once, into the body."""
+    declared = datatypes or {}
+    parts: list[bytes | memoryview] = []
+    at = 0
+    for name, value in inputs.items():
+        array = array_of(name, value, declared.get(name, ""))
+        at = _tensor(parts, at, _INPUTS, name, array, align=True)
+    parts += [_string(_OUTPUTS, output, repeated=True) for output in outputs]
+    parts += [_string(_MODEL, model), _string(_VERSION, version)]
+    return b"".join(parts)
+
+
+def encode_predict_response(
+    model: str, version: str, outputs: Mapping[str, np.ndarray], typed: bool
+) -> bytes:
+    """A PredictResponse's bytes, as protobuf writes them. Raw outputs are written here, the
+    arrays' bytes copied once, into the reply (ORT's outputs are views of its own memory;
+    through protobuf they were copied three times). Typed outputs go through protobuf."""
+    if typed:
+        tensors = encode_all(outputs, typed=True)
+        return pb.PredictResponse(model=model, version=version, outputs=tensors).SerializeToString()
+    parts: list[bytes | memoryview] = [_string(_REPLY_MODEL, model)]
+    at = len(parts[0])
+    for name, array in outputs.items():
+        at = _tensor(parts, at, _REPLY_OUTPUTS, name, array, align=False)
+    parts.append(_string(_REPLY_VERSION, version))
+    return b"".join(parts)
+
+
+def _tensor(
+    parts: list[bytes | memoryview], at: int, tag: bytes, name: str, array: np.ndarray, align: bool
+) -> int:
+    """Append the Tensor field `tag` carrying `array` as raw_data to `parts`, whose bytes so
+    far end at offset `at`; with `align`, raw_data padded to start at a multiple of ALIGN.
+    The offset after it."""
+    dt = datatype_of(array.dtype)
+    dims = array.shape  # before ascontiguousarray, which makes a scalar of shape [] a [1]
+    array = np.ascontiguousarray(array, dtype=dt.dtype)  # ORT's outputs as they are
+    n = array.nbytes
+    # Dimensions under 128 are their own varints: the common case, without a call each.
+    shape = bytes(dims) if max(dims, default=0) < 0x80 else b"".join(_varint(d) for d in dims)
+    head = _string(_TENSOR_NAME, name) + _string(_TENSOR_DATATYPE, dt.name)
+    head += _TENSOR_SHAPE + _varint(len(shape)) + shape if shape else b""
+    raw = _TENSOR_RAW + _varint(n) if n else b""  # proto3 leaves an empty one out
+    before = len(head) + len(raw)
+    pad = 0
+    # Padding lengthens the tensor, whose length may then take a byte more: a second round
+    # pads past the next boundary, and a third finds it on one.
+    while align and n:
+        gap = -(at + len(tag) + len(_varint(before + pad + n)) + before + pad) % ALIGN
+        if not gap:
+            break
+        pad += gap if pad + gap > 1 else gap + ALIGN  # a field takes 2 bytes at least
+    if pad:
+        head += _TENSOR_PADDING + bytes([pad - 2]) + bytes(pad - 2)
+    size = len(head) + len(raw) + n
+    outer = tag + _varint(size)
+    parts += [outer, head, raw, array.data]  # a view of the array's bytes, whatever its shape
+    return at + len(outer) + size
+
+
+def _string(tag: bytes, text: str, repeated: bool = False) -> bytes:
+    """A string field; an empty one is written only as an element of a repeated field."""
+    value = text.encode()
+    return tag + _varint(len(value)) + value if value or repeated else b""
+
+
+def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _BYTE[value]
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _tag(number: int) -> bytes:
+    """A length-delimited field's tag."""
+    return _varint(number << 3 | 2)
+
+
+_BYTE = [bytes([b]) for b in range(0x80)]
+_INPUTS, _OUTPUTS = _tag(facts.PREDICT_INPUTS), _tag(facts.PREDICT_OUTPUTS)
+_MODEL, _VERSION = _tag(facts.PREDICT_MODEL), _tag(facts.PREDICT_VERSION)
+_REPLY_MODEL, _REPLY_OUTPUTS = _tag(facts.RESPONSE_MODEL), _tag(facts.RESPONSE_OUTPUTS)
+_REPLY_VERSION = _tag(facts.RESPONSE_VERSION)
+_TENSOR_NAME, _TENSOR_DATATYPE = _tag(facts.TENSOR_NAME), _tag(facts.TENSOR_DATATYPE)
+_TENSOR_SHAPE, _TENSOR_RAW = _tag(facts.TENSOR_SHAPE), _tag(facts.TENSOR_RAW_DATA)
+_TENSOR_PADDING = _tag(PADDING)
 
 
 def encode_all(
@@ -201,19 +315,25 @@ def _raw(
             f"shape {list(shape)} needs {expected} ({count} x {dt.dtype.itemsize} bytes)"
         )
     array = np.frombuffer(raw, dtype=dt.dtype)
-    if not array.flags.aligned:  # a view at an odd offset of a body: kernels want it aligned
+    # A view at an odd offset (a body not written by encode_predict): ORT runs it, but
+    # slower and rounded differently, so it gets an aligned copy.
+    if not array.flags.aligned:
         array = array.copy()
     if dt.dtype.kind == "b" and array.view(np.uint8).max(initial=0) > 1:
         raise TensorError(f"{label} is BOOL but its raw_data holds bytes other than 0 and 1")
     return array.reshape(shape)
 
 
-def decode_predict(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool] | None:
-    """A PredictRequest's inputs, outputs and typed_outputs read off the wire, each raw_data
-    array a view of `body`: no parsed copy of the message and no copy of its tensor bytes,
-    which for a 602 KB image were two fresh 602 KB blocks a call. None where the body holds
-    what only the full parser judges (typed values, a field of an unexpected wire type,
-    text that is not UTF-8): the caller parses it then. TensorError as `decode_all`."""
+def decode_predict(
+    body: bytes | memoryview,
+) -> tuple[dict[str, np.ndarray], list[str], bool] | None:
+    """A PredictRequest's inputs, outputs and typed_outputs read off the wire from `body`
+    (bytes, or a byte view such as a stream message's body), each raw_data array a view of
+    it where aligned (encode_predict aligns them): no parsed copy of the message and no copy
+    of its tensor bytes, which for a 602 KB image were two fresh 602 KB blocks a call. None
+    where the body holds what only the full parser judges (typed values, a field of an
+    unexpected wire type, text that is not UTF-8): the caller parses it then. TensorError as
+    `decode_all`."""
     try:
         return _predict(body)
     except (peek.Malformed, UnicodeDecodeError, _FullParse):
@@ -241,8 +361,9 @@ _TENSOR_FIELDS = {
 }
 
 
-def _predict(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool]:
-    view = memoryview(body)
+def _predict(given: bytes | memoryview) -> tuple[dict[str, np.ndarray], list[str], bool]:
+    view = memoryview(given)
+    body = cast(bytes, view)  # what peek reads of it (lengths and bytes) a view has too
     tensors: list[tuple[int, int]] = []
     outputs: list[str] = []
     typed = False
@@ -256,11 +377,11 @@ def _predict(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool]:
         if number == facts.PREDICT_INPUTS:
             tensors.append((a, b))
         elif number == facts.PREDICT_OUTPUTS:
-            outputs.append(body[a:b].decode())
+            outputs.append(str(view[a:b], "utf-8"))
         elif number == facts.PREDICT_TYPED_OUTPUTS:
             typed = bool(a)
         elif number in (facts.PREDICT_MODEL, facts.PREDICT_VERSION):
-            body[a:b].decode()  # the parser refuses a name that is not UTF-8
+            str(view[a:b], "utf-8")  # the parser refuses a name that is not UTF-8
     # Every tensor's fields are read before any is judged: a body the parser refuses gets
     # its message, whatever the tensors before the fault hold.
     found: list[tuple[str, str, list[int], tuple[int, int]]] = []
@@ -273,9 +394,9 @@ def _predict(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool]:
             if number in facts.TENSOR_TYPED:
                 raise _FullParse  # typed values: the parser reads them
             if number == facts.TENSOR_NAME:
-                name = body[a:b].decode()
+                name = str(view[a:b], "utf-8")
             elif number == facts.TENSOR_DATATYPE:
-                datatype = body[a:b].decode()
+                datatype = str(view[a:b], "utf-8")
             elif number == facts.TENSOR_SHAPE:
                 if wire == 2 and b - a > facts.MAX_SHAPE_BYTES:
                     raise _FullParse  # surely over MAX_RANK: the parser counts, in C

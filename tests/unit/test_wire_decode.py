@@ -226,3 +226,22 @@ def test_a_shape_dimension_of_ten_bytes_reads_as_the_parser_reads_it() -> None:
     body = b"\x0a" + bytes([len(inner)]) + inner
     assert list(pb.PredictRequest.FromString(body).inputs[0].shape) == [2]
     same(body)
+
+
+def test_a_view_of_a_larger_message_reads_as_its_bytes() -> None:
+    """A body handed over as a memoryview of the message around it (a stream message's
+    bytes): the same reading, the arrays views of that message, the strings its text."""
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    body = pb.PredictRequest(
+        inputs=[tensor("ïnput", x)], outputs=["label"], model="digits", version="3"
+    ).SerializeToString()
+    for before in range(4):
+        message = bytes(range(before)) + body + b"\x01\x02"
+        view = memoryview(message)[before : before + len(body)]
+        assert outcome(lambda v=view: codec.decode_predict(v)) == outcome(lambda: slow(body))
+        arrays, _, _ = codec.decode_predict(view)  # type: ignore[misc]
+        got = arrays["ïnput"]
+        whole = np.frombuffer(message, np.uint8)
+        assert got.flags.aligned and np.shares_memory(got, whole) == (not got.flags.writeable)
+    bad = b"\x22\x02\xff\xfe"  # a model name that is not UTF-8: the parser's to refuse
+    assert codec.decode_predict(memoryview(b"\0" + bad)[1:]) is None
