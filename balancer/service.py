@@ -295,7 +295,7 @@ class BalancerService:
                 reply = await self._fan_out(parts, forwarded, deadline, want, traced)
             if reply is None:  # whole: not split, or its outputs are not per row
                 chunks = 0
-                key = affinity_key(read.keyed(body), metadata)
+                key = affinity_key(body, metadata, read.id_span)
                 observer = None
                 if traced is not None:
                     observer = spans.Attempts(

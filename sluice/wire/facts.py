@@ -121,7 +121,8 @@ class Facts(NamedTuple):
     rows: int | None
 
     def keyed(self, body: bytes) -> bytes:
-        """The body less its id field: what cache and affinity keys are taken of."""
+        """The body less its id field: what cache and affinity keys are taken of (the
+        balancer's over views of its two parts in place, keys.affinity_key's `cut`)."""
         span = self.id_span
         return body if span is None else body[: span[0]] + body[span[1] :]
 

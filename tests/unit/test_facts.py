@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import ast
 import os
+import tracemalloc
 from pathlib import Path
 
 import pytest
+import xxhash
 from google.protobuf.message import DecodeError, Message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sluice
+from sluice.core.keys import affinity_key
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import facts, peek
@@ -172,6 +175,32 @@ def test_the_key_leaves_the_id_out(body: bytes) -> None:
     other.id = got.request_id + "-other"
     again = other.SerializeToString()
     assert facts.read(again, facts.MODEL_INFER).keyed(again) == request.SerializeToString()
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=infers())
+def test_the_affinity_key_is_the_digest_of_the_body_less_its_id(body: bytes) -> None:
+    """Taken over the two parts around the id in place, it is the key of the joined bytes
+    (`keyed`) that the ring placed calls by: no call moves to another server."""
+    got = facts.read(body, facts.MODEL_INFER)
+    want = xxhash.xxh3_64_intdigest(got.keyed(body))
+    assert affinity_key(body, {}, got.id_span) == want
+
+
+def test_the_affinity_key_of_a_large_body_with_an_id_copies_nothing() -> None:
+    """The body less its id was two new blocks (the two slices) and a third (their join)."""
+    body = Infer(id="call-1", model_name="m", raw_input_contents=[bytes(602_112)])
+    raw = body.SerializeToString()
+    span = facts.read(raw, facts.MODEL_INFER).id_span
+    assert span is not None
+    affinity_key(raw, {}, span)
+    tracemalloc.start()
+    try:
+        affinity_key(raw, {}, span)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4096
 
 
 def rows(body: bytes) -> int | None:
