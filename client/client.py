@@ -93,22 +93,6 @@ def channel_options(max_message_bytes: int, extra: ChannelOptions) -> list[tuple
     ]
 
 
-def predict_request(
-    inputs: Mapping[str, npt.ArrayLike],
-    outputs: Sequence[str] = (),
-    model: str = "",
-    version: str = "",
-    datatypes: Mapping[str, str] | None = None,
-) -> pb.PredictRequest:
-    """`datatypes`: the inputs' declared datatypes, for plain values (codec.array_of)."""
-    return pb.PredictRequest(
-        inputs=codec.encode_all(inputs, datatypes=datatypes),
-        outputs=outputs,
-        model=model,
-        version=version,
-    )
-
-
 def plain(inputs: Mapping[str, npt.ArrayLike]) -> bool:
     """Whether some input is a plain value (not a numpy array): its datatype is the model's."""
     return any(not isinstance(value, np.ndarray) for value in inputs.values())
@@ -254,7 +238,7 @@ class _Core:
     ) -> tuple[bytes, Metadata]:
         """A Predict's body (plain values in their declared datatypes) and metadata."""
         datatypes = self._declared.get((model, version)) if plain(inputs) else None
-        body = predict_request(inputs, outputs, model, version, datatypes).SerializeToString()
+        body = codec.encode_predict(inputs, outputs, model, version, datatypes)
         return body, (*call_metadata(request_id, no_cache).items(), *self._auth)
 
     def _refused(

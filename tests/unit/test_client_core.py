@@ -28,6 +28,7 @@ class FakeServers:
         self.down: set[str] = set()
         self.refuse: grpc.RpcError | None = None
         self.sent: list[tuple[str, float | None, dict[str, str]]] = []
+        self.bodies: list[bytes] = []
 
     def send(
         self,
@@ -37,6 +38,7 @@ class FakeServers:
         timeout: float | None,
     ) -> Reply:
         self.sent.append((target, timeout, dict(metadata)))
+        self.bodies.append(body)
         if target in self.down:
             raise rpc_error(Reply(grpc.StatusCode.UNAVAILABLE.value[0], f"{target} is down"))
         if self.refuse is not None:
@@ -78,6 +80,24 @@ def test_both_clients_build_route_and_decode_alike(servers: FakeServers) -> None
     (_, first, sent_a), (_, second, sent_b) = servers.sent
     assert sent_a == sent_b == {"x-request-id": "r1", "x-cache-control": "no-cache"}
     assert first is not None and second is not None and 0 < first <= 3.0 and 0 < second <= 3.0
+
+
+def test_both_clients_send_bodies_the_server_reads_in_place(servers: FakeServers) -> None:
+    """Each tensor's raw bytes at a 64-byte boundary of the body: the server takes a view."""
+
+    async def with_async() -> None:
+        async with AsyncSluiceClient(DEAD) as client:
+            await client.infer(x())
+
+    with SluiceClient(DEAD) as client:
+        client.infer(x())
+    asyncio.run(with_async())
+    assert len(servers.bodies) == 2
+    for body in servers.bodies:
+        decoded = codec.decode_predict(body)
+        assert decoded is not None
+        (array,) = decoded[0].values()
+        assert np.shares_memory(array, np.frombuffer(body, np.uint8))
 
 
 def test_one_target_raises_grpcs_own_error(servers: FakeServers) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from sluice.client import AsyncSluiceClient, SluiceClient
-from sluice.client.client import predict_request, rpc_error
+from sluice.client.client import rpc_error
 from sluice.core.datatypes import DATATYPES
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
@@ -145,10 +145,12 @@ def test_encode_all_takes_each_inputs_declared_datatype() -> None:
     assert [(t.name, t.datatype) for t in tensors] == [("a", "FP32"), ("b", "UINT8"), ("c", "INT8")]
 
 
-def test_predict_request_sends_plain_values_in_their_declared_datatypes() -> None:
-    request = predict_request(
-        {"a": [[0, 1]], "b": 3, "c": np.ones(2, np.int8)},
-        datatypes={"a": "FP32", "b": "UINT8", "c": "FP32"},
+def test_the_request_body_sends_plain_values_in_their_declared_datatypes() -> None:
+    request = pb.PredictRequest.FromString(
+        codec.encode_predict(
+            {"a": [[0, 1]], "b": 3, "c": np.ones(2, np.int8)},
+            datatypes={"a": "FP32", "b": "UINT8", "c": "FP32"},
+        )
     )
     a, b, c = request.inputs
     assert (a.datatype, list(a.shape), a.raw_data) == (
