@@ -212,11 +212,10 @@ def load_arrays(data: str, datatype: str) -> list[np.ndarray]:
 
 
 def request_body(array: np.ndarray, name: str, call: str, model: str) -> bytes:
-    """One call's body: a PredictRequest, or a KServe v2 ModelInferRequest (raw contents)."""
+    """One call's body: a PredictRequest as the Python client writes it (raw_data aligned),
+    or a KServe v2 ModelInferRequest (raw contents)."""
     if call != "modelinfer":
-        return pb.PredictRequest(
-            inputs=[codec.encode(name, array)], model=model
-        ).SerializeToString()
+        return codec.encode_predict({name: array}, model=model)
     tensor = kserve.ModelInferRequest.InferInputTensor(
         name=name, datatype=codec.datatype_of(array.dtype).name, shape=array.shape
     )
