@@ -102,9 +102,10 @@ class Dataplane:
             digest = xxhash.xxh3_128(found.scope(protocol.name))
             if asked.echo is None:
                 digest.update(body)
-            else:
-                digest.update(body[: asked.echo[0]])
-                digest.update(body[asked.echo[1] :])
+            else:  # the body around the id, read in place: slices of bytes are copies
+                view = memoryview(body)
+                digest.update(view[: asked.echo[0]])
+                digest.update(view[asked.echo[1] :])
             key = digest.digest()
             hit = self.cache.get(key)
             if hit is not None:

@@ -4,14 +4,17 @@ the protocol's metadata calls on the bundled model."""
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 
+from perf import make_pool
 from sluice import models
 from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import InvalidInput, ModelNotFound, Unimplemented
@@ -333,6 +336,31 @@ async def test_the_id_is_echoed_and_left_out_of_the_cache_key(plane: Dataplane) 
     # Uncached calls echo it too.
     entry, cached = await plane.infer(raw_body({"input": x}, id="off"), KSERVE, cache=False)
     assert cached is None and kpb.ModelInferResponse.FromString(entry.body).id == "off"
+
+
+async def test_a_cache_hit_with_an_id_copies_nothing_of_the_body(tmp_path: Path) -> None:
+    """The cache key of a body with an id is taken of the body around the id, not of a copy
+    of it: a 602 KB image answered from the cache allocates nothing of its size."""
+    path = tmp_path / "pool.onnx"
+    path.write_bytes(make_pool.build(224))
+    engine = Engine(path, device="cpu")
+    try:
+        plane = Dataplane(
+            Models([Model(engine, Batcher(engine.instances))]), LRUCache(100, 1 << 20)
+        )
+        image = np.ones((1, 3, 224, 224), np.float32)
+        await plane.infer(raw_body({"input": image}, id="first"), KSERVE)  # stored
+        second = raw_body({"input": image}, id="second")
+        tracemalloc.start()
+        try:
+            entry, cached = await plane.infer(second, KSERVE)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert cached == "hit" and kpb.ModelInferResponse.FromString(entry.body).id == "second"
+        assert peak < image.nbytes // 10
+    finally:
+        engine.close()
 
 
 async def test_an_output_subset_and_the_model_checks(plane: Dataplane) -> None:
