@@ -431,7 +431,10 @@ class KServeService:
     async def repository_unload(self, body: bytes, call: Call) -> bytes:
         repository = self._repository()
         request = parse(kpb.RepositoryModelUnloadRequest, body)
-        _no_parameters("RepositoryModelUnload", request.parameters)
+        # Triton's client always sends unload_dependents: Sluice serves no ensembles, so a
+        # model has no dependents to unload or keep either way.
+        asked = [name for name in request.parameters if name != "unload_dependents"]
+        _no_parameters("RepositoryModelUnload", asked)
         await repository.unload(request.model_name)
         return kpb.RepositoryModelUnloadResponse().SerializeToString()
 

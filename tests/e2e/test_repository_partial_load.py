@@ -115,12 +115,14 @@ import json, sys
 import tritonclient.grpc as triton
 client = triton.InferenceServerClient(url=sys.argv[1])
 client.load_model(sys.argv[2])
-print(json.dumps(client.get_model_repository_index(as_json=True)))
+loaded = client.get_model_repository_index(as_json=True)
+client.unload_model(sys.argv[2])  # Triton's client always sends unload_dependents
+print(json.dumps([loaded, client.get_model_repository_index(as_json=True)]))
 client.close()
 """
 
 
-def test_tritonclient_loads_and_finds_the_refused_version_in_the_repository_index(
+def test_tritonclient_loads_finds_the_refused_version_and_unloads(
     tmp_path: Path,
 ) -> None:
     root = repository(tmp_path, {1: scale_model(1.0), 2: scale_model(2.0), 3: BROKEN})
@@ -134,10 +136,13 @@ def test_tritonclient_loads_and_finds_the_refused_version_in_the_repository_inde
             check=False,
         )
     assert done.returncode == 0, done.stderr  # the load succeeded: versions 1 and 2 serve
-    rows = {m["version"]: m for m in json.loads(done.stdout)["models"] if m["name"] == MODEL}
+    loaded, unloaded = json.loads(done.stdout)
+    rows = {m["version"]: m for m in loaded["models"] if m["name"] == MODEL}
     assert {v: m["state"] for v, m in rows.items()} == {
         "1": "READY",
         "2": "READY",
         "3": "UNAVAILABLE",
     }
     assert "3/model.onnx" in rows["3"]["reason"]
+    after = [m for m in unloaded["models"] if m["name"] == MODEL and m.get("state") == "READY"]
+    assert after == []  # and unload_model unloaded it

@@ -503,3 +503,14 @@ async def test_the_repository_api_when_on(plane: Dataplane) -> None:
     )
     with pytest.raises(InvalidInput, match=r"RepositoryModelLoad takes no parameters \(config"):
         await kserve.repository_load(config.SerializeToString(), call())
+    dependents = kpb.RepositoryModelUnloadRequest(
+        model_name="digits",
+        parameters={"unload_dependents": kpb.ModelRepositoryParameter(bool_param=False)},
+    )
+    await kserve.repository_unload(dependents.SerializeToString(), call())  # Triton's client
+    assert repository.calls[-1] == "unload digits"
+    other = kpb.RepositoryModelUnloadRequest(
+        model_name="digits", parameters={"force": kpb.ModelRepositoryParameter(bool_param=True)}
+    )
+    with pytest.raises(InvalidInput, match=r"RepositoryModelUnload takes no parameters \(force"):
+        await kserve.repository_unload(other.SerializeToString(), call())
