@@ -55,7 +55,7 @@ REFUSED_TRAILER = "x-refused-versions"
 _CONTENTS = sorted({d.typed_field.replace("_data", "_contents") for d in DATATYPES.values()})
 _ALL_CONTENTS = [*_CONTENTS, "bytes_contents"]
 _SHARED_MEMORY = "shared_memory_region"
-_RAW_INPUT = kpb.ModelInferRequest.RAW_INPUT_CONTENTS_FIELD_NUMBER
+_RAW_INPUT = facts.INFER_RAW_INPUTS
 # Bodies from this size are read off the wire (read_request): its walk costs about 3.5 us
 # more than protobuf's parse, whose copies cost as much at about 64 KB (a 602 KB image:
 # 9.8 us against 44).
@@ -65,7 +65,7 @@ WIRE_READ_FROM = 64 << 10
 # at 4 KB).
 FRAMED_FROM = 4 << 10
 # ModelInferResponse's raw_output_contents tag: its number, wire type 2 (length-delimited).
-_RAW_OUTPUT_TAG = bytes([kpb.ModelInferResponse.RAW_OUTPUT_CONTENTS_FIELD_NUMBER << 3 | 2])
+_RAW_OUTPUT_TAG = bytes([facts.INFER_RESPONSE_RAW_OUTPUTS << 3 | 2])
 _NO_SHARED_MEMORY = "Sluice does not serve shared memory: send the values in the request"
 
 
