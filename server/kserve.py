@@ -146,7 +146,7 @@ class KServeV2:
         ).SerializeToString()
         parts: list[bytes | memoryview] = [head]
         for array in arrays:
-            parts += (_RAW_OUTPUT_TAG, _varint(array.nbytes), array.data)
+            parts += (_RAW_OUTPUT_TAG, peek.varint(array.nbytes), array.data)
         return b"".join(parts)
 
 
@@ -183,15 +183,6 @@ def read_request(body: bytes) -> tuple[kpb.ModelInferRequest, Sequence[bytes | m
         pass  # the parser judges the whole body, in its own words
     request = parse(kpb.ModelInferRequest, body)
     return request, request.raw_input_contents
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def _decode(

@@ -119,23 +119,23 @@ def _tensor(
     array = np.ascontiguousarray(array, dtype=dt.dtype)  # ORT's outputs as they are
     n = array.nbytes
     # Dimensions under 128 are their own varints: the common case, without a call each.
-    shape = bytes(dims) if max(dims, default=0) < 0x80 else b"".join(_varint(d) for d in dims)
+    shape = bytes(dims) if max(dims, default=0) < 0x80 else b"".join(peek.varint(d) for d in dims)
     head = _string(_TENSOR_NAME, name) + _string(_TENSOR_DATATYPE, dt.name)
-    head += _TENSOR_SHAPE + _varint(len(shape)) + shape if shape else b""
-    raw = _TENSOR_RAW + _varint(n) if n else b""  # proto3 leaves an empty one out
+    head += _TENSOR_SHAPE + peek.varint(len(shape)) + shape if shape else b""
+    raw = _TENSOR_RAW + peek.varint(n) if n else b""  # proto3 leaves an empty one out
     before = len(head) + len(raw)
     pad = 0
     # Padding lengthens the tensor, whose length may then take a byte more: a second round
     # pads past the next boundary, and a third finds it on one.
     while align and n:
-        gap = -(at + len(tag) + len(_varint(before + pad + n)) + before + pad) % ALIGN
+        gap = -(at + len(tag) + len(peek.varint(before + pad + n)) + before + pad) % ALIGN
         if not gap:
             break
         pad += gap if pad + gap > 1 else gap + ALIGN  # a field takes 2 bytes at least
     if pad:
         head += _TENSOR_PADDING + bytes([pad - 2]) + bytes(pad - 2)
     size = len(head) + len(raw) + n
-    outer = tag + _varint(size)
+    outer = tag + peek.varint(size)
     parts += [outer, head, raw, array.data]  # a view of the array's bytes, whatever its shape
     return at + len(outer) + size
 
@@ -143,26 +143,14 @@ def _tensor(
 def _string(tag: bytes, text: str, repeated: bool = False) -> bytes:
     """A string field; an empty one is written only as an element of a repeated field."""
     value = text.encode()
-    return tag + _varint(len(value)) + value if value or repeated else b""
-
-
-def _varint(value: int) -> bytes:
-    if value < 0x80:
-        return _BYTE[value]
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+    return tag + peek.varint(len(value)) + value if value or repeated else b""
 
 
 def _tag(number: int) -> bytes:
     """A length-delimited field's tag."""
-    return _varint(number << 3 | 2)
+    return peek.varint(number << 3 | 2)
 
 
-_BYTE = [bytes([b]) for b in range(0x80)]
 _INPUTS, _OUTPUTS = _tag(facts.PREDICT_INPUTS), _tag(facts.PREDICT_OUTPUTS)
 _MODEL, _VERSION = _tag(facts.PREDICT_MODEL), _tag(facts.PREDICT_VERSION)
 _REPLY_MODEL, _REPLY_OUTPUTS = _tag(facts.RESPONSE_MODEL), _tag(facts.RESPONSE_OUTPUTS)

@@ -95,3 +95,18 @@ def varints(body: bytes, start: int, end: int) -> list[int]:
     if at > end:
         raise Malformed("a packed field runs past its end")
     return values
+
+
+_ONE_BYTE = tuple(bytes([b]) for b in range(0x80))
+
+
+def varint(value: int) -> bytes:
+    """`value` (not negative) as the wire writes it: the writers' one encoding of a varint."""
+    if value < 0x80:
+        return _ONE_BYTE[value]
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)

@@ -79,22 +79,8 @@ _INT32 = 1 << 31
 _U64 = (1 << 64) - 1  # a negative int32 goes on the wire as its 64-bit two's complement
 
 
-def _varint(value: int) -> bytes:
-    if value < 0x80:
-        return _SMALL[value]
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-_SMALL = tuple(bytes([i]) for i in range(0x80))
-
-
 def _key(number: int, wire: int) -> bytes:
-    return _varint(number << 3 | wire)
+    return peek.varint(number << 3 | wire)
 
 
 _REQUEST_ID = _key(facts.STREAM_REQUEST_ID, 0)
@@ -115,23 +101,23 @@ _ENTRY_VALUE = _key(facts.ENTRY_VALUE, 2)
 def _pairs(parts: list[bytes], tag: bytes, pairs: Iterable[tuple[str, str]]) -> None:
     for key, value in pairs:
         k, v = key.encode(), value.encode()
-        entry = _ENTRY_KEY + _varint(len(k)) + k + _ENTRY_VALUE + _varint(len(v)) + v
-        parts += (tag, _varint(len(entry)), entry)
+        entry = _ENTRY_KEY + peek.varint(len(k)) + k + _ENTRY_VALUE + peek.varint(len(v)) + v
+        parts += (tag, peek.varint(len(entry)), entry)
 
 
 def _text(parts: list[bytes], tag: bytes, text: str) -> None:
     if text:
         value = text.encode()
-        parts += (tag, _varint(len(value)), value)
+        parts += (tag, peek.varint(len(value)), value)
 
 
 def write_request(
     ident: int, body: bytes, timeout_s: float, metadata: Mapping[str, str], method: str
 ) -> bytes:
     """A StreamRequest's bytes, as protobuf writes them: `body` copied once, by the join."""
-    parts = [_REQUEST_ID, _varint(ident)] if ident else []
+    parts = [_REQUEST_ID, peek.varint(ident)] if ident else []
     if body:
-        parts += (_REQUEST_BODY, _varint(len(body)), body)
+        parts += (_REQUEST_BODY, peek.varint(len(body)), body)
     if timeout_s or math.copysign(1.0, timeout_s) < 0:  # -0.0 is written, as protobuf does
         parts += (_REQUEST_TIMEOUT, _DOUBLE.pack(timeout_s))
     _pairs(parts, _REQUEST_METADATA, metadata.items())
@@ -149,15 +135,15 @@ def write_response(
 ) -> bytes:
     """A StreamResponse's bytes, as protobuf writes them: `body` copied once, by the join;
     of `trailers` given twice, the last (as a parser keeps it)."""
-    parts = [_RESPONSE_ID, _varint(ident)] if ident else []
+    parts = [_RESPONSE_ID, peek.varint(ident)] if ident else []
     if code:
-        parts += (_RESPONSE_CODE, _varint(code & _U64))
+        parts += (_RESPONSE_CODE, peek.varint(code & _U64))
     _text(parts, _RESPONSE_MESSAGE, message)
     if body:
-        parts += (_RESPONSE_BODY, _varint(len(body)), body)
+        parts += (_RESPONSE_BODY, peek.varint(len(body)), body)
     _pairs(parts, _RESPONSE_TRAILERS, trailers)
     if retryable:
-        parts += (_RESPONSE_RETRYABLE, _SMALL[1])
+        parts += (_RESPONSE_RETRYABLE, peek.varint(1))
     return b"".join(parts)
 
 
