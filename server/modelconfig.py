@@ -1,10 +1,11 @@
 """Triton's config.pbtxt, read into a model's `Config`: the subset Sluice honors.
 
 Honored: max_batch_size (0: no batching), instance_group (the sum of the counts; all
-KIND_CPU: on the CPU), dynamic_batching.max_queue_delay_microseconds (the batch budget,
-unless 0), version_policy, default_model_filename. Other known fields (input and output
-dims: the ONNX file's own signature rules) are read and logged as ignored; unknown fields
-are skipped, and named in the log.
+KIND_CPU: on the CPU; all Triton's default KIND_AUTO: the server's --device),
+dynamic_batching.max_queue_delay_microseconds (the batch budget, unless 0), version_policy,
+default_model_filename. Other known fields (input and output dims: the ONNX file's own
+signature rules) are read and logged as ignored; unknown fields are skipped, and named in
+the log.
 """
 
 from __future__ import annotations
@@ -96,9 +97,14 @@ def convert(message: pb.ModelConfig, source: str = "config.pbtxt", name: str = "
     if message.instance_group:
         # Triton's count defaults to 1 per group.
         instances = sum(max(g.count, 1) for g in message.instance_group)
-        if all(g.kind == pb.ModelInstanceGroup.KIND_CPU for g in message.instance_group):
+        # Triton's default kind, KIND_AUTO (a GPU if there is one, else the CPU), is what the
+        # server's --device does; KIND_CPU throughout is honoured. GPUs named, KIND_GPU,
+        # KIND_MODEL or a mix of kinds are not.
+        kinds = {g.kind for g in message.instance_group}
+        named = any(g.gpus for g in message.instance_group)
+        if kinds == {pb.ModelInstanceGroup.KIND_CPU} and not named:
             device = "cpu"
-        else:
+        elif kinds != {pb.ModelInstanceGroup.KIND_AUTO} or named:
             ignored.append("instance_group kind/gpus (the device is the server's --device)")
 
     budget_s = None

@@ -123,6 +123,46 @@ def test_gpu_instance_groups_leave_the_device_to_the_server(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
+    ("groups", "instances", "device"),
+    [
+        ("{ count: 2 }", 2, None),  # Triton's default kind, KIND_AUTO: the server's device
+        ("{ count: 2 kind: KIND_AUTO }, { }", 3, None),
+        ("{ count: 2 kind: KIND_CPU }", 2, "cpu"),
+    ],
+)
+def test_instance_groups_sluice_honours_are_not_said_to_be_ignored(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    groups: str,
+    instances: int,
+    device: str | None,
+) -> None:
+    with caplog.at_level(logging.INFO, "sluice.modelconfig"):
+        config = read_config(write(tmp_path, f"instance_group [ {groups} ]"))
+    assert (config.instances, config.device) == (instances, device)
+    assert "instance_group" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [
+        "{ kind: KIND_GPU }",
+        "{ kind: KIND_MODEL }",
+        "{ count: 2 gpus: [ 0, 1 ] }",  # KIND_AUTO, but on these GPUs
+        "{ kind: KIND_CPU gpus: [ 0 ] }",
+        "{ kind: KIND_CPU }, { kind: KIND_AUTO }",  # some on the CPU, some on the server's device
+    ],
+)
+def test_instance_group_kinds_and_gpus_sluice_does_not_honour_are_said_to_be_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, groups: str
+) -> None:
+    with caplog.at_level(logging.INFO, "sluice.modelconfig"):
+        config = read_config(write(tmp_path, f"instance_group [ {groups} ]"))
+    assert config.device is None
+    assert "Sluice ignores instance_group kind/gpus" in caplog.text
+
+
+@pytest.mark.parametrize(
     ("text", "policy"),
     [
         ("version_policy: { all: {} }", VersionPolicy("all")),
