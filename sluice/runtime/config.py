@@ -17,6 +17,10 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+# What a value of each type must look like, said when one does not parse.
+WANTED = {"int": "an integer", "float": "a number", "bool": "true or false"}
+
+
 def _converter(kind: Any) -> Any:
     if kind in (bool, "bool"):
         return _parse_bool
@@ -62,8 +66,42 @@ def add_option(
     """`--NAME`, read from `SLUICE_NAME` when the flag is absent, else `default` (as typed on
     the command line: argparse converts either with `type`); its help names both."""
     env = "SLUICE_" + name.upper().replace("-", "_")
-    given = (os.environ if environ is None else environ).get(env) or default
+    raw = (os.environ if environ is None else environ).get(env)
+    given = _FromEnv(raw) if raw else default
+    if raw and "type" in kwargs:
+        kwargs["type"] = _env_aware(kwargs["type"], env, "--" + name)
     parser.add_argument("--" + name, default=given, help=f"{help} [env {env}; {default}]", **kwargs)
+
+
+class _FromEnv(str):
+    """A flag's default read from its variable: argparse converts it with the flag's `type`
+    only when the flag is absent, and a value that does not parse is the variable's fault."""
+
+
+def _env_aware(convert: Any, env: str, flag: str) -> Any:
+    """`convert`, whose error for the variable's value names the variable and the flag."""
+
+    def converted(text: str) -> Any:
+        if not isinstance(text, _FromEnv):
+            return convert(text)  # argparse's own error names the flag and the type
+        try:
+            return convert(text)
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+            wanted = _wanted(getattr(convert, "__name__", ""), exc)
+            raise argparse.ArgumentTypeError(_env_error(env, text, flag, wanted)) from None
+
+    converted.__name__ = getattr(convert, "__name__", "value")  # argparse's "invalid int value"
+    return converted
+
+
+def _env_error(env: str, raw: str, flag: str, wanted: str) -> str:
+    """The variable, its value, the flag it stands in for, and what was wanted."""
+    return f"{env}={str(raw)!r} (read as {flag} was not given): {wanted}"
+
+
+def _wanted(kind: str, exc: Exception) -> str:
+    """What a value of `kind` must be (a converter's own reason for another kind)."""
+    return f"expected {WANTED[kind]}" if kind in WANTED else str(exc)
 
 
 def build_parser(cls: type[Any], prog: str, description: str) -> argparse.ArgumentParser:
@@ -102,14 +140,17 @@ def from_namespace(
         raw = environ.get("SLUICE_" + field.name.upper())
         if raw is None or raw == "":
             continue
-        convert = _converter(field_type(field))
+        kind = field_type(field)
+        convert = _converter(kind)
         try:
             if field.metadata.get("list"):
                 values[field.name] = [convert(p.strip()) for p in raw.split(",") if p.strip()]
             else:
                 values[field.name] = convert(raw)
         except (ValueError, argparse.ArgumentTypeError) as exc:
-            raise SystemExit(f"SLUICE_{field.name.upper()}={raw!r}: {exc}") from None
+            env, flag = "SLUICE_" + field.name.upper(), "--" + field.name.replace("_", "-")
+            wanted = _wanted(kind, exc)  # of a list: of each comma-separated part
+            raise SystemExit(_env_error(env, raw, flag, wanted)) from None
     return cls(**values)
 
 

@@ -119,3 +119,37 @@ def test_the_client_commands_take_target_and_timeout_from_the_environment(
     assert "[env SLUICE_TARGET; 127.0.0.1:8000]" in " ".join(
         top.build_parser().format_help().split()
     )
+
+
+@pytest.mark.parametrize(
+    ("env", "raw", "said"),
+    [
+        ("SLUICE_MAX_BATCH", "abc", "(read as --max-batch was not given): expected an integer"),
+        ("SLUICE_GRACE_S", "soon", "(read as --grace-s was not given): expected a number"),
+        ("SLUICE_PINNED_STAGING", "maybe", "(read as --pinned-staging was not given): "),
+    ],
+)
+def test_a_variable_that_does_not_parse_names_itself_the_flag_and_the_type(
+    env: str, raw: str, said: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse([], {env: raw})
+    assert str(exited.value.code).startswith(f"{env}={raw!r} {said}")
+    assert "invalid literal" not in str(exited.value.code)
+
+
+def test_an_options_variable_that_does_not_parse_names_itself_and_the_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sluice.client import cli
+
+    monkeypatch.setenv("SLUICE_TIMEOUT", "abc")
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["health"])
+    said = capsys.readouterr().err
+    assert "argument --timeout: SLUICE_TIMEOUT='abc' (read as --timeout was not given): " in said
+    assert "expected a number" in said
+    monkeypatch.delenv("SLUICE_TIMEOUT")
+    with pytest.raises(SystemExit):  # the flag's own value: argparse names the flag and type
+        cli.build_parser().parse_args(["health", "--timeout", "abc"])
+    assert "argument --timeout: invalid float value: 'abc'" in capsys.readouterr().err
