@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -289,6 +291,21 @@ def cmd_key(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`sluice`'s exit status. A reader that closed our stdout (`sluice health | head -5`)
+    ends the command quietly, with 141 (128 + SIGPIPE): what a shell reports of any Unix
+    tool killed by the signal, so `set -o pipefail` scripts see sluice as they see cat or
+    grep (Python ignores SIGPIPE, so without this the write raised and was printed)."""
+    try:
+        status = run(argv)
+        sys.stdout.flush()  # output still buffered meets a closed pipe here, not at exit
+    except BrokenPipeError:
+        # The interpreter flushes stdout again at exit: let that find somewhere to go.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    return status
+
+
+def run(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["perf"]:  # the sweep parses its own options
         from sluice.perf.sweep import main as perf_main
@@ -328,6 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except grpc.RpcError as exc:
         print(f"sluice {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        raise  # stdout closed: main's to end quietly
     except (OSError, ValueError) as exc:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2

@@ -13,9 +13,13 @@ import grpc
 
 from sluice.client import diagnose
 from sluice.runtime import config
-from sluice.runtime.tls import ClientTLS, asks_for_tls
+from sluice.runtime.tls import ClientTLS, FileNames, asks_for_tls
 
 DEFAULT_TARGET = "127.0.0.1:8000"  # a balancer's default port on this machine
+FLAGS = FileNames("--tls-ca {}", "--tls-cert {}", "--tls-key {}")  # a TLS file, in errors
+# grpc's target schemes that need no port or check their own (ipv4:/ipv6: list addresses);
+# dns: and a plain HOST[:PORT] dial port 443 when none is given.
+OWN_RULES = ("unix", "unix-abstract", "vsock", "ipv4", "ipv6")
 
 
 @dataclass(frozen=True)
@@ -36,13 +40,15 @@ class Connection:
         return asks_for_tls(self.tls, self.tls_ca, self.tls_cert, self.tls_key, self.server_name)
 
     def client_tls(self) -> ClientTLS | None:
-        """The channel credentials (None: plaintext); OSError if a file does not load."""
+        """The channel credentials (None: plaintext); OSError naming the flag and the file if
+        one does not load."""
         return ClientTLS.of(
             tls=self.tls,
             ca=self.tls_ca,
             cert=self.tls_cert,
             key=self.tls_key,
             server_name=self.server_name,
+            names=FLAGS,
         )
 
     def client_kwargs(self) -> dict[str, Any]:
@@ -71,8 +77,31 @@ PLAINTEXT = Connection()  # no TLS, no API key
 def add_target(
     parser: argparse.ArgumentParser, help: str = "HOST:PORT of a server or balancer"
 ) -> None:
-    """--target, defaulting to SLUICE_TARGET, then DEFAULT_TARGET."""
-    config.add_option(parser, "target", DEFAULT_TARGET, help)
+    """--target, defaulting to SLUICE_TARGET, then DEFAULT_TARGET; refused without a port."""
+    config.add_option(parser, "target", DEFAULT_TARGET, help, type=target)
+
+
+def target(text: str) -> str:
+    """A --target as given (several, comma-separated, for `sluice perf`), each with a port:
+    grpc would dial 443 in silence."""
+    for part in text.split(","):
+        if not has_port(part):
+            where = "" if part == text else f"{text}: "
+            raise argparse.ArgumentTypeError(f"{where}{part} has no port: give HOST:PORT")
+    return text
+
+
+def has_port(target: str) -> bool:
+    """Whether grpc dials `target` at a port it names (HOST:PORT, [IPV6]:PORT, dns:[//AUTHORITY/]
+    HOST:PORT), or resolves it by a scheme of its own rules (unix:PATH, ...)."""
+    scheme, colon, rest = target.partition(":")
+    if colon and scheme in OWN_RULES:
+        return True
+    if colon and scheme == "dns":
+        target = rest.split("/", 3)[3] if rest.startswith("//") and rest.count("/") >= 3 else rest
+    host, colon, port = target.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    return bool(colon and host) and port.isdigit() and (":" not in host or bracketed)
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -117,10 +146,12 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace) -> Connection:
-    """The options `add_options` added; ValueError for a certificate without its key."""
+    """The options `add_options` added; ValueError for a certificate without its key, OSError
+    naming the flag and the file for a TLS file that does not load (read now, before a
+    connection is tried)."""
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
-    return Connection(
+    connection = Connection(
         tls=args.tls,
         tls_ca=args.tls_ca,
         tls_cert=args.tls_cert,
@@ -128,3 +159,5 @@ def from_args(args: argparse.Namespace) -> Connection:
         server_name=args.server_name,
         api_key=args.api_key,
     )
+    connection.client_tls()
+    return connection

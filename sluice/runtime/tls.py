@@ -11,6 +11,7 @@ configuration stays until they change again.
 from __future__ import annotations
 
 import logging
+import re
 import ssl
 import threading
 from collections.abc import Sequence
@@ -94,6 +95,19 @@ def server_credentials(settings: SecuritySettings) -> grpc.ServerCredentials | N
 
 
 @dataclass(frozen=True)
+class FileNames:
+    """How a client's TLS files are named in its errors: formats of the path, as its caller
+    gives them (a keyword, a flag)."""
+
+    ca: str
+    cert: str
+    key: str
+
+
+KEYWORDS = FileNames("tls_ca={!r}", "tls_cert={!r}", "tls_key={!r}")  # SluiceClient's
+
+
+@dataclass(frozen=True)
 class ClientTLS:
     """How a client (the balancer too, towards its servers) talks TLS: credentials and the
     name the server's certificate is checked against (empty: the target's host)."""
@@ -110,14 +124,15 @@ class ClientTLS:
         cert: str = "",
         key: str = "",
         server_name: str = "",
+        names: FileNames = KEYWORDS,
     ) -> ClientTLS | None:
         """TLS if `tls` or any other option asks for it (None: plaintext): trusting the CAs
         in `ca` (empty: the system's), showing `cert` with its `key` when given (mutual
         TLS). The files are read now, once. OSError (ssl.SSLError among them) if one does
-        not load, ValueError for a certificate without its key."""
+        not load, naming it as `names` do; ValueError for a certificate without its key."""
         if not asks_for_tls(tls, ca, cert, key, server_name):
             return None
-        return cls(channel_credentials(ca, cert, key), server_name)
+        return cls(channel_credentials(ca, cert, key, names), server_name)
 
     def options(self) -> list[tuple[str, str]]:
         # Checked against this name rather than the target's host (an IP address from DNS
@@ -148,18 +163,47 @@ def blocking_channel(
     return grpc.secure_channel(target, tls.credentials, [*options, *tls.options()])
 
 
-def channel_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:
+def channel_credentials(
+    ca: str = "", cert: str = "", key: str = "", names: FileNames = KEYWORDS
+) -> grpc.ChannelCredentials:
     """A client's TLS credentials: trusting the CAs in `ca` (empty: the system's), showing the
     certificate `cert` with its `key` when given. OSError (ssl.SSLError among them) if a
-    file does not load."""
+    file does not load, of the same kind, naming the file as `names` do."""
     if bool(cert) != bool(key):
         raise ValueError("a client certificate and its key go together")
-    # Parsed here too, so a wrong file is named now, not as a failed handshake later.
-    context = ssl.create_default_context(cafile=ca or None)
-    if cert:
-        context.load_cert_chain(cert, key)
-    return grpc.ssl_channel_credentials(
-        Path(ca).read_bytes() if ca else None,
-        Path(key).read_bytes() if key else None,
-        Path(cert).read_bytes() if cert else None,
+    # Each file read on its own, so the one missing is named (ssl's error names none).
+    ca_pem, cert_pem, key_pem = (
+        _read(path, name) if path else None
+        for path, name in ((ca, names.ca), (cert, names.cert), (key, names.key))
     )
+    # Parsed here too, so a wrong file is named now, not as a failed handshake later.
+    if ca:
+        try:
+            ssl.create_default_context(cafile=ca)
+        except OSError as exc:  # ssl.SSLError: no certificate in it
+            raise _named(exc, names.ca.format(ca)) from None
+    if cert:
+        try:
+            ssl.create_default_context().load_cert_chain(cert, key)
+        except OSError as exc:  # ssl.SSLError: not PEM, or not each other's
+            raise _named(exc, f"{names.cert.format(cert)} with {names.key.format(key)}") from None
+    return grpc.ssl_channel_credentials(ca_pem, key_pem, cert_pem)
+
+
+def _read(path: str, name: str) -> bytes:
+    """A TLS file's bytes; an OSError of its kind, naming it (`name`, a format of the path)."""
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{name.format(path)}: no such file") from None
+    except OSError as exc:
+        raise _named(exc, name.format(path)) from None
+
+
+def _named(exc: OSError, what: str) -> OSError:
+    """`exc` of the same kind, its words (ssl's without the place in its C source that said
+    them) after `what` it is about."""
+    said = re.sub(r" \(_ssl\.c:\d+\)$", "", exc.strerror or str(exc))
+    if isinstance(exc, ssl.SSLError):  # shown as its words only when given an errno too
+        return ssl.SSLError(exc.errno, f"{what}: {said}")
+    return type(exc)(f"{what}: {said[:1].lower()}{said[1:]}")

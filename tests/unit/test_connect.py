@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ssl
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
+from perf.certs import Authority
 from sluice.client import AsyncSluiceClient, SluiceClient
 from sluice.client.connect import Connection, add_options, from_args
 from sluice.perf import h2engine, sweep
@@ -23,13 +26,14 @@ def parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_flags_and_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flags_and_variables(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert from_args(parse()) == Connection()
     assert not Connection().secure
-    monkeypatch.setenv("SLUICE_TLS_CA", "ca.pem")
+    ca = str(Authority(tmp_path).cert)  # read by from_args: a file that does not load is named
+    monkeypatch.setenv("SLUICE_TLS_CA", ca)
     monkeypatch.setenv("SLUICE_API_KEY", "k1")
     got = from_args(parse("--server-name", "sluice.test"))
-    assert got == Connection(tls_ca="ca.pem", server_name="sluice.test", api_key="k1")
+    assert got == Connection(tls_ca=ca, server_name="sluice.test", api_key="k1")
     assert got.secure
     assert from_args(parse("--tls")).secure  # the system's CAs
     with pytest.raises(ValueError, match="go together"):
@@ -105,3 +109,21 @@ async def test_the_api_key_goes_with_every_call(recorder: tuple[Recorder, str]) 
     assert methods == ["Predict", "Health", "Metadata", "Predict", "Predict", "Health", "Health"]
     keys = [metadata.get("authorization") for _, metadata in recording.seen]
     assert keys == ["Bearer s3cret"] * 6 + [None]
+
+
+@pytest.mark.parametrize("keyword", ["tls_ca", "tls_cert", "tls_key"])
+def test_a_missing_tls_file_names_the_keyword_and_the_file(keyword: str, tmp_path: Path) -> None:
+    pair = Authority(tmp_path).issue("client")
+    given = {"tls_ca": str(pair.cert), "tls_cert": str(pair.cert), "tls_key": str(pair.key)}
+    given[keyword] = missing = str(tmp_path / "nope.pem")
+    with pytest.raises(OSError) as caught:
+        SluiceClient("127.0.0.1:1", **given)
+    assert str(caught.value) == f"{keyword}={missing!r}: no such file"
+
+
+def test_a_key_that_is_not_the_certificates_names_both(tmp_path: Path) -> None:
+    ca = Authority(tmp_path)
+    cert, other = ca.issue("client").cert, ca.issue("other").key
+    with pytest.raises(ssl.SSLError) as caught:
+        SluiceClient("127.0.0.1:1", tls_cert=str(cert), tls_key=str(other))
+    assert str(caught.value).startswith(f"tls_cert={str(cert)!r} with tls_key={str(other)!r}: ")
