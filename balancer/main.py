@@ -83,7 +83,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
             stats=service.stats,
             readiness=readiness,
             processes=settings.workers,
-            banner=lambda: f"{settings.node_id} balancing {len(settings.backend)} backends",
+            banner=lambda: banner(settings.node_id, len(pool.backends)),
             collectors=[RoutingCollector(pool, budget, service.planner, service.fanned)],
             tenants=tenants,
             background=[
@@ -94,6 +94,11 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         ),
         argv,
     )
+
+
+def banner(node_id: str, backends: int) -> str:
+    """The start line's words: the backends known at start (flags, a file or DNS)."""
+    return f"{node_id} balancing {backends} backend{'' if backends == 1 else 's'}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,11 +12,19 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from sluice.balancer.settings import BalancerSettings
-from sluice.balancer.upstream import Models, Upstream, upstream_tls
+from sluice.balancer.upstream import REFUSES, Models, Upstream, upstream_tls
 from sluice.routing.pool import Backend, Pool
 
 log = logging.getLogger("sluice.balancer")
 BREAKER_TICK_S = 0.5  # how often readiness is re-told while breakers may reopen
+
+
+def outage(why: str) -> bool:
+    """Whether a backend is out for what a restart shows too (the transport's words: it
+    refuses connections, is unreachable, does not answer; "": its own word), news at INFO.
+    Any other finding (a TLS mismatch, with the flag that fixes it) is a setting the user
+    must fix: WARNING."""
+    return why in ("", REFUSES, "does not answer") or why.startswith("unreachable (")
 
 
 class Transport(Protocol):
@@ -87,7 +95,10 @@ class Membership:
             # `why`: what the transport found of a server it cannot reach, "" when the
             # state is the server's own word.
             if (backend.health, backend.down) != (state, why):
-                log.info("backend %s is %s%s", backend.address, state, f": {why}" if why else "")
+                level = logging.INFO if outage(why) else logging.WARNING
+                log.log(
+                    level, "backend %s is %s%s", backend.address, state, f": {why}" if why else ""
+                )
             backend.health, backend.down = state, why
             if unreachable:
                 self.pool.unreachable(backend)

@@ -107,8 +107,14 @@ def test_metadata_names_itself_and_the_backend_that_refuses_connections(
 
 
 def test_the_log_says_why_the_backend_is_out(balancer: Process, refusing: str) -> None:
-    line = f"backend {refusing} is NOT_SERVING: refuses connections"
+    # At INFO: what a restart shows too, no setting to fix.
+    line = f"INFO sluice.balancer backend {refusing} is NOT_SERVING: refuses connections"
     wait_for(lambda: any(line in text for text in list(balancer.lines)), "the log line")
+
+
+def test_the_start_line_counts_one_backend_in_the_singular(balancer: Process) -> None:
+    line = "balancing 1 backend, listening on"
+    wait_for(lambda: any(line in text for text in list(balancer.lines)), "the start line")
 
 
 @dataclass
@@ -219,7 +225,11 @@ def test_tls_to_a_plaintext_server_says_to_drop_the_ca(mismatched: Mismatched) -
     health = reasons(mismatched.with_ca.address, 2)
     reason = {b.address: b.reason for b in health.backends}[server]
     assert reason == "is plaintext: drop --upstream-tls-ca", reason
-    line = f"backend {server} is NOT_SERVING: is plaintext: drop --upstream-tls-ca"
+    # At WARNING: a setting the user must fix.
+    line = (
+        f"WARNING sluice.balancer backend {server} is NOT_SERVING: is plaintext: drop "
+        "--upstream-tls-ca"
+    )
     wait_for(lambda: any(line in text for text in list(mismatched.with_ca.lines)), "the log line")
 
 
