@@ -35,6 +35,7 @@ from typing import Any
 
 from sluice.core.errors import QuotaExceeded, Unauthenticated
 from sluice.core.files import stamp
+from sluice.core.words import counted
 
 INTERACTIVE, BATCH = 0, 1  # priority classes: a lower number is served first
 PRIORITIES = {"interactive": INTERACTIVE, "batch": BATCH}
@@ -239,8 +240,8 @@ class Tenants:
         tenant = account.tenant
         if tenant.concurrency and account.in_flight >= tenant.concurrency:
             raise QuotaExceeded(
-                f"quota: tenant {tenant.name} has {account.in_flight} calls in flight, its "
-                f"share; retry when one ends"
+                f"quota: tenant {tenant.name} has {counted(account.in_flight, 'call')} in "
+                f"flight, its share; retry when one ends"
             )
         if account.bucket is not None:
             wait = account.bucket.take(self.clock())
@@ -299,4 +300,4 @@ class Watched:
         except TenantsFileError as exc:
             return f"{exc}; the tenants before it stay"
         self.tenants.replace(tenants)
-        return f"tenants file {self.path} re-read: {len(tenants)} tenants"
+        return f"tenants file {self.path} re-read: {counted(len(tenants), 'tenant')}"

@@ -42,6 +42,7 @@ from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
 from sluice.core.errors import Code, status_name
+from sluice.core.words import counted
 from sluice.routing.budget import RetryBudget
 from sluice.routing.limit import Limits
 from sluice.routing.pool import ANY, Backend, Pool, Want
@@ -244,7 +245,9 @@ class Plan(Generic[R]):
                 # Only full backends stand in the way: refuse now rather than queue.
                 limits.shed += 1
                 held = sum(b.in_flight for b in full)
-                why = f"overloaded: every backend is at its limit ({held} calls in flight)"
+                why = (
+                    f"overloaded: every backend is at its limit ({counted(held, 'call')} in flight)"
+                )
                 return planner.reply(
                     _RESOURCE_EXHAUSTED, f"{why}; retry later{self.last}", retryable=True
                 )

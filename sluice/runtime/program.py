@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from sluice.core.errors import SluiceError
 from sluice.core.stats import ServingStats
 from sluice.core.tenants import Tenants
+from sluice.core.words import counted
 from sluice.runtime import config, door, metrics, refusals, tracing
 from sluice.runtime.health import Readiness
 from sluice.runtime.listener import Methods, bind, check_port_free, new_server
@@ -91,7 +92,7 @@ async def run(program: Program, argv: Sequence[str], stop: asyncio.Event | None 
             await workers.stop(program.drain_delay_s + settings.grace_s + WORKERS_STOP_S)
         if exporter is not None:
             exporter.close()
-    log.info("stopped after %d calls", program.stats.requests)
+    log.info("stopped after %s", counted(program.stats.requests, "call"))
     return 0
 
 

@@ -16,6 +16,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
+from sluice.core.words import counted
+
 DEFAULT_INTERVAL_S = 10.0
 
 
@@ -69,7 +71,8 @@ class RefusalLog:
             f"{code} {count:,}"
             for code, count in sorted(failed.items(), key=lambda item: (-item[1], item[0]))
         )
-        line = f"refused {refused:,} of {calls:,} calls in the last {elapsed:.1f} s: {by_code}"
+        seen = counted(calls, "call")
+        line = f"refused {refused:,} of {seen} in the last {elapsed:.1f} s: {by_code}"
         self.logger.warning("%s", line)
         return line
 

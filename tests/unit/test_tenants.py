@@ -127,7 +127,7 @@ def test_concurrency_share_counts_calls_in_flight() -> None:
     tenants = Tenants(parse(FILE))
     bulk = tenants.accounts["bulk"]
     tenants.enter(bulk)
-    with pytest.raises(QuotaExceeded, match="1 calls in flight"):
+    with pytest.raises(QuotaExceeded, match="has 1 call in flight"):
         tenants.enter(bulk)
     Tenants.settle(bulk, True, "INTERNAL", "")
     tenants.enter(bulk)  # its call ended: room again
