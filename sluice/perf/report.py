@@ -66,7 +66,8 @@ def _target_cell(cpu: dict[str, Any]) -> str:
     warning says why)."""
     if cpu.get("per_call_ms") is None:
         return "-"
-    return f"{cpu['per_call_ms']:.3f} ms, {cpu['cores']:.2f} cores"
+    cores = "-" if cpu.get("cores") is None else f"{cpu['cores']:.2f}"  # a level of no wall time
+    return f"{cpu['per_call_ms']:.3f} ms, {cores} cores"
 
 
 def _server_cell(server: dict[str, float]) -> str:

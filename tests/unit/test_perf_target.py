@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from sluice.perf import target
+from sluice.perf import report, target
 
 # A listener on HOST:PORT (port 0: a free one; SO_REUSEPORT, so a second can share it) that
 # prints its port, then, for each connection, burns the CPU seconds it is sent (bounded by
@@ -157,3 +157,23 @@ def test_a_target_that_is_not_local_or_a_pid_that_is_gone_gives_a_reason() -> No
     meter.stop()
     assert meter.figures(calls=10, wall_s=1.0) == f"target pid {pid} gone during the level"
     assert "no process of this user listens" in str(target.processes([f"127.0.0.1:{port}"], []))
+
+
+def test_a_level_whose_cores_are_unknown_renders() -> None:
+    # A level of no wall time has a per-call figure but no cores (figures() gives None).
+    level = {
+        "mode": "concurrency",
+        "value": 1,
+        "calls": 1,
+        "ok": 1,
+        "statuses": {"OK": 1},
+        "throughput": 0.0,
+        "latency": dict.fromkeys(("min", "p50", "p90", "p99", "p999", "max"), 1.0),
+        "client_cpu": 0.0,
+        "client_saturated": False,
+        "server": {},
+        "target_cpu": {"per_call_ms": 2.5, "cores": None},
+    }
+    result = {"title": "t", "command": "c", "levels": [level], "knee": None, "warnings": []}
+    result["target_cpu"] = "on"  # the sweep measured it
+    assert "| 2.500 ms, - cores |" in report.markdown(result)
