@@ -255,9 +255,11 @@ class _Core:
         """The terms one call goes on: straight to the one target with the time left, or
         through the planner (each attempt gets the time left before the deadline; a Predict
         `body` routes by its ring key, other calls to the least loaded)."""
-        timeout = deadline.left()
         if self._router is None:
-            return CallTerms(timeout, None, None)
+            # A Predict is a call's last send: alone, it takes the timeout as given (no
+            # clock read on the per-call path); a Metadata fixes the deadline it shares.
+            return CallTerms(deadline.last() if body is not None else deadline.left(), None, None)
+        timeout = deadline.left()
         key = None if body is None else affinity_key(body, dict(metadata))
         return CallTerms(timeout, key, deadline.at)
 
@@ -290,6 +292,11 @@ class Deadline:
             self.at = self.clock() + self.timeout
             return self.timeout
         return max(self.at - self.clock(), 0.0)
+
+    def last(self) -> float | None:
+        """`left` for the call's last send: the timeout whole, the clock unread, when
+        nothing went first (no later send needs the deadline fixed)."""
+        return self.timeout if self.at is None else self.left()
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,8 +170,10 @@ class Servers:
         self.asking_s = 0.0
         self.down: set[str] = set()
         self.calls: list[tuple[str, str, float | None]] = []  # (method, target, timeout)
+        self.reads = 0  # of the clock
 
     def clock(self) -> float:
+        self.reads += 1
         return self.now
 
     def ask(self, target: str, body: bytes, metadata: object, timeout: float | None) -> Reply:
@@ -256,6 +258,20 @@ def test_a_plain_call_and_its_metadata_share_one_deadline(servers: Servers) -> N
 def test_an_array_asks_nothing_and_gets_the_whole_timeout(servers: Servers) -> None:
     both(["127.0.0.1:1"], servers, inputs={"input": np.zeros((1, 2), np.float32)})
     assert servers.calls == [("Predict", "127.0.0.1:1", 10.0)] * 2
+
+
+def test_one_target_sends_an_array_on_the_timeout_as_given(servers: Servers) -> None:
+    # Nothing went first, so nothing is left to share: no clock read (the per-call path).
+    body = codec.encode_predict({"input": np.zeros((1, 2), np.float32)})
+
+    async def raw() -> Reply:
+        async with AsyncSluiceClient("127.0.0.1:1", timeout=10.0) as client:
+            return await on_clock(client, servers).call_raw(body)
+
+    both(["127.0.0.1:1"], servers, inputs={"input": np.zeros((1, 2), np.float32)})
+    assert asyncio.run(raw()).code == 0
+    assert servers.calls == [("Predict", "127.0.0.1:1", 10.0)] * 3
+    assert servers.reads == 0
 
 
 def test_with_several_targets_the_metadata_passes_over_one_that_is_down(
