@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -53,7 +54,10 @@ def listener(
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()  # the child prints it through the inherited pipe
+        # The child prints it through the inherited pipe; bounded, so a hung start fails.
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        assert ready, "the listener printed no port within 30 s"
+        line = proc.stdout.readline()
         assert line.strip().isdigit(), "the listener did not start"
         yield proc.pid, int(line)
     finally:
@@ -75,7 +79,9 @@ def test_find_pids_finds_the_listener_and_its_cpu_grows_when_it_works() -> None:
     with listener() as (pid, port):
         assert target.find_pids("127.0.0.1", port) == [pid]
         assert target.find_pids("localhost", port) == [pid]  # the same machine by name
-        assert target.find_pids("127.0.0.1", port + 1 if port < 65535 else 1) == []
+        with socket.socket() as bound:  # bound, never listening: a port with no listener
+            bound.bind(("127.0.0.1", 0))
+            assert target.find_pids("127.0.0.1", bound.getsockname()[1]) == []
         before = target.cpu_seconds([pid])
         burn(port, 0.3)
         # It used 0.3 s by its own clock; /proc counts in ticks (1/100 s).
