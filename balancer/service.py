@@ -191,11 +191,11 @@ class BalancerService:
                 )
             deadline = self._deadline(stream_timeout(timeout))
 
-            def sized(reply: Reply) -> int:  # in its StreamResponse, measured when near
-                if not stream.near(self.max_message_bytes, reply.body, reply.trailers):
-                    return 0
-                head = pb.StreamResponse(id=message.id, trailers=reply.trailers)
-                return stream.framed(head, reply.body)
+            def sized(reply: Reply) -> int:  # in its StreamResponse
+                trailers = reply.trailers.items()
+                return stream.response_size(
+                    self.max_message_bytes, message.id, reply.body, trailers
+                )
 
             reply = await self.forward(
                 message.request, metadata, deadline, stream=True, method=method, sized=sized

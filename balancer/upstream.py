@@ -23,7 +23,7 @@ from sluice.runtime.tls import ClientTLS, aio_channel
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import unary
 from sluice.wire.mux import MuxStream, Reply
-from sluice.wire.stream import framed, near
+from sluice.wire.stream import request_size
 
 log = logging.getLogger("sluice.upstream")
 
@@ -52,7 +52,6 @@ NO_METADATA: Mapping[str, str] = {}
 # The least time a models refresh may take before it is given up (until the next one).
 REFRESH_TIMEOUT_S = 1.0
 _NOT_FOUND = int(Code.NOT_FOUND)
-WIDEST_ID = 0xFFFF_FFFF_FFFF_FFFF  # a StreamRequest's id (uint64) measured at its widest
 REFUSES = "refuses connections"
 UNTRUSTED = "presents a certificate --upstream-tls-ca does not trust: give the CA that signed it"
 OTHER_NAME = (
@@ -126,21 +125,6 @@ def mismatch(port: Port, shown: Shown, details: str = "") -> str:
     return ""
 
 
-def over_limit(
-    limit: int, body: bytes, metadata: Mapping[str, str], timeout: float | None, method: str
-) -> int:
-    """The bytes of the StreamRequest that would carry `body` (sluice.wire.mux), the message
-    a server's limit applies to, when they are over `limit` (0: no limit); else 0. Measured
-    (its id at the widest, the body counted, not copied) only when near the limit."""
-    if not near(limit, body, metadata):
-        return 0
-    rest = pb.StreamRequest(
-        id=WIDEST_ID, timeout_s=timeout or 0.0, metadata=metadata, method=method
-    )
-    size = framed(rest, body)
-    return size if size > limit else 0
-
-
 def upstream_tls(settings: BalancerSettings) -> ClientTLS | None:
     """TLS to the servers as the --upstream-tls-* flags say (None: plaintext); SluiceError if
     a file does not load, so a bad flag stops the balancer at start."""
@@ -193,7 +177,7 @@ class Upstream:
     ) -> Reply:
         """A Predict, or the stream method `method` names ("ModelInfer"), on a stream; one
         over the server's limit is refused (RESOURCE_EXHAUSTED, naming it) and not sent."""
-        size = over_limit(self.max_message_bytes, body, metadata, timeout, method)
+        size = request_size(self.max_message_bytes, body, metadata, timeout, method)
         if size:
             why = too_large(
                 "request",

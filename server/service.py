@@ -300,12 +300,9 @@ class InferenceService:
             info = self._call(metadata, timeout, refused)
             served = self._served(message.metadata, STREAM, info) if tracing.ON else None
 
-            def sized(response: bytes, call: Call) -> int:  # in its StreamResponse, when near
-                trailers = dict(call.trailers)
-                if not stream.near(self.max_message_bytes, response, trailers):
-                    return 0
-                head = pb.StreamResponse(id=message.id, trailers=trailers)
-                return stream.framed(head, response)
+            def sized(response: bytes, call: Call) -> int:  # in its StreamResponse
+                limit = self.max_message_bytes
+                return stream.response_size(limit, message.id, response, call.trailers)
 
             outcome = await self._invoke(fn, message.request, info, self.stats, served, sized)
             if isinstance(outcome, bytes):

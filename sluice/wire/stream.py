@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
 from typing import NamedTuple
 
 from google.protobuf.message import DecodeError, Message
@@ -21,16 +21,17 @@ from sluice.wire import facts, peek
 ENVELOPE = 1024
 PAIR = 18
 UTF8 = 4  # the most bytes a character takes
+WIDEST_ID = 0xFFFF_FFFF_FFFF_FFFF  # a StreamRequest's id (uint64) measured at its widest
 
 
-def near(limit: int, body: bytes, pairs: Mapping[str, str]) -> bool:
+def near(limit: int, body: bytes, pairs: Iterable[tuple[str, str]]) -> bool:
     """Whether a stream message that carries `body` and `pairs` may be over `limit` (0: no
     limit): only then is it worth measuring (`framed`). The body first: far under the limit,
     only the map's few pairs are added up."""
     room = limit - len(body) - ENVELOPE
     if not limit or room < 0:
         return bool(limit)
-    for key, value in pairs.items():
+    for key, value in pairs:
         room -= UTF8 * (len(key) + len(value)) + PAIR
     return room < 0
 
@@ -40,6 +41,33 @@ def framed(head: Message, body: bytes) -> int:
     (StreamResponse), counted without copying `body` in: the size a message limit applies
     to. Both fields are numbered under 16, so their tag is one byte."""
     return head.ByteSize() + (1 + (len(body).bit_length() + 6) // 7 + len(body) if body else 0)
+
+
+def response_size(
+    limit: int, ident: int, body: bytes, trailers: Collection[tuple[str, str]]
+) -> int:
+    """The bytes of the StreamResponse `ident` that carries `body` and `trailers` (of a key
+    given twice, the last), when they are over `limit` (0: no limit); else 0. Measured only
+    when near the limit: the trailers' dict is built only then."""
+    if not near(limit, body, trailers):
+        return 0
+    size = framed(pb.StreamResponse(id=ident, trailers=dict(trailers)), body)
+    return size if size > limit else 0
+
+
+def request_size(
+    limit: int, body: bytes, metadata: Mapping[str, str], timeout: float | None, method: str
+) -> int:
+    """The bytes of the StreamRequest that would carry `body` (sluice.wire.mux), its id at
+    the widest, when they are over `limit` (0: no limit); else 0. Measured only when near
+    the limit."""
+    if not near(limit, body, metadata.items()):
+        return 0
+    head = pb.StreamRequest(
+        id=WIDEST_ID, timeout_s=timeout or 0.0, metadata=metadata, method=method
+    )
+    size = framed(head, body)
+    return size if size > limit else 0
 
 
 # The two messages are written here by hand, and large ones read by hand (WIRE_READ):

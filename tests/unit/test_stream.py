@@ -423,3 +423,36 @@ def test_small_messages_are_parsed_and_large_ones_read_alike(size: int) -> None:
     raw = response.SerializeToString()
     assert stream.read_response(raw) == (7, -3, "m", body, {"c": "d"}, True)
     assert stream.read_response(raw[:-1]) is None
+
+
+# Messages to measure: empty, small, with wide characters in their map, past WIRE_READ.
+MEASURED = [
+    (0, b"", {}, None, ""),
+    (7, b"x" * 200, {"key": "value", "ключ": "значение" * 10}, 1.5, "ModelInfer"),
+    (2**64 - 1, b"y" * 70_000, {f"k{i}": "\U0001f600" * i for i in range(30)}, 0.25, "M"),
+    (300, b"z", {"a": "b" * 5000}, -0.0, ""),
+]
+
+
+@pytest.mark.parametrize(("ident", "body", "pairs", "timeout", "method"), MEASURED)
+def test_a_message_is_measured_as_it_is_written(
+    ident: int, body: bytes, pairs: dict[str, str], timeout: float | None, method: str
+) -> None:
+    """framed() counts the bytes write_response/write_request give, and near() never lets a
+    message over the limit go unmeasured: one byte over, its size; at the limit, 0."""
+    reply = len(stream.write_response(ident, body, trailers=pairs.items()))
+    head = pb.StreamResponse(id=ident, trailers=pairs)
+    assert stream.framed(head, body) == reply
+    assert stream.near(reply - 1, body, pairs.items())
+    assert stream.response_size(reply - 1, ident, body, list(pairs.items())) == reply
+    assert stream.response_size(reply, ident, body, list(pairs.items())) == 0
+    assert stream.response_size(0, ident, body, list(pairs.items())) == 0
+    request = len(stream.write_request(stream.WIDEST_ID, body, timeout or 0.0, pairs, method))
+    head_ = pb.StreamRequest(
+        id=stream.WIDEST_ID, timeout_s=timeout or 0.0, metadata=pairs, method=method
+    )
+    assert stream.framed(head_, body) == request
+    assert stream.near(request - 1, body, pairs.items())
+    assert stream.request_size(request - 1, body, pairs, timeout, method) == request
+    assert stream.request_size(request, body, pairs, timeout, method) == 0
+    assert stream.request_size(0, body, pairs, timeout, method) == 0
