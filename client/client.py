@@ -206,12 +206,10 @@ class _Core:
         then its Predict, share it."""
         return Deadline(timeout or self.timeout, self._clock)
 
-    def _asks_datatypes(
-        self, inputs: Mapping[str, npt.ArrayLike], model: str, version: str
-    ) -> bool:
-        """Whether this call asks the model's metadata first: a plain value whose datatype is
-        not known yet."""
-        return plain(inputs) and (model, version) not in self._declared
+    def _asks_datatypes(self, plain_values: bool, model: str, version: str) -> bool:
+        """Whether this call asks the model's metadata first: a plain value (`plain_values`:
+        `plain` of its inputs, found once per call) whose datatype is not known yet."""
+        return plain_values and (model, version) not in self._declared
 
     def _unasked(self, inputs: Inputs | None) -> None:
         """The metadata a plain call needed could not be had: a value of `inputs` that no
@@ -230,6 +228,7 @@ class _Core:
     def _request(
         self,
         inputs: Mapping[str, npt.ArrayLike],
+        plain_values: bool,
         outputs: Sequence[str],
         request_id: str | None,
         no_cache: bool,
@@ -237,16 +236,14 @@ class _Core:
         version: str = "",
     ) -> tuple[bytes, Metadata]:
         """A Predict's body (plain values in their declared datatypes) and metadata."""
-        datatypes = self._declared.get((model, version)) if plain(inputs) else None
+        datatypes = self._declared.get((model, version)) if plain_values else None
         body = codec.encode_predict(inputs, outputs, model, version, datatypes)
         return body, (*call_metadata(request_id, no_cache).items(), *self._auth)
 
-    def _refused(
-        self, error: grpc.RpcError, inputs: Mapping[str, npt.ArrayLike], model: str, version: str
-    ) -> None:
+    def _refused(self, error: grpc.RpcError, plain_values: bool, model: str, version: str) -> None:
         """A failed Predict: a plain one refused INVALID_ARGUMENT forgets the datatypes (a
         swap may have changed them: the next call asks again)."""
-        if plain(inputs) and error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        if plain_values and error.code() == grpc.StatusCode.INVALID_ARGUMENT:
             self._declared.pop((model, version), None)
 
     def _terms(
@@ -431,13 +428,16 @@ class AsyncSluiceClient(_Core):
         (nested lists, scalars) are sent in the datatypes the model declares for them (its
         metadata, asked once per model and version); numpy arrays as they are."""
         deadline = self._deadline(timeout)
-        if self._asks_datatypes(inputs, model, version):
+        plain_values = plain(inputs)
+        if self._asks_datatypes(plain_values, model, version):
             await self._metadata(model, version, deadline, inputs)
-        body, metadata = self._request(inputs, outputs, request_id, no_cache, model, version)
+        body, metadata = self._request(
+            inputs, plain_values, outputs, request_id, no_cache, model, version
+        )
         try:
             return prediction(await self._call(body, metadata, deadline))
         except grpc.RpcError as exc:
-            self._refused(exc, inputs, model, version)
+            self._refused(exc, plain_values, model, version)
             await self._araise(exc, self._routed_target())
 
     async def _araise(self, error: grpc.RpcError, target: str) -> NoReturn:
@@ -618,13 +618,16 @@ class SluiceClient(_Core):
         (nested lists, scalars) are sent in the datatypes the model declares for them (its
         metadata, asked once per model and version); numpy arrays as they are."""
         deadline = self._deadline(timeout)
-        if self._asks_datatypes(inputs, model, version):
+        plain_values = plain(inputs)
+        if self._asks_datatypes(plain_values, model, version):
             self._metadata(model, version, deadline, inputs)
-        body, metadata = self._request(inputs, outputs, request_id, no_cache, model, version)
+        body, metadata = self._request(
+            inputs, plain_values, outputs, request_id, no_cache, model, version
+        )
         try:
             return prediction(self._call(body, metadata, deadline))
         except grpc.RpcError as exc:
-            self._refused(exc, inputs, model, version)
+            self._refused(exc, plain_values, model, version)
             self._raise(exc, self._routed_target())
 
     def _call(self, body: bytes, metadata: Metadata, deadline: Deadline) -> Reply:

@@ -274,6 +274,22 @@ def test_one_target_sends_an_array_on_the_timeout_as_given(servers: Servers) -> 
     assert servers.reads == 0
 
 
+class Looked(dict[str, Any]):
+    """Inputs that count how often their values are looked over."""
+
+    looks = 0
+
+    def values(self) -> Any:
+        self.looks += 1
+        return super().values()
+
+
+def test_a_call_looks_for_plain_values_once(servers: Servers) -> None:
+    inputs = Looked(input=[[1, 2]])
+    both(["127.0.0.1:1"], servers, inputs=inputs)
+    assert inputs.looks == 2  # one call by each client, its Metadata and Predict
+
+
 def test_with_several_targets_the_metadata_passes_over_one_that_is_down(
     servers: Servers,
 ) -> None:
