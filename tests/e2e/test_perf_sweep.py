@@ -79,7 +79,6 @@ def test_a_sweep_reports_the_local_targets_cpu_per_call(server: Process, tmp_pat
         and cpu["found"] == f"listening on port {server.address.rsplit(':', 1)[1]}"
     )
     assert cpu["per_call_ms"] > 0 and cpu["cpu_s"] > 0 and cpu["cores"] > 0
-    assert cpu["per_call_ms"] == pytest.approx(cpu["cpu_s"] / level["calls"] * 1000)
     assert result["warnings"] == []
     table = out.with_suffix(".md").read_text()
     assert "| target cpu/call |" in table and f"{cpu['per_call_ms']:.3f} ms" in table
