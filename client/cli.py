@@ -18,7 +18,7 @@ from google.protobuf.json_format import MessageToDict
 
 from sluice import models
 from sluice.client import connect
-from sluice.client.client import DEFAULT_MAX_MESSAGE_BYTES, Prediction, SluiceClient
+from sluice.client.client import DEFAULT_MAX_MESSAGE_BYTES, Prediction, SluiceClient, declared
 from sluice.core import tenants
 from sluice.core.datatypes import name_of
 from sluice.runtime import config
@@ -148,7 +148,7 @@ def cmd_predict(client: SluiceClient, args: argparse.Namespace) -> str:
             meta = client.metadata(model=args.model, version=args.version)
         except grpc.RpcError as exc:
             raise Failed(f"could not ask the model's metadata (needed for {need})", exc) from exc
-        datatypes = {t.name: t.datatype for t in meta.model.inputs}
+        datatypes = declared(meta)
     inputs = {name: input_array(name, value, datatypes) for name, value in values.items()}
     if args.sample is not None:
         name, array = sample_input(args.sample, datatypes)
