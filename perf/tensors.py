@@ -163,7 +163,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "squeezenet_threads": threads,
         "ort_alone": ort_figures,
         "ort_alone_rounds": ort_runs,
-        "ort_best_off": best(ort_figures, "off"),
         "ort_best_any": best(ort_figures, None),
         "hop_level": hop,
         "sweeps": sweeps,
