@@ -43,7 +43,7 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     return total / TICK
 
 
-def started(pid: int) -> int:
+def start_ticks(pid: int) -> int:
     """The process's start time (field 22), so a pid taken by a new process reads as gone."""
     return int(_stat(pid)[19])
 
@@ -171,7 +171,7 @@ class Processes:
         lost = []
         for pid, start in zip(self.roots, self.starts, strict=True):
             try:
-                if started(pid) != start:
+                if start_ticks(pid) != start:
                     lost.append(pid)
             except OSError:
                 lost.append(pid)
@@ -229,7 +229,7 @@ def processes(targets: Sequence[str], given: Sequence[int]) -> Processes | str:
         found = "listening on port " + ",".join(ports)
     roots = sorted(set(roots))
     try:
-        starts = tuple(started(pid) for pid in roots)
+        starts = tuple(start_ticks(pid) for pid in roots)
     except OSError:
         return f"target pid gone ({found}): no target cpu/call"
     return Processes(tuple(roots), starts, found)
