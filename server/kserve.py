@@ -64,8 +64,8 @@ WIRE_READ_FROM = 64 << 10
 # framing's Python costs more than protobuf's copies save (0.4 us a call for 12 bytes; even
 # at 4 KB).
 FRAMED_FROM = 4 << 10
-# ModelInferResponse's raw_output_contents tag: its number, wire type 2 (length-delimited).
-_RAW_OUTPUT_TAG = bytes([facts.INFER_RESPONSE_RAW_OUTPUTS << 3 | 2])
+# ModelInferResponse's raw_output_contents tag (length-delimited).
+_RAW_OUTPUT_TAG = peek.tag(facts.INFER_RESPONSE_RAW_OUTPUTS)
 _NO_SHARED_MEMORY = "Sluice does not serve shared memory: send the values in the request"
 
 

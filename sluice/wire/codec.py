@@ -146,18 +146,18 @@ def _string(tag: bytes, text: str, repeated: bool = False) -> bytes:
     return tag + peek.varint(len(value)) + value if value or repeated else b""
 
 
-def _tag(number: int) -> bytes:
-    """A length-delimited field's tag."""
-    return peek.varint(number << 3 | 2)
-
-
-_INPUTS, _OUTPUTS = _tag(facts.PREDICT_INPUTS), _tag(facts.PREDICT_OUTPUTS)
-_MODEL, _VERSION = _tag(facts.PREDICT_MODEL), _tag(facts.PREDICT_VERSION)
-_REPLY_MODEL, _REPLY_OUTPUTS = _tag(facts.RESPONSE_MODEL), _tag(facts.RESPONSE_OUTPUTS)
-_REPLY_VERSION = _tag(facts.RESPONSE_VERSION)
-_TENSOR_NAME, _TENSOR_DATATYPE = _tag(facts.TENSOR_NAME), _tag(facts.TENSOR_DATATYPE)
-_TENSOR_SHAPE, _TENSOR_RAW = _tag(facts.TENSOR_SHAPE), _tag(facts.TENSOR_RAW_DATA)
-_TENSOR_PADDING = _tag(PADDING)
+_INPUTS = peek.tag(facts.PREDICT_INPUTS)
+_OUTPUTS = peek.tag(facts.PREDICT_OUTPUTS)
+_MODEL = peek.tag(facts.PREDICT_MODEL)
+_VERSION = peek.tag(facts.PREDICT_VERSION)
+_REPLY_MODEL = peek.tag(facts.RESPONSE_MODEL)
+_REPLY_OUTPUTS = peek.tag(facts.RESPONSE_OUTPUTS)
+_REPLY_VERSION = peek.tag(facts.RESPONSE_VERSION)
+_TENSOR_NAME = peek.tag(facts.TENSOR_NAME)
+_TENSOR_DATATYPE = peek.tag(facts.TENSOR_DATATYPE)
+_TENSOR_SHAPE = peek.tag(facts.TENSOR_SHAPE)
+_TENSOR_RAW = peek.tag(facts.TENSOR_RAW_DATA)
+_TENSOR_PADDING = peek.tag(PADDING)
 
 
 def encode_all(

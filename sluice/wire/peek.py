@@ -110,3 +110,9 @@ def varint(value: int) -> bytes:
         value >>= 7
     out.append(value)
     return bytes(out)
+
+
+def tag(number: int, wire: int = 2) -> bytes:
+    """A field's tag, its `number` and `wire` type (2: length-delimited), as the wire
+    writes it: the writers' one tag."""
+    return varint(number << 3 | wire)

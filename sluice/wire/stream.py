@@ -107,23 +107,19 @@ _INT32 = 1 << 31
 _U64 = (1 << 64) - 1  # a negative int32 goes on the wire as its 64-bit two's complement
 
 
-def _key(number: int, wire: int) -> bytes:
-    return peek.varint(number << 3 | wire)
-
-
-_REQUEST_ID = _key(facts.STREAM_REQUEST_ID, 0)
-_REQUEST_BODY = _key(facts.STREAM_REQUEST_BODY, 2)
-_REQUEST_TIMEOUT = _key(facts.STREAM_REQUEST_TIMEOUT, 1)
-_REQUEST_METADATA = _key(facts.STREAM_REQUEST_METADATA, 2)
-_REQUEST_METHOD = _key(facts.STREAM_REQUEST_METHOD, 2)
-_RESPONSE_ID = _key(facts.STREAM_RESPONSE_ID, 0)
-_RESPONSE_CODE = _key(facts.STREAM_RESPONSE_CODE, 0)
-_RESPONSE_MESSAGE = _key(facts.STREAM_RESPONSE_MESSAGE, 2)
-_RESPONSE_BODY = _key(facts.STREAM_RESPONSE_BODY, 2)
-_RESPONSE_TRAILERS = _key(facts.STREAM_RESPONSE_TRAILERS, 2)
-_RESPONSE_RETRYABLE = _key(facts.STREAM_RESPONSE_RETRYABLE, 0)
-_ENTRY_KEY = _key(facts.ENTRY_KEY, 2)
-_ENTRY_VALUE = _key(facts.ENTRY_VALUE, 2)
+_REQUEST_ID = peek.tag(facts.STREAM_REQUEST_ID, 0)
+_REQUEST_BODY = peek.tag(facts.STREAM_REQUEST_BODY, 2)
+_REQUEST_TIMEOUT = peek.tag(facts.STREAM_REQUEST_TIMEOUT, 1)
+_REQUEST_METADATA = peek.tag(facts.STREAM_REQUEST_METADATA, 2)
+_REQUEST_METHOD = peek.tag(facts.STREAM_REQUEST_METHOD, 2)
+_RESPONSE_ID = peek.tag(facts.STREAM_RESPONSE_ID, 0)
+_RESPONSE_CODE = peek.tag(facts.STREAM_RESPONSE_CODE, 0)
+_RESPONSE_MESSAGE = peek.tag(facts.STREAM_RESPONSE_MESSAGE, 2)
+_RESPONSE_BODY = peek.tag(facts.STREAM_RESPONSE_BODY, 2)
+_RESPONSE_TRAILERS = peek.tag(facts.STREAM_RESPONSE_TRAILERS, 2)
+_RESPONSE_RETRYABLE = peek.tag(facts.STREAM_RESPONSE_RETRYABLE, 0)
+_ENTRY_KEY = peek.tag(facts.ENTRY_KEY, 2)
+_ENTRY_VALUE = peek.tag(facts.ENTRY_VALUE, 2)
 
 
 def _pairs(parts: list[bytes], tag: bytes, pairs: Iterable[tuple[str, str]]) -> None:

@@ -456,3 +456,14 @@ def test_a_message_is_measured_as_it_is_written(
     assert stream.request_size(request - 1, body, pairs, timeout, method) == request
     assert stream.request_size(request, body, pairs, timeout, method) == 0
     assert stream.request_size(0, body, pairs, timeout, method) == 0
+
+
+@pytest.mark.parametrize("number", [1, 15, 16, 2047, 2048, 2**29 - 1])
+@pytest.mark.parametrize("wire", [0, 1, 2, 5])
+def test_a_tag_is_written_as_the_walk_reads_it(number: int, wire: int) -> None:
+    """peek.tag, the writers' one tag (stream's, the codec's, KServe's), reads back as its
+    number and wire type, a length-delimited one by default."""
+    value = {0: b"\x00", 1: bytes(8), 2: b"\x00", 5: bytes(4)}[wire]
+    raw = peek.tag(number, wire) + value
+    assert [(n, w) for n, w, _, _ in peek.fields(raw, 0, len(raw))] == [(number, wire)]
+    assert peek.tag(number) == peek.tag(number, 2)
