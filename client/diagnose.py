@@ -109,15 +109,18 @@ def explained(
     channels' TLS (no TLS hint then); `audience`: whose options the hint names. May probe
     `target` (`needs_probe`: at most PROBE_S), through `probes` (None: this process's)."""
     details = _details(error)
-    hint = size_hint(details, target, audience)
-    if not hint and shown is not None and target and _unavailable(error):
-        if shown.tls and untrusted(details):  # grpc said it: no probe
-            hint = UNTRUSTED[audience].format(target=target)
-        elif shown.tls and NAME_FAILED in details:
-            hint = OTHER_NAME[audience].format(target=target)
-        elif NO_CONNECTION in details:
-            port = (probes or PROBES).port(target)
-            hint = tls_hint(target, shown, port, audience)
+    why = _why(error, details, target, shown)
+    if why is _Why.SIZE:
+        hint = size_hint(details, target, audience)
+    elif why is _Why.UNTRUSTED:
+        hint = UNTRUSTED[audience].format(target=target)
+    elif why is _Why.OTHER_NAME:
+        hint = OTHER_NAME[audience].format(target=target)
+    elif why is _Why.PROBE:
+        port = (probes or PROBES).port(target)
+        hint = tls_hint(target, cast(Shown, shown), port, audience)  # known: _why saw it
+    else:
+        return error
     if not hint:
         return error
     call = cast(grpc.Call, error)  # a failed call's error is its Call too
@@ -135,15 +138,31 @@ def needs_probe(
 ) -> bool:
     """Whether `explained` would probe now: a connection that never formed, grpc's words do
     not say why, and `target`'s last probe is not kept."""
-    details = _details(error)
-    return (
-        shown is not None
-        and bool(target)
-        and _unavailable(error)
-        and NO_CONNECTION in details
-        and not (shown.tls and (untrusted(details) or NAME_FAILED in details))
-        and (probes or PROBES).kept(target) is None
-    )
+    why = _why(error, _details(error), target, shown)
+    return why is _Why.PROBE and (probes or PROBES).kept(target) is None
+
+
+class _Why(enum.Enum):
+    """What a failed call's hint is read off: grpc's words, or a probe of the target."""
+
+    SIZE = "size"  # a message over a limit
+    UNTRUSTED = "untrusted"  # grpc said the certificate is not trusted: no probe
+    OTHER_NAME = "other name"  # grpc said the certificate is for another name: no probe
+    PROBE = "probe"  # a connection that never formed, grpc's words do not say why
+
+
+def _why(error: grpc.RpcError, details: str, target: str, shown: Shown | None) -> _Why | None:
+    """The one decision `explained` and `needs_probe` share: which hint `error` gets (None:
+    none; no TLS hint without `shown` or a `target`)."""
+    if OVER_LIMIT.search(details):
+        return _Why.SIZE
+    if shown is None or not target or not _unavailable(error):
+        return None
+    if shown.tls and untrusted(details):
+        return _Why.UNTRUSTED
+    if shown.tls and NAME_FAILED in details:
+        return _Why.OTHER_NAME
+    return _Why.PROBE if NO_CONNECTION in details else None
 
 
 def size_hint(details: str, target: str, audience: Audience) -> str:
