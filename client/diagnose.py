@@ -49,7 +49,6 @@ CLIENT_LIMIT = {
     "health and metadata; default 64 MiB) [env SLUICE_MAX_MESSAGE_BYTES, which the server "
     "and balancer read too]",
 }
-PEER_LIMIT = limits.RAISE  # the words the server and balancer refuse with themselves
 WANTS_TLS = {
     Audience.PYTHON: "{target} speaks TLS and this client sent plaintext: give tls_ca=PEM, "
     "the CA that signed its certificate (tls=True: the system's CAs)",

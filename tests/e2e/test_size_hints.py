@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from sluice.client import SluiceClient, diagnose
+from sluice.core import limits
 from tests.e2e.harness import BIN, Process, running, server_argv
 
 pytestmark = pytest.mark.e2e
@@ -59,7 +60,7 @@ def test_over_the_clients_own_send_limit_names_max_message_bytes(server: Process
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "this client's limit" in details and "max_message_bytes=" in details, details
     assert "--max-message-bytes" not in details  # the client's keyword, not the commands' flag
-    assert diagnose.PEER_LIMIT not in details  # not the server's to raise
+    assert limits.RAISE not in details  # not the server's to raise
     assert sizes(details)[1] == SERVER_LIMIT
 
 
@@ -68,7 +69,7 @@ def test_over_the_servers_limit_names_its_flag_and_variable(server: Process) -> 
     details = error.details() or ""
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"the server or balancer at {server.address}" in details, details
-    assert diagnose.PEER_LIMIT in details
+    assert limits.RAISE in details
     assert "max_message_bytes=" not in details  # raising the client's would not help
     assert sizes(details)[1] == SERVER_LIMIT
 
@@ -141,7 +142,7 @@ def test_the_cli_takes_its_limit_from_the_servers_variable_and_names_its_flag(
     done = predict_rows(server.address, rows)
     assert done.returncode == 1
     assert "this client's limit" in done.stderr, done.stderr
-    assert "--max-message-bytes" in done.stderr and diagnose.PEER_LIMIT not in done.stderr
+    assert "--max-message-bytes" in done.stderr and limits.RAISE not in done.stderr
     assert diagnose.CLIENT_LIMIT[diagnose.Audience.COMMANDS] in done.stderr
     assert sizes(done.stderr)[1] == SERVER_LIMIT
 
@@ -154,5 +155,5 @@ def test_the_clis_max_message_bytes_lets_a_big_input_out_to_the_servers_limit(
     done = predict_rows(server.address, rows, "--max-message-bytes", str(4 * SERVER_LIMIT))
     assert done.returncode == 1, done.stderr
     assert f"the server or balancer at {server.address}" in done.stderr, done.stderr
-    assert diagnose.PEER_LIMIT in done.stderr
+    assert limits.RAISE in done.stderr
     assert sizes(done.stderr)[1] == SERVER_LIMIT  # the server's limit, not the client's

@@ -17,6 +17,7 @@ import pytest
 
 from sluice.client import SluiceClient, cli, connect, diagnose
 from sluice.client.diagnose import Audience
+from sluice.core import limits
 from sluice.runtime import config
 from sluice.runtime.probe import Port, Shown
 from sluice.runtime.settings import ProgramSettings
@@ -88,7 +89,7 @@ def test_the_size_hint_names_whose_limit_and_keeps_the_sizes(
         size, limit = re.findall(r"\d+", details)[-2:]
         assert hint.startswith(f"the {message} ({size} bytes)") and f"({limit})" in hint, hint
         assert (diagnose.CLIENT_LIMIT[audience] in hint) == (whose == "client")
-        assert (diagnose.PEER_LIMIT in hint) == (whose == "peer")
+        assert (limits.RAISE in hint) == (whose == "peer")
         assert (f"at {TARGET}" in hint) == (whose == "peer")
 
 
