@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,33 @@ def require_onnx(what: str) -> Any:
     return onnx
 
 
+def finish(graph: Any) -> bytes:
+    """The graph as a checked model's bytes, at the opset and IR version every benchmark model
+    uses (what the pinned ONNX Runtime builds all load)."""
+    onnx = require_onnx("model")
+    from onnx import helper
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return bytes(model.SerializeToString())
+
+
+def cache_path(filename: str, build: Callable[[], bytes]) -> Path:
+    """`filename` in the user's cache folder, built on first use (the benchmark models are
+    generated, never committed)."""
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice"
+    path = folder / filename
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.part")
+        partial.write_bytes(build())
+        partial.replace(path)  # whole or absent, even with two benchmarks starting at once
+    return path
+
+
 def build(width: int, depth: int, inputs: int = 64, outputs: int = 10, seed: int = 0) -> bytes:
-    onnx = require_onnx("MLP")
+    require_onnx("MLP")
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
@@ -52,23 +77,13 @@ def build(width: int, depth: int, inputs: int = 64, outputs: int = 10, seed: int
         [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", outputs])],
         initializers,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return bytes(model.SerializeToString())
+    return finish(graph)
 
 
 def cached(width: int = 4096, depth: int = 2) -> Path:
     """The MLP's file in the user's cache folder, written on first use (it is ~130 MB at
-    4096 wide: generated, never committed)."""
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice"
-    path = folder / f"mlp{width}x{depth}.onnx"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.part")
-        partial.write_bytes(build(width, depth))
-        partial.replace(path)  # whole or absent, even with two benchmarks starting at once
-    return path
+    4096 wide)."""
+    return cache_path(f"mlp{width}x{depth}.onnx", lambda: build(width, depth))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,16 +8,15 @@ minus its own run time is the per-call cost of the server itself with a 602 KB i
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from perf.make_mlp import require_onnx
+from perf.make_mlp import cache_path, finish, require_onnx
 
 
 def build(image: int = 224) -> bytes:
-    onnx = require_onnx("averaging model")
+    require_onnx("averaging model")
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
@@ -29,23 +28,12 @@ def build(image: int = 224) -> bytes:
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, image, image])],
         [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 3])],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return bytes(model.SerializeToString())
+    return finish(graph)
 
 
 def cached(image: int = 224) -> Path:
-    """The model's file in the user's cache folder, written on first use (generated, never
-    committed, like the other benchmark models)."""
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice"
-    path = folder / f"pool{image}.onnx"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.part")
-        partial.write_bytes(build(image))
-        partial.replace(path)  # whole or absent, even with two benchmarks starting at once
-    return path
+    """The model's file in the user's cache folder, written on first use."""
+    return cache_path(f"pool{image}.onnx", lambda: build(image))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

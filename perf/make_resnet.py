@@ -8,7 +8,6 @@ BatchNorm folded into the convolutions' biases as exported inference models have
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from perf.make_mlp import require_onnx
+from perf.make_mlp import cache_path, require_onnx
 
 STAGES = ((64, 3), (128, 4), (256, 6), (512, 3))  # (bottleneck width, blocks) per stage
 EXPANSION = 4
@@ -116,15 +115,8 @@ def build(image: int = 224, classes: int = 1000, seed: int = 0) -> bytes:
 
 def cached(image: int = 224) -> Path:
     """The ResNet's file in the user's cache folder, written on first use (it is ~100 MB at
-    fp32: generated, never committed)."""
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice"
-    path = folder / f"resnet50_{image}.onnx"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.part")
-        partial.write_bytes(build(image))
-        partial.replace(path)  # whole or absent, even with two benchmarks starting at once
-    return path
+    fp32)."""
+    return cache_path(f"resnet50_{image}.onnx", lambda: build(image))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

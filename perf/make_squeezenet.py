@@ -10,7 +10,6 @@ carrying its input shows (ResNet-50's compute hides it). Seeded He-initialised w
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from perf.make_mlp import require_onnx
+from perf.make_mlp import cache_path, finish, require_onnx
 
 # (squeeze, 1x1 expand, 3x3 expand) channels of each Fire module, by stage; a max pool
 # comes before each stage
@@ -36,7 +35,7 @@ BIAS_STD = 0.01
 
 
 def build(image: int = 224, classes: int = 1000, seed: int = 0, width: float = WIDTH) -> bytes:
-    onnx = require_onnx("SqueezeNet")
+    require_onnx("SqueezeNet")
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
@@ -101,23 +100,13 @@ def build(image: int = 224, classes: int = 1000, seed: int = 0, width: float = W
         [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", classes])],
         initializers,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return bytes(model.SerializeToString())
+    return finish(graph)
 
 
 def cached(image: int = 224, width: float = WIDTH) -> Path:
     """The SqueezeNet's file in the user's cache folder, written on first use (1.8 MB at the
-    default width, 5 MB at 1: generated, never committed)."""
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice"
-    path = folder / f"squeezenet11x{width:g}_{image}.onnx"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.part")
-        partial.write_bytes(build(image, width=width))
-        partial.replace(path)  # whole or absent, even with two benchmarks starting at once
-    return path
+    default width, 5 MB at 1)."""
+    return cache_path(f"squeezenet11x{width:g}_{image}.onnx", lambda: build(image, width=width))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
