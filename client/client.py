@@ -161,7 +161,7 @@ def router(targets: Sequence[str], breaker: BreakerSettings | None = None) -> Pl
 
 class _Core:
     """What both clients are: their targets, routing state, request building and decoding,
-    and what a plain call decides (`_asks_datatypes`, `_unasked`, `_learned`, `_request`,
+    and what a plain call decides (`_asks_datatypes`, `_learned`, `_request`,
     `_refused`): each client adds only the sending."""
 
     targets: list[str]
@@ -210,12 +210,6 @@ class _Core:
         """Whether this call asks the model's metadata first: a plain value (`plain_values`:
         `plain` of its inputs, found once per call) whose datatype is not known yet."""
         return plain_values and (model, version) not in self._declared
-
-    def _unasked(self, inputs: Inputs | None) -> None:
-        """The metadata a plain call needed could not be had: a value of `inputs` that no
-        datatype could take is the caller's first thing to fix (TypeError, raised here)."""
-        if inputs is not None:
-            check_plain(inputs)
 
     def _learned(self, model: str, version: str, reply: Reply) -> pb.MetadataResponse:
         """A Metadata reply's answer, its inputs' datatypes kept for plain values."""
@@ -520,13 +514,15 @@ class AsyncSluiceClient(_Core):
     async def _metadata(
         self, model: str, version: str, deadline: Deadline, inputs: Inputs | None = None
     ) -> pb.MetadataResponse:
-        """`inputs`: those of the plain call that needs it (`_unasked`)."""
+        """`inputs`: those of the plain call that needs it: unanswered, a value of theirs
+        that no datatype could take is the caller's first thing to fix (`check_plain`)."""
         body = metadata_request(model, version)
         try:
             reply = await self._calls(body, self._auth, self._terms(deadline), self._ask)
             return self._learned(model, version, reply)
         except grpc.RpcError as exc:
-            self._unasked(inputs)
+            if inputs is not None:
+                check_plain(inputs)
             await self._araise(exc, self._routed_target())
 
     async def close(self) -> None:
@@ -682,13 +678,15 @@ class SluiceClient(_Core):
     def _metadata(
         self, model: str, version: str, deadline: Deadline, inputs: Inputs | None = None
     ) -> pb.MetadataResponse:
-        """`inputs`: those of the plain call that needs it (`_unasked`)."""
+        """`inputs`: those of the plain call that needs it: unanswered, a value of theirs
+        that no datatype could take is the caller's first thing to fix (`check_plain`)."""
         body = metadata_request(model, version)
         try:
             reply = self._calls(body, self._auth, self._terms(deadline), self._ask)
             return self._learned(model, version, reply)
         except grpc.RpcError as exc:
-            self._unasked(inputs)
+            if inputs is not None:
+                check_plain(inputs)
             self._raise(exc, self._routed_target())
 
     def close(self) -> None:
