@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 
-def counted(n: int, word: str, many: str = "") -> str:
-    """`n` and `word`, plural unless n is 1 (`many`: an irregular plural)."""
-    return f"{n:,} {word if n == 1 else many or word + 's'}"
+def counted(n: int, word: str) -> str:
+    """`n` and `word`, plural (an s) unless n is 1."""
+    return f"{n:,} {word if n == 1 else word + 's'}"
