@@ -83,13 +83,11 @@ def own_lines(output: str) -> list[str]:
 
 
 def test_a_server_whose_port_is_taken_stops_everything_at_once() -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        port = taken.getsockname()[1]
-        # Servers take the ports after the balancer's: server-1 gets the taken one. It is
-        # found before any process starts.
-        with sluice_up("--servers", "2", "--port", str(port - 1)) as (proc, mark):
+    # Servers take the ports after the balancer's: server-1 gets the taken one. It is
+    # found before any process starts.
+    with ports_in_a_row(3, held=1) as first:
+        port = first + 1
+        with sluice_up("--servers", "2", "--port", str(first)) as (proc, mark):
             code, output = finish(proc)
             assert code != 0, output
             [line] = own_lines(output)
@@ -106,7 +104,7 @@ def test_a_balancer_whose_port_is_taken_starts_no_server(tmp_path: Path) -> None
     os.mkfifo(fifo)
     args = ("--servers", "2", "--server-arg", f"--tenants {fifo}")
     with (
-        held_before_a_free_port() as port,
+        ports_in_a_row(3, held=0) as port,
         opened_by_a_reader(fifo) as opened,
         sluice_up(*args, "--port", str(port)) as (proc, mark),
     ):
@@ -178,21 +176,33 @@ def opened_by_a_reader(fifo: Path) -> Iterator[threading.Event]:
 
 
 @contextlib.contextmanager
-def held_before_a_free_port() -> Iterator[int]:
-    """A port this test listens on, whose next port nothing listens on (when looked at)."""
+def ports_in_a_row(count: int, held: int | None = None) -> Iterator[int]:
+    """The first of `count` ports in a row (`sluice up`'s: the balancer's, then each
+    server's), each free when looked at (bound and let go) but the `held`-th, which this
+    test listens on until the end."""
+    at = held or 0  # the row's port found by binding port 0
     for _ in range(50):
-        with socket.socket() as held:
-            held.bind(("127.0.0.1", 0))
-            held.listen(1)
-            port = int(held.getsockname()[1])
-            with socket.socket() as probe:
-                try:
-                    probe.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            yield port
+        with socket.socket() as found:
+            found.bind(("127.0.0.1", 0))
+            found.listen(1)
+            first = int(found.getsockname()[1]) - at
+            if not all(free(first + i) for i in range(count) if i != at):
+                continue
+            if held is None:
+                found.close()  # free as well: let go like the others
+            yield first
             return
-    pytest.fail("no free port after a held one in 50 tries")
+    pytest.fail(f"no {count} ports in a row free in 50 tries")
+
+
+def free(port: int) -> bool:
+    """Whether nothing holds `port` (when looked at)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def test_ctrl_c_while_a_server_starts_stops_everything_at_once(tmp_path: Path) -> None:
@@ -201,8 +211,8 @@ def test_ctrl_c_while_a_server_starts_stops_everything_at_once(tmp_path: Path) -
     fifo = tmp_path / "tenants.toml"
     os.mkfifo(fifo)
     writer = -1
-    port = free_port()
-    args = ("--servers", "1", "--port", str(port), "--server-arg", f"--tenants {fifo}")
+    with ports_in_a_row(2) as port:  # the balancer's and server-1's
+        args = ("--servers", "1", "--port", str(port), "--server-arg", f"--tenants {fifo}")
     with sluice_up(*args) as (proc, mark):
         try:
             writer = wait_for(lambda: open_writer(fifo), "the server to open its tenants file")
@@ -216,12 +226,6 @@ def test_ctrl_c_while_a_server_starts_stops_everything_at_once(tmp_path: Path) -
         finally:
             if writer >= 0:
                 os.close(writer)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def open_writer(fifo: Path) -> int | None:
