@@ -56,10 +56,6 @@ _CONTENTS = sorted({d.typed_field.replace("_data", "_contents") for d in DATATYP
 _ALL_CONTENTS = [*_CONTENTS, "bytes_contents"]
 _SHARED_MEMORY = "shared_memory_region"
 _RAW_INPUT = facts.INFER_RAW_INPUTS
-# Bodies from this size are read off the wire (read_request): its walk costs about 3.5 us
-# more than protobuf's parse, whose copies cost as much at about 64 KB (a 602 KB image:
-# 9.8 us against 44).
-WIRE_READ_FROM = 64 << 10
 # Answers whose raw outputs reach this size are framed by hand (encode): below it the
 # framing's Python costs more than protobuf's copies save (0.4 us a call for 12 bytes; even
 # at 4 KB).
@@ -154,13 +150,13 @@ KSERVE = KServeV2()
 
 
 def read_request(body: bytes) -> tuple[kpb.ModelInferRequest, Sequence[bytes | memoryview]]:
-    """The request and its raw_input_contents. From WIRE_READ_FROM bytes, the raw entries
-    are views of `body`, found by a walk of its top-level fields (sluice.wire.peek), and
-    protobuf parses the rest, which is small unless it holds typed values: a 602 KB input
-    costs no copy in the parser's memory and none out of it. The request then has no
+    """The request and its raw_input_contents. From peek.WIRE_READ_FROM bytes, the raw
+    entries are views of `body`, found by a walk of its top-level fields (sluice.wire.peek),
+    and protobuf parses the rest, which is small unless it holds typed values: a 602 KB
+    input costs no copy in the parser's memory and none out of it. The request then has no
     raw_input_contents of its own. A body the walk refuses is parsed whole, so that the
     parser's words refuse it."""
-    if len(body) < WIRE_READ_FROM:
+    if len(body) < peek.WIRE_READ_FROM:
         request = parse(kpb.ModelInferRequest, body)
         return request, request.raw_input_contents
     view = memoryview(body)

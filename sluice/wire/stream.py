@@ -70,11 +70,11 @@ def request_size(
     return size if size > limit else 0
 
 
-# The two messages are written here by hand, and large ones read by hand (WIRE_READ):
-# protobuf copied a body into its arena and again out of it (a request's `request`, a
-# reply's `response`) or out to its bytes (SerializeToString), measured as 4 body-sized
-# blocks written per 602 KB call the balancer forwards (grpc's own copy among them) where
-# a join, or a slice, makes one.
+# The two messages are written here by hand, and large ones read by hand
+# (peek.WIRE_READ_FROM): protobuf copied a body into its arena and again out of it (a
+# request's `request`, a reply's `response`) or out to its bytes (SerializeToString),
+# measured as 4 body-sized blocks written per 602 KB call the balancer forwards (grpc's own
+# copy among them) where a join, or a slice, makes one.
 
 
 class Request(NamedTuple):
@@ -188,16 +188,10 @@ def _entry(raw: bytes, start: int, end: int, into: dict[str, str]) -> None:
         into[key] = value
 
 
-# Messages of at least this many bytes are read by hand: on fewer, protobuf's parser (in C)
-# and its copies cost less than a walk in Python (measured: 2 against 8 us for a digits
-# call, 9 against 11 us at 128 KiB; at 602 KB 35 against 24 us for a request, 196 against
-# 26 for a reply, before the faults of the extra fresh blocks).
-WIRE_READ = 64 * 1024
-
-
 def read_request(raw: bytes) -> Request | None:
-    """The StreamRequest in `raw` (None: not one), by protobuf or by hand (`WIRE_READ`)."""
-    if len(raw) >= WIRE_READ:
+    """The StreamRequest in `raw` (None: not one), by protobuf or, from
+    peek.WIRE_READ_FROM bytes, by hand."""
+    if len(raw) >= peek.WIRE_READ_FROM:
         return wire_request(raw)
     try:
         got = pb.StreamRequest.FromString(raw)
@@ -207,8 +201,9 @@ def read_request(raw: bytes) -> Request | None:
 
 
 def read_response(raw: bytes) -> Response | None:
-    """The StreamResponse in `raw` (None: not one), by protobuf or by hand (`WIRE_READ`)."""
-    if len(raw) >= WIRE_READ:
+    """The StreamResponse in `raw` (None: not one), by protobuf or, from
+    peek.WIRE_READ_FROM bytes, by hand."""
+    if len(raw) >= peek.WIRE_READ_FROM:
         return wire_response(raw)
     try:
         got = pb.StreamResponse.FromString(raw)

@@ -27,6 +27,7 @@ from sluice.server.dataplane.engine import Engine
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Request
 from sluice.server.kserve import KSERVE
+from sluice.wire import peek
 from tests.unit.test_kserve_codec import BAD, VALUES
 
 Infer = kpb.ModelInferRequest
@@ -42,12 +43,12 @@ Outcome = tuple[object, ...]
 @contextmanager
 def wire_read_from(size: int) -> Iterator[None]:
     """Bodies from `size` bytes take the wire read, smaller ones protobuf's full parse."""
-    kept = kserve.WIRE_READ_FROM
-    kserve.WIRE_READ_FROM = size
+    kept = peek.WIRE_READ_FROM
+    peek.WIRE_READ_FROM = size
     try:
         yield
     finally:
-        kserve.WIRE_READ_FROM = kept
+        peek.WIRE_READ_FROM = kept
 
 
 def outcome(body: bytes) -> Outcome:

@@ -408,9 +408,9 @@ def test_bytes_protobuf_refuses_are_refused(raw: bytes) -> None:
         check_read(message, raw)
 
 
-@pytest.mark.parametrize("size", [1, stream.WIRE_READ])
+@pytest.mark.parametrize("size", [1, peek.WIRE_READ_FROM])
 def test_small_messages_are_parsed_and_large_ones_read_alike(size: int) -> None:
-    """Under WIRE_READ bytes protobuf parses a message, from there it is read by hand: the
+    """Under peek.WIRE_READ_FROM bytes protobuf parses a message, from there it is read by hand: the
     same fields either way, and garbage refused either way."""
     body = b"x" * size
     request = pb.StreamRequest(id=7, request=body, timeout_s=1.5, metadata={"a": "b"}, method="M")
