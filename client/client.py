@@ -161,8 +161,8 @@ def router(targets: Sequence[str], breaker: BreakerSettings | None = None) -> Pl
 
 class _Core:
     """What both clients are: their targets, routing state, request building and decoding,
-    and what a plain call decides (`_asks_datatypes`, `_learned`, `_request`,
-    `_refused`): each client adds only the sending."""
+    and what a plain call decides (`_asks_datatypes`, `_learned`, `_request`, `_refused`):
+    each client adds only the sending."""
 
     targets: list[str]
     target: str
