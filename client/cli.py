@@ -18,7 +18,13 @@ from google.protobuf.json_format import MessageToDict
 
 from sluice import models
 from sluice.client import connect
-from sluice.client.client import DEFAULT_MAX_MESSAGE_BYTES, Prediction, SluiceClient, declared
+from sluice.client.client import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Prediction,
+    SluiceClient,
+    declared,
+    plain,
+)
 from sluice.core import tenants
 from sluice.core.datatypes import name_of
 from sluice.runtime import config
@@ -141,7 +147,7 @@ def cmd_predict(client: SluiceClient, args: argparse.Namespace) -> str:
             raise BadInput(f"input {name!r} is given twice")
         values[name] = value
     datatypes = {}
-    if args.sample is not None or any(not isinstance(v, np.ndarray) for v in values.values()):
+    if args.sample is not None or plain(values):
         # .npy arrays carry their datatype: only plain values and --sample ask the model.
         need = "the inputs' datatypes" if values else "the input --sample fills"
         try:
