@@ -12,7 +12,14 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from sluice.balancer.settings import BalancerSettings
-from sluice.balancer.upstream import REFUSES, Models, Upstream, upstream_tls
+from sluice.balancer.upstream import (
+    NO_ANSWER,
+    REFUSES,
+    UNREACHABLE,
+    Models,
+    Upstream,
+    upstream_tls,
+)
 from sluice.routing.pool import Backend, Pool
 
 log = logging.getLogger("sluice.balancer")
@@ -24,7 +31,7 @@ def outage(why: str) -> bool:
     refuses connections, is unreachable, does not answer; "": its own word), news at INFO.
     Any other finding (a TLS mismatch, with the flag that fixes it) is a setting the user
     must fix: WARNING."""
-    return why in ("", REFUSES, "does not answer") or why.startswith("unreachable (")
+    return why in ("", REFUSES, NO_ANSWER) or why.startswith(f"{UNREACHABLE} (")
 
 
 class Transport(Protocol):

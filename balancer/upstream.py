@@ -52,7 +52,11 @@ NO_METADATA: Mapping[str, str] = {}
 # The least time a models refresh may take before it is given up (until the next one).
 REFRESH_TIMEOUT_S = 1.0
 _NOT_FOUND = int(Code.NOT_FOUND)
+# A backend's findings that a restart shows too (sluice.balancer.membership.outage): it
+# refuses connections, is unreachable (and grpc's code, in brackets), or does not answer.
 REFUSES = "refuses connections"
+UNREACHABLE = "unreachable"
+NO_ANSWER = "does not answer"
 UNTRUSTED = "presents a certificate --upstream-tls-ca does not trust: give the CA that signed it"
 OTHER_NAME = (
     "presents a certificate for another name than the balancer checks (--upstream-server-name, "
@@ -95,7 +99,7 @@ def unreached(exc: grpc.aio.AioRpcError) -> str:
     own words are long and the same whatever the call."""
     if "Connection refused" in (exc.details() or ""):
         return REFUSES
-    return f"unreachable ({exc.code().name})"
+    return f"{UNREACHABLE} ({exc.code().name})"
 
 
 def mismatch(port: Port, shown: Shown, details: str = "") -> str:
@@ -309,8 +313,8 @@ class Upstream:
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self.hung:
                         self.hung = True
-                        log.warning("backend %s does not answer: taken out", self.address)
-                        report(Health.NOT_SERVING, True, "does not answer")
+                        log.warning("backend %s %s: taken out", self.address, NO_ANSWER)
+                        report(Health.NOT_SERVING, True, NO_ANSWER)
                         for stream in self.streams:
                             await stream.close()  # its waiting calls: StreamBroken
                 else:
