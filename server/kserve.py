@@ -87,7 +87,7 @@ class KServeV2:
         return Asked(read.model, read.version, read.id_span)
 
     def decode(self, body: bytes) -> Request[None]:
-        request, raw = read_request(body)
+        request, raw = read_infer(body)
         # Request-level parameters (Triton's priority, sequence ids, ...) change nothing here.
         if raw and len(raw) != len(request.inputs):
             raise InvalidInput(
@@ -149,7 +149,7 @@ class KServeV2:
 KSERVE = KServeV2()
 
 
-def read_request(body: bytes) -> tuple[kpb.ModelInferRequest, Sequence[bytes | memoryview]]:
+def read_infer(body: bytes) -> tuple[kpb.ModelInferRequest, Sequence[bytes | memoryview]]:
     """The request and its raw_input_contents. From peek.WIRE_READ_FROM bytes, the raw
     entries are views of `body`, found by a walk of its top-level fields (sluice.wire.peek),
     and protobuf parses the rest, which is small unless it holds typed values: a 602 KB

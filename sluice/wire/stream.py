@@ -101,7 +101,6 @@ class Response(NamedTuple):
     retryable: bool
 
 
-NO_PAIRS: tuple[tuple[str, str], ...] = ()
 _DOUBLE = struct.Struct("<d")
 _INT32 = 1 << 31
 _U64 = (1 << 64) - 1  # a negative int32 goes on the wire as its 64-bit two's complement
@@ -154,7 +153,7 @@ def write_response(
     body: bytes = b"",
     code: int = 0,
     message: str = "",
-    trailers: Iterable[tuple[str, str]] = NO_PAIRS,
+    trailers: Iterable[tuple[str, str]] = (),
     retryable: bool = False,
 ) -> bytes:
     """A StreamResponse's bytes, as protobuf writes them: `body` copied once, by the join;

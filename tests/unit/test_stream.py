@@ -425,7 +425,7 @@ def test_small_messages_are_parsed_and_large_ones_read_alike(size: int) -> None:
     assert stream.read_response(raw[:-1]) is None
 
 
-# Messages to measure: empty, small, with wide characters in their map, past WIRE_READ.
+# Messages to measure: empty, small, with wide characters in their map, read by hand.
 MEASURED = [
     (0, b"", {}, None, ""),
     (7, b"x" * 200, {"key": "value", "ключ": "значение" * 10}, 1.5, "ModelInfer"),
