@@ -7,10 +7,12 @@ process on 127.0.0.1 that answers PredictStream and Predict with a small reply."
 
 from __future__ import annotations
 
+import selectors
 import subprocess
 import sys
 import textwrap
 
+PORT_WAIT_S = 30  # the fake server starts in well under a second; a hung one fails the test
 FAKE_SERVER = textwrap.dedent(
     """
     import asyncio
@@ -108,6 +110,9 @@ def blocks() -> tuple[float, float]:
     )
     try:
         assert server.stdout is not None
+        with selectors.DefaultSelector() as ready:  # a bounded wait for the port it prints
+            ready.register(server.stdout, selectors.EVENT_READ)
+            assert ready.select(PORT_WAIT_S), f"the fake server printed no port in {PORT_WAIT_S} s"
         port = server.stdout.readline().strip()
         assert port.isdigit(), "the fake server did not start"
         done = subprocess.run(

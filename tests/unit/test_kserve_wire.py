@@ -8,7 +8,6 @@ from __future__ import annotations
 import sys
 import tracemalloc
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -40,17 +39,6 @@ IMAGE = (1, 3, 224, 224)  # FP32: a 602 KB input
 Outcome = tuple[object, ...]
 
 
-@contextmanager
-def wire_read_from(size: int) -> Iterator[None]:
-    """Bodies from `size` bytes take the wire read, smaller ones protobuf's full parse."""
-    kept = peek.WIRE_READ_FROM
-    peek.WIRE_READ_FROM = size
-    try:
-        yield
-    finally:
-        peek.WIRE_READ_FROM = kept
-
-
 def outcome(body: bytes) -> Outcome:
     try:
         request = KSERVE.decode(body)
@@ -64,10 +52,12 @@ def outcome(body: bytes) -> Outcome:
 
 
 def agree(body: bytes) -> Outcome:
-    """The wire read's outcome, checked against the full parse's."""
-    with wire_read_from(0):
+    """The wire read's outcome, checked against the full parse's: bodies from
+    peek.WIRE_READ_FROM bytes take the wire read, smaller ones protobuf's full parse."""
+    with pytest.MonkeyPatch.context() as patch:  # a context: @given tests call it too
+        patch.setattr(peek, "WIRE_READ_FROM", 0)
         read = outcome(body)
-    with wire_read_from(sys.maxsize):
+        patch.setattr(peek, "WIRE_READ_FROM", sys.maxsize)
         parsed = outcome(body)
     assert read == parsed
     return read
