@@ -156,6 +156,7 @@ class Instance:
         batchable: bool = False,
         inline_max_s: float = 0.0,
         row_seconds: float = math.inf,
+        shrink: bool = False,
         stream: Any = None,
         by_rows: Mapping[int, ort.InferenceSession] | None = None,
         spill: Callable[[], ort.InferenceSession] | None = None,
@@ -172,6 +173,7 @@ class Instance:
         self.pad = stage_always and batchable
         self.inline_max_s = inline_max_s
         self.row_seconds = row_seconds
+        self.shrink = shrink  # the CPU arena is on: give back what a large run took
         self.stream = stream  # (stream, handle): keeps a user compute stream alive with the session
         # Where the first dimension of every input and output is the batch, outputs whose
         # other dimensions are known are written into pooled buffers. ONNX Runtime allocates
@@ -242,8 +244,9 @@ class Instance:
         session.run: its arrays are already in place, and IO binding's Python calls cost
         about 30 us more than the whole run of a small model."""
         if not pooled_inputs and not self.stage_always:
+            large = self.shrink and sum(a.nbytes for a in inputs.values()) > SHRINK_FROM
             try:
-                values = self.session.run(list(outputs), dict(inputs))
+                values = self.session.run(list(outputs), dict(inputs), SHRINK if large else None)
             except Exception as exc:
                 raise _run_error(exc) from None
             return dict(zip(outputs, values, strict=True)), []
@@ -270,8 +273,9 @@ class Instance:
             bound.append(array)
             binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
             results[name] = array[:rows]
+        large = self.shrink and sum(a.nbytes for a in bound[: len(inputs)]) > SHRINK_FROM
         try:
-            session.run_with_iobinding(binding)
+            session.run_with_iobinding(binding, SHRINK if large else None)
         except Exception as exc:
             for buffer in pooled:
                 self.pool.give(buffer)
@@ -300,6 +304,14 @@ class Instance:
             if self._spill is None:
                 self._spill = self._make_spill()
             return self._spill
+
+
+# With the CPU arena on (--ort-arena), a run whose inputs exceed this gives the arena's
+# unused chunks back when it ends: the arena keeps the peak of batch-of-one runs of an image
+# model, not that of a rare 25 MB batch.
+SHRINK_FROM = 4 << 20
+SHRINK = ort.RunOptions()
+SHRINK.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 
 
 # `intra_op_threads=None`: chosen at load. A batch-of-one run this slow gains from running
@@ -384,6 +396,7 @@ class Engine:
         cuda_options: Mapping[str, str] | None = None,
         max_batch: int = 1,
         spinning: bool = False,
+        arena: bool = False,
     ) -> None:
         path = Path(model_path)
         if not path.is_file():
@@ -422,7 +435,8 @@ class Engine:
         on_cuda = CUDA in providers
         # On CUDA the CPU arena holds only small host-side buffers, and without it each run
         # of a ResNet-50 took 0.5 ms longer on an H200 (docs/BENCHMARKS.md, section 11).
-        options.enable_cpu_mem_arena = on_cuda
+        options.enable_cpu_mem_arena = on_cuda or arena
+        self.arena = options.enable_cpu_mem_arena
         allocator = gpu.pinned_allocator() if on_cuda and pinned else None
         self.pinned = allocator is not None
         self.max_batch = max_batch
@@ -480,6 +494,7 @@ class Engine:
                 batchable=self.batchable,
                 inline_max_s=inline_max_s,
                 row_seconds=row_seconds,
+                shrink=arena and not on_cuda,
                 stream=stream,
                 by_rows={rows: session_on(stream) for rows in sizes},
                 spill=functools.partial(session_on, stream) if on_cuda and self.padded else None,

@@ -74,6 +74,7 @@ class ModelSettings:
     cuda_options: Mapping[str, str] = field(default_factory=dict)
     inline_max_s: float = 100e-6
     spinning: bool = False  # ONNX Runtime's threads spin while they wait for work
+    arena: bool = False  # ONNX Runtime's CPU arena (on CUDA it is always on)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "instances", max(self.instances, 1))

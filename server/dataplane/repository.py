@@ -95,6 +95,7 @@ async def load_model(name: str, version: int | str, path: Path, settings: ModelS
             max_batch=settings.max_batch,
             inline_max_s=settings.inline_max_s,
             spinning=settings.spinning,
+            arena=settings.arena,
         )
     )
     try:

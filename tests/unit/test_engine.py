@@ -19,6 +19,7 @@ from sluice.server.dataplane.batcher import Batcher, Pending
 from sluice.server.dataplane.buffers import BufferPool
 from sluice.server.dataplane.engine import (
     MAX_AUTO_THREADS,
+    SHRINK_FROM,
     Engine,
     Instance,
     choose_providers,
@@ -227,9 +228,14 @@ class Slow:
     def __init__(self, session: ort.InferenceSession) -> None:
         self.session = session
 
-    def run(self, outputs: list[str], inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def run(
+        self,
+        outputs: list[str],
+        inputs: dict[str, np.ndarray],
+        options: ort.RunOptions | None = None,
+    ) -> list[np.ndarray]:
         time.sleep(0.005)
-        return self.session.run(outputs, inputs)
+        return self.session.run(outputs, inputs, options)
 
 
 def test_the_inline_decision_is_made_from_the_cost_measured_at_load() -> None:
@@ -261,3 +267,22 @@ def test_a_model_that_costs_more_than_the_bound_never_runs_inline() -> None:
             assert engine.instances[0].run_inline(inputs, [engine.outputs[0].name], 1) is None
         finally:
             engine.close()
+
+
+def test_the_cpu_arena_is_off_unless_asked_for_and_a_large_run_gives_it_back() -> None:
+    """--ort-arena: the session's arena is on; a run whose inputs pass SHRINK_FROM asks
+    ONNX Runtime to give the arena's unused chunks back (a run option ORT refuses on a
+    session without an arena, so the shrink is only ever asked of one that has it)."""
+    off = Engine(models.DIGITS, device="cpu")
+    on = Engine(models.DIGITS, device="cpu", arena=True)
+    try:
+        assert not off.arena and not off.instances[0].shrink
+        assert on.arena and on.instances[0].shrink
+        rows = SHRINK_FROM // (64 * 4) + 1
+        big = {"input": np.zeros((rows, 64), np.float32)}
+        for engine in (off, on):
+            results, _ = engine.instances[0].run_sync(big, ["label"], rows)
+            assert results["label"].shape == (rows,)
+    finally:
+        off.close()
+        on.close()
