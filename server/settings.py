@@ -80,6 +80,15 @@ class ServerSettings(ProgramSettings):
             "request left 20-40 MiB more behind with it on)"
         },
     )
+    accept: list[str] = field(
+        default_factory=list,
+        metadata={
+            "list": True,
+            "help": "a compact wire type an FP32 input of a --model also takes, as "
+            "[MODEL:]INPUT=UINT8|FP16[*SCALE][+OFFSET] (cast once by the server as "
+            "x * SCALE + OFFSET); repeat for more",
+        },
+    )
     workers: str = field(
         default="1",
         metadata={

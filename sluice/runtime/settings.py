@@ -63,6 +63,21 @@ class ProgramSettings(SecuritySettings):
             "process) on this + i, so N ports from this one"
         },
     )
+    shared_memory: bool = field(
+        default=False,
+        metadata={
+            "help": "take tensors in POSIX shared memory regions that callers on this host "
+            "register (Triton's system shared memory extension, and the sluice.v1 API's); "
+            "off: those calls are refused"
+        },
+    )
+    shared_memory_regions: int = field(
+        default=64, metadata={"help": "most shared memory regions a tenant may register"}
+    )
+    shared_memory_bytes: int = field(
+        default=4 << 30,
+        metadata={"help": "most bytes a tenant's shared memory regions may span together"},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -82,6 +97,8 @@ class ProgramSettings(SecuritySettings):
             raise ValueError("--grace-s must not be negative")
         if self.default_timeout_s < 0:
             raise ValueError("--default-timeout-s must not be negative")
+        if self.shared_memory_regions < 1 or self.shared_memory_bytes < 1:
+            raise ValueError("--shared-memory-regions and --shared-memory-bytes must be positive")
         if not self.node_id:
             object.__setattr__(self, "node_id", self.default_node_id())
 

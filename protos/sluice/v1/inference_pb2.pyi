@@ -6,6 +6,54 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SharedMemoryRef(_message.Message):
+    __slots__ = ("region", "offset", "byte_size")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    byte_size: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class RegisterRegionRequest(_message.Message):
+    __slots__ = ("name", "key", "offset", "byte_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class RegisterRegionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RegionStatusRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class RegionStatusResponse(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[RegisterRegionRequest]
+    def __init__(self, regions: _Optional[_Iterable[_Union[RegisterRegionRequest, _Mapping]]] = ...) -> None: ...
+
+class UnregisterRegionRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnregisterRegionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class StreamRequest(_message.Message):
     __slots__ = ("id", "request", "timeout_s", "metadata", "method")
     class MetadataEntry(_message.Message):
@@ -51,7 +99,7 @@ class StreamResponse(_message.Message):
     def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[bytes] = ..., trailers: _Optional[_Mapping[str, str]] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
 class Tensor(_message.Message):
-    __slots__ = ("name", "datatype", "shape", "raw_data", "bool_data", "int_data", "int64_data", "uint_data", "uint64_data", "fp32_data", "fp64_data")
+    __slots__ = ("name", "datatype", "shape", "raw_data", "bool_data", "int_data", "int64_data", "uint_data", "uint64_data", "fp32_data", "fp64_data", "shared_memory")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATATYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +111,7 @@ class Tensor(_message.Message):
     UINT64_DATA_FIELD_NUMBER: _ClassVar[int]
     FP32_DATA_FIELD_NUMBER: _ClassVar[int]
     FP64_DATA_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     name: str
     datatype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -74,21 +123,31 @@ class Tensor(_message.Message):
     uint64_data: _containers.RepeatedScalarFieldContainer[int]
     fp32_data: _containers.RepeatedScalarFieldContainer[float]
     fp64_data: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw_data: _Optional[bytes] = ..., bool_data: _Optional[_Iterable[bool]] = ..., int_data: _Optional[_Iterable[int]] = ..., int64_data: _Optional[_Iterable[int]] = ..., uint_data: _Optional[_Iterable[int]] = ..., uint64_data: _Optional[_Iterable[int]] = ..., fp32_data: _Optional[_Iterable[float]] = ..., fp64_data: _Optional[_Iterable[float]] = ...) -> None: ...
+    shared_memory: SharedMemoryRef
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw_data: _Optional[bytes] = ..., bool_data: _Optional[_Iterable[bool]] = ..., int_data: _Optional[_Iterable[int]] = ..., int64_data: _Optional[_Iterable[int]] = ..., uint_data: _Optional[_Iterable[int]] = ..., uint64_data: _Optional[_Iterable[int]] = ..., fp32_data: _Optional[_Iterable[float]] = ..., fp64_data: _Optional[_Iterable[float]] = ..., shared_memory: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
 class PredictRequest(_message.Message):
-    __slots__ = ("inputs", "outputs", "typed_outputs", "model", "version")
+    __slots__ = ("inputs", "outputs", "typed_outputs", "model", "version", "output_memory")
+    class OutputMemoryEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: SharedMemoryRef
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     TYPED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_MEMORY_FIELD_NUMBER: _ClassVar[int]
     inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
     outputs: _containers.RepeatedScalarFieldContainer[str]
     typed_outputs: bool
     model: str
     version: str
-    def __init__(self, inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., typed_outputs: _Optional[bool] = ..., model: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    output_memory: _containers.MessageMap[str, SharedMemoryRef]
+    def __init__(self, inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., typed_outputs: _Optional[bool] = ..., model: _Optional[str] = ..., version: _Optional[str] = ..., output_memory: _Optional[_Mapping[str, SharedMemoryRef]] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
     __slots__ = ("model", "outputs", "version")
@@ -101,14 +160,26 @@ class PredictResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "datatype", "shape")
+    __slots__ = ("name", "datatype", "shape", "accepts")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATATYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     datatype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    accepts: _containers.RepeatedCompositeFieldContainer[WireType]
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., accepts: _Optional[_Iterable[_Union[WireType, _Mapping]]] = ...) -> None: ...
+
+class WireType(_message.Message):
+    __slots__ = ("datatype", "scale", "offset")
+    DATATYPE_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    datatype: str
+    scale: float
+    offset: float
+    def __init__(self, datatype: _Optional[str] = ..., scale: _Optional[float] = ..., offset: _Optional[float] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "inputs", "outputs", "version")

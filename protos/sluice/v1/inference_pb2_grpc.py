@@ -54,6 +54,21 @@ class InferenceStub:
                 request_serializer=sluice_dot_v1_dot_inference__pb2.StreamRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_inference__pb2.StreamResponse.FromString,
                 _registered_method=True)
+        self.RegisterRegion = channel.unary_unary(
+                '/sluice.v1.Inference/RegisterRegion',
+                request_serializer=sluice_dot_v1_dot_inference__pb2.RegisterRegionRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_inference__pb2.RegisterRegionResponse.FromString,
+                _registered_method=True)
+        self.RegionStatus = channel.unary_unary(
+                '/sluice.v1.Inference/RegionStatus',
+                request_serializer=sluice_dot_v1_dot_inference__pb2.RegionStatusRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_inference__pb2.RegionStatusResponse.FromString,
+                _registered_method=True)
+        self.UnregisterRegion = channel.unary_unary(
+                '/sluice.v1.Inference/UnregisterRegion',
+                request_serializer=sluice_dot_v1_dot_inference__pb2.UnregisterRegionRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_inference__pb2.UnregisterRegionResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -88,6 +103,28 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterRegion(self, request, context):
+        """System shared memory for callers on the same host (off unless the node runs with
+        --shared-memory): a POSIX shared memory object registered under a name, which a
+        Tensor then names instead of carrying its bytes. Regions belong to the tenant that
+        registered them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegionStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterRegion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +147,21 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.PredictStream,
                     request_deserializer=sluice_dot_v1_dot_inference__pb2.StreamRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_inference__pb2.StreamResponse.SerializeToString,
+            ),
+            'RegisterRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterRegion,
+                    request_deserializer=sluice_dot_v1_dot_inference__pb2.RegisterRegionRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_inference__pb2.RegisterRegionResponse.SerializeToString,
+            ),
+            'RegionStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegionStatus,
+                    request_deserializer=sluice_dot_v1_dot_inference__pb2.RegionStatusRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_inference__pb2.RegionStatusResponse.SerializeToString,
+            ),
+            'UnregisterRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterRegion,
+                    request_deserializer=sluice_dot_v1_dot_inference__pb2.UnregisterRegionRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_inference__pb2.UnregisterRegionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +272,87 @@ class Inference:
             '/sluice.v1.Inference/PredictStream',
             sluice_dot_v1_dot_inference__pb2.StreamRequest.SerializeToString,
             sluice_dot_v1_dot_inference__pb2.StreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Inference/RegisterRegion',
+            sluice_dot_v1_dot_inference__pb2.RegisterRegionRequest.SerializeToString,
+            sluice_dot_v1_dot_inference__pb2.RegisterRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegionStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Inference/RegionStatus',
+            sluice_dot_v1_dot_inference__pb2.RegionStatusRequest.SerializeToString,
+            sluice_dot_v1_dot_inference__pb2.RegionStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Inference/UnregisterRegion',
+            sluice_dot_v1_dot_inference__pb2.UnregisterRegionRequest.SerializeToString,
+            sluice_dot_v1_dot_inference__pb2.UnregisterRegionResponse.FromString,
             options,
             channel_credentials,
             insecure,
