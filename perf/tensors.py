@@ -8,7 +8,9 @@ Rows (c=1 p50 and the target's CPU per call, `sluice perf`'s target_cpu):
   - the averaging model (perf/make_pool.py): ONNX Runtime alone in this process, and served
     by sluice-server with its cache off;
   - the SqueezeNet (perf/make_squeezenet.py): ONNX Runtime alone on 1 and 2 threads, spinning
-    off (as the server runs it) and on, and served;
+    off (as the server runs it) and on; served; its floor (perf/echo_server.py --model: a
+    bare grpc.aio server running ONNX Runtime inline); served with --ort-arena on (the floor
+    and the arena server on the threads the server chose);
   - digits at 32 in flight: the echo floor, the server with its cache off, cache hits;
   - the hop on digits and on the 602 KB body: direct, sluice-balancer, perf/bare_proxy.py
     (CPU per call: the forwarding process's own).
@@ -121,10 +123,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                 start_s=60.0,
             )
         )
+        # The threads the server chose for the squeezenet, so its floor and the arena server
+        # run the same: the one lever apart is what each compares.
+        threads = served_threads(off.log(), squeeze)
+        floor = stack.enter_context(
+            running(
+                module_argv("perf.echo_server", "--model", str(squeeze), "--threads", str(threads))
+            )
+        )
+        arena = stack.enter_context(
+            running(
+                server_argv(
+                    "--device",
+                    "cpu",
+                    "--cache-entries",
+                    "0",
+                    *("--intra-op-threads", str(threads)),
+                    *("--ort-arena", "on"),
+                    *("--model", f"squeezenet={squeeze}"),
+                    node_id="arena",
+                ),
+                start_s=60.0,
+            )
+        )
         hits = stack.enter_context(running(server_argv("--device", "cpu", node_id="hits")))
         addresses = {
             "echo": stack.enter_context(running(module_argv("perf.echo_server"))).address,
             "off": off.address,
+            "floor": floor.address,
+            "arena": arena.address,
             "hits": hits.address,
             "balancer": stack.enter_context(
                 running([str(BIN / "sluice-balancer"), "--port", "0", "--backend", off.address])
@@ -149,7 +176,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     extra = [*common, "-c", cell.levels, *cell.args]
                     runs[engine][name].append(paired.sweep_once(addresses[cell.target], extra))
                 print(f"tensors round {r + 1}/{args.rounds}: {engine} done", file=sys.stderr)
-        threads = served_threads(off.log(), squeeze)
     ctx["loadavg_after"] = os.getloadavg()[0]
     ort_figures = ort_summary(ort_runs)
     hop = f"c{hop_levels[-1]}"

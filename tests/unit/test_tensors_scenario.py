@@ -14,7 +14,7 @@ import pytest
 
 from perf import make_pool, tensors_figures
 
-PROCESSES = {"echo", "off", "hits", "balancer", "proxy"}
+PROCESSES = {"echo", "off", "floor", "arena", "hits", "balancer", "proxy"}
 
 
 def test_the_plan_sweeps_every_row_against_a_started_process() -> None:
@@ -22,6 +22,14 @@ def test_the_plan_sweeps_every_row_against_a_started_process() -> None:
     assert {cell.target for cell in plan.values()} <= PROCESSES
     for name in ("echo-602k", "pool", "squeezenet", "balancer-602k", "proxy-602k"):
         assert plan[name].args[-2:] == ("--data", "/tmp/image.npy")
+    # the served squeezenet, its floor and the arena server get the same call, at c=1
+    for name in ("squeezenet-floor", "squeezenet-arena"):
+        assert plan[name].args == plan["squeezenet"].args and plan[name].levels == "1"
+    assert {plan[n].target for n in ("squeezenet", "squeezenet-floor", "squeezenet-arena")} == {
+        "off",
+        "floor",
+        "arena",
+    }
     assert plan["balancer-digits"].levels == plan["proxy-602k"].levels == "1,32"
     assert "1" in plan["digits-off"].levels.split(",")  # the digits hop's direct path
     # the hop compares paths to the same model on the same server
@@ -78,6 +86,8 @@ FIGURES = {
     "echo-602k": (1.0, 0.5),
     "pool": (1.2, 0.9),  # 1.2x the echo: PASS
     "squeezenet": (4.0, 4.0),  # p50 4.0 / (2.0 + 1.0), CPU 4.0 / (2.5 + 0.5): 1.33x, MISS
+    "squeezenet-floor": (3.3, 3.3),  # 1.1x both: PASS; the served one over it 1.21x both
+    "squeezenet-arena": (3.6, 3.0),  # p50 1.2x: MISS, CPU 1.0x: PASS; over the floor: PASS
     "echo-digits": (5.0, 0.2),
     "digits-off": (0.5, 0.28),  # c=32's CPU 0.28 / 0.2 = 1.4x: PASS
     "digits-hits": (3.0, 0.25),  # 1.25x: MISS
@@ -128,6 +138,22 @@ def test_the_goals_are_ratios_against_the_floors() -> None:
         "averaging model, c=1 p50 / the echo floor's (602 KB)": (1.2, "PASS"),
         "squeezenet, c=1 p50 / (ONNX Runtime alone, best threads + echo)": (4 / 3, "MISS"),
         "squeezenet, CPU per call / (ONNX Runtime alone's + echo's)": (4 / 3.0, "MISS"),
+        "squeezenet floor (bare grpc.aio + ORT inline), c=1 p50 / "
+        "(ONNX Runtime alone, best threads + echo)": (1.1, "PASS"),
+        "squeezenet floor (bare grpc.aio + ORT inline), CPU per call / "
+        "(ONNX Runtime alone's + echo's)": (1.1, "PASS"),
+        "squeezenet --ort-arena on, c=1 p50 / (ONNX Runtime alone, best threads + echo)": (
+            1.2,
+            "MISS",
+        ),
+        "squeezenet --ort-arena on, CPU per call / (ONNX Runtime alone's + echo's)": (
+            1.0,
+            "PASS",
+        ),
+        "squeezenet, c=1 p50 / the floor's": (4 / 3.3, "MISS"),
+        "squeezenet, CPU per call / the floor's": (4 / 3.3, "PASS"),
+        "squeezenet --ort-arena on, c=1 p50 / the floor's": (3.6 / 3.3, "PASS"),
+        "squeezenet --ort-arena on, CPU per call / the floor's": (3.0 / 3.3, "PASS"),
         "digits at 32 in flight, cache off: CPU per call / the echo floor's": (1.4, "PASS"),
         "digits at 32 in flight, hits: CPU per call / the echo floor's": (1.25, "MISS"),
         "balancer hop, digits: added c=1 p50 (ms)": (0.15, "PASS"),
@@ -145,6 +171,9 @@ def test_the_goals_are_ratios_against_the_floors() -> None:
     squeeze = found["squeezenet, CPU per call / (ONNX Runtime alone's + echo's)"]
     assert squeeze["floor"] == "squeezenet-2t-spin-off 2.500 + echo 0.500 ms"
     assert found["balancer hop, digits: added c=1 p50 (ms)"]["floor"] == "bare proxy +0.400 ms"
+    assert found["squeezenet --ort-arena on, CPU per call / the floor's"]["floor"] == (
+        "floor 3.300 ms"
+    )
 
 
 def test_the_table_has_every_row_and_every_goal_for_each_engine() -> None:
@@ -175,9 +204,13 @@ def test_the_table_has_every_row_and_every_goal_for_each_engine() -> None:
         for spinning in ("on", "off"):
             assert f"| squeezenet, ONNX Runtime alone, {threads}-spin-{spinning} |" in text
     assert "Others were running tests." in text
-    assert text.count("**PASS**") == 2 * 4 and text.count("**MISS**") == 2 * 4
+    assert text.count("**PASS**") == 2 * 10 and text.count("**MISS**") == 2 * 6
     assert text.count("**n/a**") == 2
     assert "| 1.200 | 0.900 | 1.200 | 0.900 |" in text  # the averaging model, both engines
+    # the floor and the arena server: their figures, on the served squeezenet's threads
+    threads = "(intra-op threads: 2, spinning off)"
+    assert f"perf/echo_server.py --model {threads} | c=1 | floor | 3.300 | 3.300 |" in text
+    assert f"--ort-arena on {threads} | c=1 | server | 3.600 | 3.000 |" in text
 
 
 def test_the_served_threads_are_read_from_the_servers_log() -> None:
