@@ -95,6 +95,25 @@ class DeadlineExpired(SluiceError):
     status = "DEADLINE_EXCEEDED"
 
 
+class AlreadyExists(SluiceError):
+    """The name is taken: a shared memory region the caller's tenant already registered."""
+
+    status = "ALREADY_EXISTS"
+
+
+class RegionNotFound(SluiceError):
+    """The caller's tenant registered no shared memory region of that name."""
+
+    status = "NOT_FOUND"
+
+
+class RegionBusy(SluiceError):
+    """Another call is writing the same bytes of a shared memory region: retry when it ends,
+    or give each call its own range."""
+
+    status = "FAILED_PRECONDITION"
+
+
 class Code(IntEnum):
     """gRPC status codes by number, for the layers that never import grpc."""
 
