@@ -41,6 +41,7 @@ from sluice.core.errors import InvalidInput, ModelFailed, Unavailable
 from sluice.server.dataplane import gpu, staging
 from sluice.server.dataplane.batcher import Pending
 from sluice.server.dataplane.buffers import BufferPool, bucket, numpy_allocator
+from sluice.server.dataplane.modelsettings import WireType
 
 log = logging.getLogger("sluice.engine")
 
@@ -65,11 +66,13 @@ CPU = "CPUExecutionProvider"
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A model input or output; None in `shape` is a dynamic dimension."""
+    """A model input or output; None in `shape` is a dynamic dimension. `accepts`: the other
+    datatypes an input also takes on the wire (cast by the server: `models.Model`)."""
 
     name: str
     datatype: str
     shape: tuple[int | None, ...]
+    accepts: tuple[WireType, ...] = ()
 
     @property
     def dtype(self) -> np.dtype[np.generic]:

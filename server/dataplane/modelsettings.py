@@ -8,9 +8,71 @@ what a model serves with: `defaults.overlay(config)`.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+
+# The compact datatypes an FP32 or FP16 input may also take on the wire, cast by the server.
+WIRE_TYPES = ("UINT8", "INT8", "UINT16", "FP16")
+WIRE_SYNTAX = "UINT8|INT8|UINT16|FP16[*SCALE][+OFFSET]"
+_NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
+_WIRE = re.compile(
+    rf"(?P<type>[A-Za-z0-9]+)(?:\*(?P<scale>[+-]?{_NUMBER}))?(?:(?P<sign>[+-])(?P<offset>{_NUMBER}))?"
+)
+
+
+@dataclass(frozen=True)
+class WireType:
+    """A datatype an input also takes on the wire, cast once by the server into the input's
+    own as x * scale + offset (a uint8 image, normalised as image pipelines do)."""
+
+    datatype: str
+    scale: float = 1.0
+    offset: float = 0.0
+
+    def describe(self) -> str:
+        """As the flag and config write it: UINT8*0.00392157+0.5, UINT8 (scale 1, offset 0)."""
+        scale = f"*{_number(self.scale)}" if self.scale != 1 else ""
+        sign = "-" if self.offset < 0 else "+"
+        offset = f"{sign}{_number(abs(self.offset))}" if self.offset else ""
+        return f"{self.datatype}{scale}{offset}"
+
+
+def _number(value: float) -> str:
+    """The shortest text that reads back as `value` (2, not 2.0)."""
+    return repr(value).removesuffix(".0")
+
+
+# The wire types of a model's inputs, by input name.
+Accepts = Mapping[str, tuple[WireType, ...]]
+
+
+def parse_wire_types(text: str) -> tuple[WireType, ...]:
+    """Wire types written as TYPE[*SCALE][+OFFSET], comma-separated; raises ValueError saying
+    which part is wrong."""
+    found: list[WireType] = []
+    for part in text.split(","):
+        written = "".join(part.split())
+        matched = _WIRE.fullmatch(written)
+        if matched is None:
+            raise ValueError(f"{part.strip()!r} is not {WIRE_SYNTAX}")
+        datatype = matched["type"].upper()
+        if datatype not in WIRE_TYPES:
+            raise ValueError(
+                f"{matched['type']!r} is not a wire type the server casts: " + ", ".join(WIRE_TYPES)
+            )
+        scale = float(matched["scale"] or 1)
+        offset = float(matched["sign"] + matched["offset"]) if matched["offset"] else 0.0
+        if not (math.isfinite(scale) and math.isfinite(offset)):
+            raise ValueError(f"{written!r}: the scale and offset must be finite")
+        if scale == 0:
+            raise ValueError(f"{written!r}: a scale of 0 would make every value the offset")
+        if any(w.datatype == datatype for w in found):
+            raise ValueError(f"{text.strip()!r} names {datatype} twice")
+        found.append(WireType(datatype, scale, offset))
+    return tuple(found)
 
 
 @dataclass(frozen=True)
@@ -52,10 +114,11 @@ class Config:
     device: str | None = None
     policy: VersionPolicy = field(default_factory=VersionPolicy)
     default_model_filename: str = "model.onnx"
+    accepts: Accepts | None = None  # its inputs' wire types (parameters sluice.accept.INPUT)
 
 
 # The fields of `Config` that override the server's settings of the same name.
-_OVERRIDES = ("max_batch", "instances", "batch_budget_s", "device")
+_OVERRIDES = ("max_batch", "instances", "batch_budget_s", "device", "accepts")
 
 
 @dataclass(frozen=True)
@@ -75,6 +138,7 @@ class ModelSettings:
     inline_max_s: float = 100e-6
     spinning: bool = False  # ONNX Runtime's threads spin while they wait for work
     arena: bool = False  # ONNX Runtime's CPU arena (on CUDA it is always on)
+    accepts: Accepts = field(default_factory=dict)  # wire types its inputs also take
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "instances", max(self.instances, 1))
