@@ -1,0 +1,555 @@
+"""sluice.core.shm: the shared memory region registry, on real objects in /dev/shm (each test
+in its own directory there, removed after it), and its leases' views."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import mmap
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from sluice.core import shm
+from sluice.core.errors import (
+    AlreadyExists,
+    InvalidInput,
+    QuotaExceeded,
+    RegionBusy,
+    RegionNotFound,
+    SluiceError,
+)
+from sluice.core.shm import SHM_ROOT, RegionInfo, Regions
+from sluice.runtime.status import status_of
+
+PAGE = mmap.ALLOCATIONGRANULARITY
+
+pytestmark = pytest.mark.skipif(
+    not SHM_ROOT.is_dir() or os.stat(SHM_ROOT).st_dev not in shm._tmpfs_devices(),
+    reason="no tmpfs at /dev/shm",
+)
+
+_names = itertools.count()
+
+
+@contextlib.contextmanager
+def shm_dir() -> Iterator[Path]:
+    """A directory of its own in /dev/shm (tmpfs), removed with all in it."""
+    path = Path(tempfile.mkdtemp(prefix="sluice-test-", dir=SHM_ROOT))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    with shm_dir() as path:
+        yield path
+
+
+@pytest.fixture
+def regions(root: Path) -> Iterator[Regions]:
+    regions = Regions(root=root, require_tmpfs=True)
+    yield regions
+    regions.close()
+
+
+def make(root: Path, size: int, fill: bytes = b"") -> str:
+    """A new object of `size` bytes in `root` (zeros, or `fill` repeated); its key."""
+    key = f"/obj-{next(_names)}"
+    data = (fill * (size // len(fill) + 1))[:size] if fill else bytes(size)
+    (root / key[1:]).write_bytes(data)
+    return key
+
+
+def contents(root: Path, key: str) -> bytes:
+    fd = os.open(root / key[1:], os.O_RDONLY)
+    try:
+        return os.pread(fd, os.fstat(fd).st_size, 0)
+    finally:
+        os.close(fd)
+
+
+def mapped(path: Path) -> bool:
+    """Whether this process maps the object at `path` (unlinked ones too)."""
+    text = Path("/proc/self/maps").read_text()
+    return any(
+        line.split(maxsplit=5)[5:] in ([f"{path}"], [f"{path} (deleted)"])
+        for line in text.splitlines()
+    )
+
+
+def error(fn: Callable[..., object], *args: object) -> SluiceError:
+    with pytest.raises(SluiceError) as caught:
+        fn(*args)
+    return caught.value
+
+
+def test_register_status_and_unregister(root: Path, regions: Regions) -> None:
+    a, b = make(root, 100), make(root, 3 * PAGE)
+    regions.register("", "b", b, PAGE + 7, 2 * PAGE - 7)
+    regions.register("", "a", a, 0, 100)
+    assert len(regions) == 2
+    assert regions.status("") == [
+        RegionInfo("a", a, 0, 100),
+        RegionInfo("b", b, PAGE + 7, 2 * PAGE - 7),
+    ]
+    assert regions.status("", "b") == [RegionInfo("b", b, PAGE + 7, 2 * PAGE - 7)]
+    regions.unregister("", "a")
+    assert [r.name for r in regions.status("")] == ["b"]
+    regions.unregister("", "nobody registered this")  # no error, as in Triton
+    regions.unregister("")
+    assert regions.status("") == [] and len(regions) == 0
+    assert not mapped(root / b[1:])
+
+
+def test_the_default_root_is_dev_shm_and_must_be_tmpfs() -> None:
+    regions = Regions()
+    assert regions.root == SHM_ROOT and regions.require_tmpfs
+    key = f"/sluice-test-{uuid.uuid4().hex}"
+    path = SHM_ROOT / key[1:]
+    path.write_bytes(b"abcdef")
+    try:
+        regions.register("", "x", key, 1, 4)
+        with regions.lease("") as lease:
+            assert bytes(lease.input("x", 0, 4)) == b"bcde"
+    finally:
+        regions.close()
+        path.unlink()
+
+
+@pytest.mark.parametrize("name", ["", "a" * 257, "a\x00b", "line\nbreak", "\x7f"])
+def test_bad_names_are_refused(root: Path, regions: Regions, name: str) -> None:
+    err = error(regions.register, "", name, make(root, 8), 0, 8)
+    assert isinstance(err, InvalidInput)
+    assert "must be 1-256 printable characters" in str(err)
+    assert len(regions) == 0
+
+
+def test_a_name_of_256_printable_characters_is_fine(root: Path, regions: Regions) -> None:
+    name = "ü x/y" + "n" * 251
+    regions.register("", name, make(root, 8), 0, 8)
+    assert regions.status("", name)[0].name == name
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "",
+        "/",
+        "x",
+        "../x",
+        "/../x",
+        "/etc/passwd",
+        "/a/b",
+        "//a",
+        "/.",
+        "/..",
+        "/a\x00",
+        "/a b",
+        "/a\n",
+        "/" + "a" * 251,
+        "/ü",
+    ],
+)
+def test_bad_keys_are_refused(regions: Regions, key: str) -> None:
+    err = error(regions.register, "", "x", key, 0, 8)
+    assert isinstance(err, InvalidInput)
+    assert "must be a POSIX shared memory name: '/' then" in str(err)
+
+
+@pytest.mark.parametrize("key", ["/" + "k" * 250, "/...", "/.a", "/A-z_0.9"])
+def test_good_keys_are_taken(root: Path, regions: Regions, key: str) -> None:
+    (root / key[1:]).write_bytes(bytes(8))
+    regions.register("", "x", key, 0, 8)
+    assert regions.status("", "x")[0].key == key
+
+
+def test_a_missing_object_is_refused(regions: Regions) -> None:
+    err = error(regions.register, "", "x", "/no-such-object", 0, 8)
+    assert isinstance(err, InvalidInput)
+    assert str(err) == "Unable to open shared memory region: '/no-such-object'"
+
+
+def test_a_symlink_is_not_followed(root: Path, regions: Regions) -> None:
+    target = make(root, 8)
+    (root / "link").symlink_to(root / target[1:])
+    err = error(regions.register, "", "x", "/link", 0, 8)
+    assert isinstance(err, InvalidInput)
+    assert str(err) == "shared memory key '/link' is not shared memory: a symbolic link"
+
+
+def test_a_directory_or_fifo_is_refused(root: Path, regions: Regions) -> None:
+    (root / "dir").mkdir()
+    os.mkfifo(root / "fifo")
+    for key in ("/dir", "/fifo"):
+        err = error(regions.register, "", "x", key, 0, 1)
+        assert isinstance(err, InvalidInput)
+        assert f"shared memory key '{key}' is not shared memory" in str(err)
+    assert len(regions) == 0
+
+
+def test_a_hard_link_to_a_file_off_tmpfs_is_refused(tmp_path: Path) -> None:
+    """Where /dev/shm is a plain directory on a disk, a hard link there reaches any file."""
+    if os.stat(tmp_path).st_dev in shm._tmpfs_devices():
+        pytest.skip("the temporary directory is on a tmpfs")
+    root = tmp_path / "root"
+    root.mkdir()
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not for callers")
+    os.link(secret, root / "link")
+    regions = Regions(root=root, require_tmpfs=True)
+    err = error(regions.register, "", "x", "/link", 0, 4)
+    assert isinstance(err, InvalidInput)
+    assert "shared memory key '/link' is not shared memory" in str(err)
+    assert "is not a tmpfs" in str(err)
+    # A test's root elsewhere takes it (the same filesystem as the root: no tmpfs asked).
+    plain = Regions(root=root)
+    plain.register("", "x", "/link", 0, 4)
+    plain.close()
+
+
+@pytest.mark.parametrize(
+    ("offset", "byte_size", "says"),
+    [
+        (-1, 8, "offset must be 0 or more, got -1"),
+        (0, 0, "byte size must be 1 or more, got 0"),
+        (0, -8, "byte size must be 1 or more, got -8"),
+        (1, 100, "offset 1 + byte size 100 is past the end"),
+        (100, 1, "offset 100 + byte size 1 is past the end"),
+        (2**64 - 1, 2**64 - 1, "past the end"),
+        (0, 2**63, "past the end"),
+    ],
+)
+def test_bad_offsets_and_sizes_are_refused(
+    root: Path, offset: int, byte_size: int, says: str
+) -> None:
+    regions = Regions(root=root, max_bytes=2**70)
+    key = make(root, 100)
+    err = error(regions.register, "", "x", key, offset, byte_size)
+    assert isinstance(err, InvalidInput)
+    assert says in str(err)
+    assert len(regions) == 0
+
+
+def test_the_whole_object_and_its_last_byte_are_fine(root: Path, regions: Regions) -> None:
+    key = make(root, 100, b"0123456789")
+    regions.register("", "all", key, 0, 100)
+    regions.register("", "last", key, 99, 1)
+    with regions.lease("") as lease:
+        assert bytes(lease.input("last", 0, 1)) == b"9"
+        assert bytes(lease.input("all", 95, 5)) == b"56789"
+
+
+def test_a_name_taken_is_refused(root: Path, regions: Regions) -> None:
+    first = make(root, 8)
+    regions.register("", "x", first, 0, 8)
+    err = error(regions.register, "", "x", make(root, 16), 0, 16)
+    assert isinstance(err, AlreadyExists)
+    assert str(err) == "shared memory region 'x' already in manager"
+    assert status_of(err).name == "ALREADY_EXISTS"
+    assert regions.status("", "x") == [RegionInfo("x", first, 0, 8)]
+
+
+def test_a_tenant_has_at_most_max_regions(root: Path) -> None:
+    regions = Regions(root=root, max_regions=2)
+    key = make(root, 8)
+    regions.register("a", "1", key, 0, 8)
+    regions.register("a", "2", key, 0, 8)
+    err = error(regions.register, "a", "3", key, 0, 8)
+    assert isinstance(err, QuotaExceeded)
+    assert status_of(err).name == "RESOURCE_EXHAUSTED"
+    assert str(err).startswith("quota: tenant a registered 2 shared memory regions")
+    assert "--shared-memory-regions 2" in str(err)
+    regions.register("b", "1", key, 0, 8)  # each tenant its own bound
+    regions.unregister("a", "1")
+    regions.register("a", "3", key, 0, 8)
+    assert len(regions) == 3
+    regions.close()
+
+
+def test_a_tenant_has_at_most_max_bytes(root: Path) -> None:
+    regions = Regions(root=root, max_bytes=100)
+    key = make(root, 100)
+    regions.register("", "60", key, 0, 60)
+    err = error(regions.register, "", "41", key, 0, 41)
+    assert isinstance(err, QuotaExceeded)
+    assert "would bring the bytes this server's callers registered to 101" in str(err)
+    assert "--shared-memory-bytes 100" in str(err)
+    regions.register("", "40", key, 60, 40)  # exactly the bound
+    regions.register("other", "100", key, 0, 100)
+    regions.close()
+
+
+def test_status_of_an_unknown_name(regions: Regions) -> None:
+    err = error(regions.status, "", "x")
+    assert isinstance(err, RegionNotFound)
+    assert str(err) == "Unable to find system shared memory region: 'x'"
+    assert status_of(err).name == "NOT_FOUND"
+
+
+def test_tenants_do_not_see_each_others_regions(root: Path, regions: Regions) -> None:
+    def answers(tenant: str) -> tuple[str, str]:
+        with regions.lease(tenant) as lease:
+            return str(error(regions.status, tenant, "x")), str(error(lease.input, "x", 0, 1))
+
+    never = answers("b")  # before anyone registered "x"
+    a_key = make(root, 8, b"a")
+    regions.register("a", "x", a_key, 0, 8)
+    assert answers("b") == never  # no leak of a's region's existence
+    assert regions.status("b") == []
+    regions.unregister("b", "x")
+    regions.unregister("b")
+    assert regions.status("a") == [RegionInfo("x", a_key, 0, 8)]
+    regions.register("b", "x", make(root, 4, b"b"), 0, 4)  # its own "x"
+    with regions.lease("a") as a, regions.lease("b") as b:
+        assert bytes(a.input("x", 0, 8)) == b"a" * 8
+        assert bytes(b.input("x", 0, 4)) == b"b" * 4
+    # Tenants off: "" is one more space, not all of them.
+    assert regions.status("") == []
+    assert len(regions) == 2
+
+
+def test_views_read_and_write_the_object(root: Path, regions: Regions) -> None:
+    key = make(root, 2 * PAGE, bytes(range(256)))
+    regions.register("", "x", key, PAGE + 3, 100)
+    lease = regions.lease("")
+    assert not lease.used
+    view = lease.input("x", 10, 5)
+    assert lease.used
+    assert view.readonly and bytes(view) == bytes(range(13, 18))
+    with pytest.raises(TypeError):
+        view[0] = 1
+    out = lease.output("x", 0, 4)
+    assert not out.readonly
+    out[:] = b"WXYZ"
+    assert contents(root, key)[PAGE + 3 : PAGE + 7] == b"WXYZ"
+    assert bytes(lease.input("x", 0, 4)) == b"WXYZ"  # the same bytes: in place
+    assert len(lease.input("x", 100, 0)) == 0  # an empty tensor at the end
+    del view, out
+    lease.release()
+
+
+def test_lease_errors(root: Path, regions: Regions) -> None:
+    regions.register("", "x", make(root, 64), 0, 16)
+    with regions.lease("") as lease:
+        err = error(lease.input, "nope", 0, 1)
+        assert isinstance(err, InvalidInput)
+        assert str(err) == "Unable to find shared memory region: 'nope'"
+        assert lease.used
+        for offset, byte_size in [(-1, 1), (0, -1), (0, 17), (16, 1), (2**64, 2**64), (8, 9)]:
+            for use in (lease.input, lease.output):
+                err = error(use, "x", offset, byte_size)
+                assert isinstance(err, InvalidInput)
+                assert str(err).startswith(
+                    "Invalid offset + byte size for shared memory region: 'x'"
+                )
+        junk = "\x00" * 1000
+        assert "..." in str(error(lease.input, junk, 0, 1))  # cut short, escaped
+    err = error(lease.input, "x", 0, 1)
+    assert "after its release" in str(err)
+
+
+def test_a_truncated_object_gives_invalid_input(root: Path, regions: Regions) -> None:
+    key = make(root, 3 * PAGE)
+    regions.register("", "x", key, PAGE, 2 * PAGE)
+    os.truncate(root / key[1:], PAGE + 100)
+    with regions.lease("") as lease:
+        assert len(lease.input("x", 0, 100)) == 100  # still inside what is left
+        for use in (lease.input, lease.output):
+            err = error(use, "x", 0, PAGE)
+            assert isinstance(err, InvalidInput)
+            assert f"is {PAGE + 100} bytes now, short of the {2 * PAGE}" in str(err)
+
+
+def test_unregistering_under_a_live_lease_waits_for_its_release(
+    root: Path, regions: Regions
+) -> None:
+    key = make(root, 64, b"live")
+    path = root / key[1:]
+    regions.register("", "x", key, 0, 64)
+    lease = regions.lease("")
+    view = lease.input("x", 0, 8)
+    regions.unregister("", "x")
+    assert len(regions) == 0
+    assert isinstance(error(regions.status, "", "x"), RegionNotFound)
+    with regions.lease("") as other:
+        assert str(error(other.input, "x", 0, 1)) == "Unable to find shared memory region: 'x'"
+    assert bytes(view) == b"livelive"  # still mapped under the running call
+    assert mapped(path)
+    del view
+    lease.release()
+    assert not mapped(path)
+    lease.release()  # idempotent
+
+
+def test_a_view_kept_past_release_keeps_the_mapping_until_dropped(
+    root: Path, regions: Regions
+) -> None:
+    key = make(root, 64, b"kept")
+    path = root / key[1:]
+    regions.register("", "x", key, 0, 64)
+    with regions.lease("") as lease:
+        array = np.frombuffer(lease.output("x", 0, 16), np.float32)
+    regions.unregister("", "x")  # the mmap refuses to close: no error, no crash
+    assert mapped(path)
+    array[0] = 1.0  # still memory, not a fault
+    del array
+    gc.collect()
+    assert not mapped(path)
+
+
+def test_overlapping_writes_of_two_calls(root: Path, regions: Regions) -> None:
+    regions.register("", "x", make(root, 100), 0, 100)
+    first, second = regions.lease(""), regions.lease("")
+    first.output("x", 10, 20)
+    err = error(second.output, "x", 25, 10)
+    assert isinstance(err, RegionBusy)
+    assert status_of(err).name == "FAILED_PRECONDITION"
+    assert str(err).startswith(
+        "shared memory region 'x': bytes [25, 35) overlap bytes [10, 30) another call is writing"
+    )
+    second.output("x", 30, 10)  # adjacent is fine
+    second.output("x", 0, 10)
+    second.input("x", 0, 100)  # reading is always fine
+    first.input("x", 10, 20)  # as is one call reading what it writes
+    first.output("x", 15, 5)
+    first.release()
+    second.output("x", 10, 20)
+    with regions.lease("") as third:
+        assert isinstance(error(third.output, "x", 35, 1), RegionBusy)
+        third.output("x", 40, 0)  # nothing written: nothing to collide
+    second.release()
+    with regions.lease("") as fourth:
+        fourth.output("x", 0, 100)
+
+
+def test_sweep_unregisters_unlinked_objects(root: Path, regions: Regions) -> None:
+    kept, gone, leased = make(root, 8), make(root, 8, b"g"), make(root, 8, b"l")
+    regions.register("", "kept", kept, 0, 8)
+    regions.register("", "gone", gone, 0, 8)
+    regions.register("t", "leased", leased, 0, 8)
+    lease = regions.lease("t")
+    view = lease.input("leased", 0, 8)
+    assert regions.sweep() == []
+    (root / gone[1:]).unlink()
+    (root / leased[1:]).unlink()
+    assert sorted(regions.sweep()) == ["gone", "leased"]
+    assert [r.name for r in regions.status("")] == ["kept"] and regions.status("t") == []
+    assert not mapped(root / gone[1:])
+    assert bytes(view) == b"l" * 8 and mapped(root / leased[1:])
+    del view
+    lease.release()
+    assert not mapped(root / leased[1:])
+    assert regions.sweep() == []
+
+
+def test_close_unregisters_everything(root: Path, regions: Regions) -> None:
+    keys = [make(root, 8) for _ in range(3)]
+    for i, key in enumerate(keys):
+        regions.register(str(i), "x", key, 0, 8)
+    lease = regions.lease("0")
+    lease.input("x", 0, 8)
+    regions.close()
+    assert len(regions) == 0
+    assert mapped(root / keys[0][1:]) and not mapped(root / keys[1][1:])
+    lease.release()
+    assert not mapped(root / keys[0][1:])
+
+
+def test_a_lease_released_on_another_thread(root: Path, regions: Regions) -> None:
+    key = make(root, 8)
+    regions.register("", "x", key, 0, 8)
+    lease = regions.lease("")
+    lease.output("x", 0, 8)
+    regions.unregister("", "x")
+    thread = threading.Thread(target=lease.release)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert not mapped(root / key[1:])
+
+
+def test_threads_register_lease_and_unregister_at_once(root: Path) -> None:
+    regions = Regions(root=root, max_regions=1000)
+    keys = [make(root, 64) for _ in range(4)]
+    failures: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            for i in range(50):
+                name = f"{n}-{i % 3}"
+                with contextlib.suppress(AlreadyExists):
+                    regions.register("", name, keys[n], 0, 64)
+                with regions.lease("") as lease:
+                    lease.output(name, 0, 64)[:] = bytes([n]) * 64
+                regions.unregister("", name)
+        except BaseException as exc:  # handed to the test's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not failures and not any(t.is_alive() for t in threads)
+    assert len(regions) == 0
+    for n, key in enumerate(keys):
+        assert contents(root, key) == bytes([n]) * 64
+
+
+# Any integer a request's field may carry, and those near a region's bounds.
+ranges = st.one_of(
+    st.integers(-4, 3 * PAGE),
+    st.integers(-(2**65), 2**65),
+    st.sampled_from([2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63)]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    region_offset=st.integers(0, 2 * PAGE + 1),
+    region_size=st.integers(1, 2 * PAGE + 1),
+    slack=st.integers(0, 9),
+    data=st.data(),
+)
+def test_views_lie_inside_the_region(
+    region_offset: int, region_size: int, slack: int, data: st.DataObject
+) -> None:
+    offset = data.draw(st.one_of(st.integers(0, region_size), ranges), "offset")
+    room = region_size - offset if 0 <= offset <= region_size else 0
+    byte_size = data.draw(st.one_of(st.integers(0, room), ranges), "byte_size")
+    size = region_offset + region_size + slack
+    with shm_dir() as root:
+        key = make(root, size)
+        regions = Regions(root=root)
+        regions.register("", "r", key, region_offset, region_size)
+        with regions.lease("") as lease:
+            try:
+                out = lease.output("r", offset, byte_size)
+            except InvalidInput:
+                event("refused")
+                assert not (offset >= 0 and byte_size >= 0 and offset + byte_size <= region_size)
+                with pytest.raises(InvalidInput):
+                    lease.input("r", offset, byte_size)
+            else:
+                event("a view")
+                assert len(out) == byte_size
+                out[:] = b"\xab" * byte_size
+                del out
+                at = region_offset + offset
+                expected = bytes(at) + b"\xab" * byte_size + bytes(size - at - byte_size)
+                assert contents(root, key) == expected
+                assert bytes(lease.input("r", offset, byte_size)) == b"\xab" * byte_size
+        regions.close()
