@@ -55,11 +55,13 @@ class _Region:
     """A registered region: its object's fd (kept, to check its size and links), the mapping
     from the page at or below its offset, and the leases using it."""
 
-    __slots__ = ("fd", "gone", "holders", "info", "map", "start", "writing")
+    __slots__ = ("fd", "gone", "holders", "info", "inode", "map", "start", "writing")
 
     def __init__(self, info: RegionInfo, fd: int, mapped: mmap.mmap, start: int) -> None:
         self.info = info
         self.fd = fd
+        st = os.fstat(fd)
+        self.inode = st.st_dev, st.st_ino  # the object, whatever name reached it
         self.map: mmap.mmap | None = mapped
         self.start = start  # where the region begins in the mapping
         self.holders = 0  # leases that used it and are not released
@@ -158,6 +160,7 @@ class Regions:
         with self._lock:  # again: another call may have taken the name or room meanwhile
             try:
                 self._admit(tenant, name, byte_size)
+                self._unshared(tenant, region)
             except SluiceError:
                 region.close()
                 raise
@@ -214,19 +217,27 @@ class Regions:
         held = self._tenants.get(tenant, {})
         if name in held:
             raise AlreadyExists(f"shared memory region '{name}' already in manager")
-        whose = f"tenant {tenant}" if tenant else "this server's callers"
+        whose = f"tenant {tenant} has" if tenant else "callers have"
         if len(held) >= self.max_regions:
             raise QuotaExceeded(
-                f"quota: {whose} registered {len(held)} shared memory regions, the most it may "
+                f"quota: {whose} {len(held)} shared memory regions registered, the most allowed "
                 f"(--shared-memory-regions {self.max_regions}); unregister one first"
             )
         total = sum(r.info.byte_size for r in held.values()) + byte_size
         if total > self.max_bytes:
             raise QuotaExceeded(
                 f"quota: shared memory region '{name}' would bring the bytes {whose} registered "
-                f"to {total}, over the most it may (--shared-memory-bytes {self.max_bytes}); "
+                f"to {total}, over the most allowed (--shared-memory-bytes {self.max_bytes}); "
                 "unregister a region first"
             )
+
+    def _unshared(self, tenant: str, region: _Region) -> None:
+        """Refuse an object another tenant registered (under the lock): the server may open
+        what that tenant's caller made for it alone. Answered as for a missing object, so a
+        tenant cannot learn which objects others use."""
+        for other, held in self._tenants.items():
+            if other != tenant and any(r.inode == region.inode for r in held.values()):
+                raise InvalidInput(f"Unable to open shared memory region: '{region.info.key}'")
 
     def _open(self, name: str, key: str, offset: int, byte_size: int) -> _Region:
         try:

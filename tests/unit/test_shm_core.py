@@ -270,9 +270,9 @@ def test_a_tenant_has_at_most_max_regions(root: Path) -> None:
     err = error(regions.register, "a", "3", key, 0, 8)
     assert isinstance(err, QuotaExceeded)
     assert status_of(err).name == "RESOURCE_EXHAUSTED"
-    assert str(err).startswith("quota: tenant a registered 2 shared memory regions")
+    assert str(err).startswith("quota: tenant a has 2 shared memory regions registered")
     assert "--shared-memory-regions 2" in str(err)
-    regions.register("b", "1", key, 0, 8)  # each tenant its own bound
+    regions.register("b", "1", make(root, 8), 0, 8)  # each tenant its own bound
     regions.unregister("a", "1")
     regions.register("a", "3", key, 0, 8)
     assert len(regions) == 3
@@ -285,10 +285,10 @@ def test_a_tenant_has_at_most_max_bytes(root: Path) -> None:
     regions.register("", "60", key, 0, 60)
     err = error(regions.register, "", "41", key, 0, 41)
     assert isinstance(err, QuotaExceeded)
-    assert "would bring the bytes this server's callers registered to 101" in str(err)
+    assert "would bring the bytes callers have registered to 101" in str(err)
     assert "--shared-memory-bytes 100" in str(err)
     regions.register("", "40", key, 60, 40)  # exactly the bound
-    regions.register("other", "100", key, 0, 100)
+    regions.register("other", "100", make(root, 100), 0, 100)
     regions.close()
 
 
@@ -316,9 +316,18 @@ def test_tenants_do_not_see_each_others_regions(root: Path, regions: Regions) ->
     with regions.lease("a") as a, regions.lease("b") as b:
         assert bytes(a.input("x", 0, 8)) == b"a" * 8
         assert bytes(b.input("x", 0, 4)) == b"b" * 4
+    # Nor reach a's object under a name of their own, by its key or a link to it.
+    os.link(root / a_key[1:], root / "alias")
+    for key in (a_key, "/alias"):
+        err = error(regions.register, "b", "y", key, 0, 8)
+        assert str(err) == f"Unable to open shared memory region: '{key}'"
+    regions.register("a", "y", "/alias", 0, 8)  # a itself may, twice
+    regions.unregister("a")
+    regions.register("b", "y", a_key, 0, 8)  # once a let go of it
     # Tenants off: "" is one more space, not all of them.
     assert regions.status("") == []
     assert len(regions) == 2
+    assert [r.name for r in regions.status("b")] == ["x", "y"]
 
 
 def test_views_read_and_write_the_object(root: Path, regions: Regions) -> None:
