@@ -188,6 +188,8 @@ class Instance:
             if batchable and all(d is not None for d in s.shape[1:])
         }
         self._dtypes = {s.name: s.dtype for s in output_specs}
+        # Inputs sent in a compact wire type, cast as they are staged (models.Model sets it).
+        self.casts: staging.Casts = {}
 
     def _inline(self, rows: int) -> bool:
         return self.row_seconds * rows <= self.inline_max_s
@@ -207,7 +209,9 @@ class Instance:
             inputs, buffers = dict(batch[0].inputs), list[np.ndarray]()
         else:
             padded = bucket(total) if self.pad else 0
-            inputs, buffers = staging.merge([p.inputs for p in batch], self.pool, padded)
+            inputs, buffers = staging.merge(
+                [p.inputs for p in batch], self.pool, padded, self.casts
+            )
         try:
             staged = bool(buffers)
             if self._inline(total):

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
 
-from sluice.core.datatypes import name_of
-from sluice.core.errors import InvalidInput, ModelNotFound
+from sluice.core.datatypes import DATATYPES, name_of
+from sluice.core.errors import InvalidInput, LoadFailed, ModelNotFound
 from sluice.core.versions import version_key
 from sluice.server.dataplane import staging
 from sluice.server.dataplane.batcher import Arrays, Batcher, Trip
-from sluice.server.dataplane.engine import Engine
+from sluice.server.dataplane.engine import Engine, TensorSpec
+from sluice.server.dataplane.modelsettings import Accepts, WireType
 
 # What a node remembers of removals, to say why a call's model or version is not loaded: the
 # latest versions removed of each model, of the latest models.
@@ -35,7 +37,60 @@ def holds_nonfinite(array: np.ndarray) -> bool:
     return not (np.isfinite(array.min()) and np.isfinite(array.max()))
 
 
+# The model datatypes an input may take another wire type into.
+CAST_INTO = ("FP32", "FP16")
+
+
+def wire_inputs(specs: Sequence[TensorSpec], accepts: Accepts) -> list[TensorSpec]:
+    """`specs` with the wire types `accepts` gives each input; raises LoadFailed naming an
+    input the model lacks, one that is not FP32 or FP16, or a wire type whose values would
+    not all be finite once cast (so the cast never makes NaN or infinity of its own)."""
+    by_name = {s.name: s for s in specs}
+    for name in accepts:
+        if name not in by_name:
+            raise LoadFailed(
+                f"wire types are given for input {name!r}, which the model does not have; "
+                "its inputs are " + ", ".join(f"{s.name!r} {s.describe()}" for s in specs)
+            )
+    found = []
+    for spec in specs:
+        wires = tuple(accepts.get(spec.name, ()))
+        if wires and spec.datatype not in CAST_INTO:
+            raise LoadFailed(
+                f"input {spec.name!r} is {spec.datatype}: only an FP32 or FP16 input takes "
+                f"another wire type ({', '.join(w.describe() for w in wires)} given)"
+            )
+        for wire in wires:
+            if wire.datatype == spec.datatype:
+                raise LoadFailed(f"input {spec.name!r} is {spec.datatype} already")
+            _check_range(spec, wire)
+        found.append(replace(spec, accepts=wires) if wires else spec)
+    return found
+
+
+def _check_range(spec: TensorSpec, wire: WireType) -> None:
+    """Refuse a wire type whose extreme values cast to infinity: the cast rounds
+    monotonically, so every value between them is then finite too."""
+    sent = DATATYPES[wire.datatype].dtype
+    info = np.iinfo(sent.name) if sent.kind in "iu" else np.finfo(sent.name)
+    extremes = np.array([info.min, info.max], sent)
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = staging.cast(extremes, _cast_of(spec, wire))
+    if not np.isfinite(cast).all():
+        raise LoadFailed(
+            f"input {spec.name!r}: {wire.describe()} would make {wire.datatype}'s "
+            f"{info.min:g}..{info.max:g} {cast[0]:g}..{cast[1]:g}, beyond {spec.datatype}"
+        )
+
+
+def _cast_of(spec: TensorSpec, wire: WireType) -> staging.Cast:
+    return staging.Cast(spec.dtype, np.float32(wire.scale), np.float32(wire.offset))
+
+
 class Model:
+    """A loaded model. `accepts`: the wire types its inputs also take, by input name
+    (checked here: LoadFailed for one it cannot take)."""
+
     def __init__(
         self,
         engine: Engine,
@@ -44,14 +99,25 @@ class Model:
         name: str = "",
         version: str = "1",
         tag: str = "",
+        accepts: Accepts | None = None,
     ) -> None:
         self.name = name or engine.name
         self.version = version
         self.tag = tag  # what else tells this load apart (its file's stamp)
         self.engine = engine
         self.batcher = batcher
-        self.inputs = engine.inputs
+        self.inputs = wire_inputs(engine.inputs, accepts or {})
         self.outputs = engine.outputs
+        # By input name and the dtype sent. Where every batch is staged into pooled buffers
+        # (CUDA), the instances cast as they stage; elsewhere `run` casts at once.
+        self._casts: staging.Casts = {
+            (s.name, DATATYPES[w.datatype].dtype): _cast_of(s, w)
+            for s in self.inputs
+            for w in s.accepts
+        }
+        self._cast_now = bool(self._casts) and not engine.staged
+        for instance in engine.instances:
+            instance.casts = self._casts
         self._inputs_by_name = {s.name: s for s in self.inputs}
         self._output_names = [s.name for s in self.outputs]
         self._batchable = engine.batchable
@@ -74,7 +140,12 @@ class Model:
             else "max batch 1 (its first dimension is fixed)"
         )
         count = len(self.engine.instances)
-        return f"{batch}, {count} instance{'s' if count > 1 else ''}"
+        wires = "".join(
+            f", {s.name} also takes {', '.join(w.describe() for w in s.accepts)}"
+            for s in self.inputs
+            if s.accepts
+        )
+        return f"{batch}, {count} instance{'s' if count > 1 else ''}{wires}"
 
     def scope(self, protocol: str) -> bytes:
         """What leads the cache key of this model's requests in wire protocol `protocol` (its
@@ -99,6 +170,8 @@ class Model:
         The batcher fills in `trip`, if given, with the request's queue wait and batch (for
         tracing)."""
         nonfinite = self.check(inputs)
+        if self._cast_now:
+            inputs = self.cast(inputs)
         names = self.select(outputs)
         rows = staging.rows_of(inputs) if self._batchable else None
         # Requests that cannot share a batch get a group of their own.
@@ -117,7 +190,9 @@ class Model:
 
     def check(self, inputs: Mapping[str, np.ndarray]) -> list[str]:
         """Raise InvalidInput unless `inputs` fit the model; return the names of inputs that
-        hold NaN or infinity (allowed, but worth telling the caller)."""
+        hold NaN or infinity (allowed, but worth telling the caller). An input sent in one
+        of its wire types is checked as sent: the cast keeps NaN and infinity and makes
+        none (`wire_inputs`), and integers hold neither (that check costs nothing)."""
         unknown = [n for n in inputs if n not in self._inputs_by_name]
         if unknown:
             raise InvalidInput(
@@ -132,10 +207,12 @@ class Model:
         nonfinite = []
         for spec in self.inputs:
             array = inputs[spec.name]
-            if array.dtype != spec.dtype:
+            if array.dtype != spec.dtype and (spec.name, array.dtype) not in self._casts:
+                also = ", ".join(w.describe() for w in spec.accepts)
                 raise InvalidInput(
                     f"input {spec.name!r} is {name_of(array.dtype)} "
                     f"but the model takes {spec.datatype}"
+                    + (f" (or, cast by the server, {also})" if also else "")
                 )
             if array.ndim != len(spec.shape):
                 raise InvalidInput(
@@ -157,6 +234,17 @@ class Model:
             if holds_nonfinite(array):
                 nonfinite.append(spec.name)
         return nonfinite
+
+    def cast(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """Checked `inputs` as the model takes them: each one sent in a wire type cast into
+        an array of its own, in one pass; the others as they are."""
+        casts = self._casts
+        if not any((n, a.dtype) in casts for n, a in inputs.items()):
+            return inputs
+        return {
+            n: a if (how := casts.get((n, a.dtype))) is None else staging.cast(a, how)
+            for n, a in inputs.items()
+        }
 
     def select(self, names: Sequence[str]) -> list[str]:
         """The output names to compute: all when `names` is empty."""

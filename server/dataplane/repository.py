@@ -119,7 +119,13 @@ async def load_model(name: str, version: int | str, path: Path, settings: ModelS
         engine.close()
         raise LoadFailed(f"{path}: the file changed while it loaded")
     tag = ":".join(map(str, before)) if before else ""
-    model = Model(engine, batcher, name=name, version=str(version), tag=tag)
+    try:
+        model = Model(
+            engine, batcher, name=name, version=str(version), tag=tag, accepts=settings.accepts
+        )
+    except LoadFailed as exc:  # wire types its inputs cannot take
+        engine.close()
+        raise LoadFailed(f"{path}: {exc}") from None
     try:
         await asyncio.to_thread(warm_up, model)
     except BaseException as exc:

@@ -1,39 +1,85 @@
 """Merging requests into one batch and splitting the outputs back, along the first
-dimension. Batch inputs are copied straight into pooled staging buffers (no concatenate);
-outputs are cut back into per-request copies where they sit in pooled buffers, so the
-buffers can return to the pool, and into views where ONNX Runtime allocated them."""
+dimension. Batch inputs are copied straight into pooled staging buffers (no concatenate),
+an input sent in a compact wire type cast on the way in; outputs are cut back into
+per-request copies where they sit in pooled buffers, so the buffers can return to the pool,
+and into views where ONNX Runtime allocated them."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from sluice.server.dataplane.buffers import BufferPool
 
 
+class Cast(NamedTuple):
+    """How an input sent in a wire type becomes the model's: float32(x) * scale + offset,
+    computed in float32 (`scale` and `offset` are float32 scalars) and stored in `dtype`,
+    the model's (FP32, or FP16)."""
+
+    dtype: np.dtype[np.generic]
+    scale: np.float32
+    offset: np.float32
+
+
+# The casts of a model's inputs, by input name and the datatype sent.
+Casts = Mapping[tuple[str, np.dtype[np.generic]], Cast]
+
+
+def cast_into(out: np.ndarray, x: np.ndarray, how: Cast) -> None:
+    """Write x * scale + offset into `out` (of the model's dtype) in place: ufuncs that
+    convert as they go, in blocks, so nothing the size of `x` is made beside `out`. Scale 1
+    converts only, so the values arrive exactly as sent."""
+    if how.scale == 1:
+        np.copyto(out, x, casting="unsafe")
+    else:
+        np.multiply(x, how.scale, out=out, dtype=np.float32, casting="unsafe")
+    if how.offset:
+        np.add(out, how.offset, out=out, dtype=np.float32, casting="unsafe")
+
+
+def cast(x: np.ndarray, how: Cast) -> np.ndarray:
+    """x as the model takes it: one new array, written once (see cast_into)."""
+    out = np.empty(x.shape, how.dtype)
+    cast_into(out, x, how)
+    return out
+
+
 def merge(
-    requests: Sequence[Mapping[str, np.ndarray]], pool: BufferPool, padded: int = 0
+    requests: Sequence[Mapping[str, np.ndarray]],
+    pool: BufferPool,
+    padded: int = 0,
+    casts: Casts | None = None,
 ) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
     """Batch inputs by name as views of pooled buffers, and the buffers to give back later.
-    Every request holds the same names with equal non-batch dimensions and dtypes; each
-    input's rows are its own first dimension (one request of a model without a batch
-    dimension is copied whole). `padded`: zero rows are added up to this many."""
+    Every request holds the same names with equal non-batch dimensions; each input's rows
+    are its own first dimension (one request of a model without a batch dimension is copied
+    whole). `padded`: zero rows are added up to this many. An input whose name and dtype
+    are in `casts` is cast into the buffer as it is copied; the others keep their dtype."""
     merged: dict[str, np.ndarray] = {}
     taken: list[np.ndarray] = []
     for name, first in requests[0].items():
+        cast_first = casts.get((name, first.dtype)) if casts else None
         if first.ndim == 0:  # a scalar: nothing to stage
-            merged[name] = np.array(first)
+            merged[name] = np.array(first) if cast_first is None else cast(first, cast_first)
             continue
         parts = [request[name] for request in requests]
         total = sum(len(part) for part in parts)
         size = max(total, padded)
-        buffer = pool.take(first.dtype, first.shape[1:], size)
+        dtype = first.dtype if cast_first is None else cast_first.dtype
+        buffer = pool.take(dtype, first.shape[1:], size)
         taken.append(buffer)
         view = buffer[:size]
         offset = 0
         for part in parts:
-            view[offset : offset + len(part)] = part
+            rows = view[offset : offset + len(part)]
+            to = casts.get((name, part.dtype)) if casts else None
+            if to is None:
+                rows[...] = part
+            else:
+                cast_into(rows, part, to)
             offset += len(part)
         view[total:] = 0  # padding rows: never stale bytes of an earlier batch
         merged[name] = view
