@@ -3,9 +3,11 @@
 Honored: max_batch_size (0: no batching), instance_group (the sum of the counts; all
 KIND_CPU: on the CPU; all Triton's default KIND_AUTO: the server's --device),
 dynamic_batching.max_queue_delay_microseconds (the batch budget, unless 0), version_policy,
-default_model_filename. Other known fields (input and output dims: the ONNX file's own
-signature rules) are read and logged as ignored; unknown fields are skipped, and named in
-the log.
+default_model_filename, and parameters `sluice.accept.INPUT` (the compact wire types an
+FP32 or FP16 input also takes, as "UINT8*0.00392157+0", comma-separated: cast by the server
+as x * scale + offset). Other known fields (input and output dims: the ONNX file's own
+signature rules; other parameters) are read and logged as ignored; unknown fields are
+skipped, and named in the log.
 """
 
 from __future__ import annotations
@@ -17,10 +19,18 @@ from pathlib import Path
 from google.protobuf import text_format
 
 from sluice.core.errors import LoadFailed
-from sluice.server.dataplane.modelsettings import Config, VersionPolicy
+from sluice.server.dataplane.modelsettings import (
+    Config,
+    VersionPolicy,
+    WireType,
+    parse_wire_types,
+)
 from sluice.v1 import model_config_pb2 as pb
 
 log = logging.getLogger("sluice.modelconfig")
+
+# A parameter naming the wire types an input also takes: this, then the input's name.
+ACCEPT = "sluice.accept."
 
 # The platform and backend names Triton gives ONNX Runtime models; others cannot serve here.
 ONNX_PLATFORMS = ("", "onnxruntime_onnx")
@@ -89,8 +99,10 @@ def convert(message: pb.ModelConfig, source: str = "config.pbtxt", name: str = "
     ignored = []
     if message.input or message.output:
         ignored.append("input/output (the ONNX file's own inputs and outputs rule)")
-    if message.parameters:
-        ignored.append("parameters")
+    accepts = _accepts(message, source)
+    others = sorted(k for k in message.parameters if not k.startswith(ACCEPT))
+    if others:
+        ignored.append(f"parameters {', '.join(others)}")
 
     instances = None
     device = None
@@ -142,7 +154,25 @@ def convert(message: pb.ModelConfig, source: str = "config.pbtxt", name: str = "
         device=device,
         policy=policy,
         default_model_filename=filename,
+        accepts=accepts or None,
     )
+
+
+def _accepts(message: pb.ModelConfig, source: str) -> dict[str, tuple[WireType, ...]]:
+    """The wire types the config's `sluice.accept.INPUT` parameters give, by input name;
+    LoadFailed naming the parameter for one that does not parse."""
+    found = {}
+    for key in sorted(message.parameters):
+        if not key.startswith(ACCEPT):
+            continue
+        name = key.removeprefix(ACCEPT)
+        if not name:
+            raise LoadFailed(f"{source}: parameter {key!r} names no input ({ACCEPT}INPUT)")
+        try:
+            found[name] = parse_wire_types(message.parameters[key].string_value)
+        except ValueError as exc:
+            raise LoadFailed(f"{source}: parameter {key!r} (input {name!r}): {exc}") from None
+    return found
 
 
 def read_config(path: Path) -> Config:

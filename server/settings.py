@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sluice.models import DIGITS
 from sluice.runtime import config
 from sluice.runtime.settings import ProgramSettings
-from sluice.server.dataplane.modelsettings import ModelSettings
+from sluice.server.dataplane.modelsettings import (
+    WIRE_SYNTAX,
+    ModelSettings,
+    WireType,
+    parse_wire_types,
+)
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -177,6 +182,7 @@ class ServerSettings(ProgramSettings):
             raise ValueError("two --model entries have one name")
         if not self.model and not self.model_repository:
             object.__setattr__(self, "model", [str(DIGITS)])
+        self.accepts()  # refuse a malformed --accept, or one naming no --model, at start
 
     def processes(self) -> int:
         return int(self.workers) if self.workers.isdigit() else os.cpu_count() or 1
@@ -185,8 +191,12 @@ class ServerSettings(ProgramSettings):
         """--intra-op-threads as the engine takes it: None to choose at load."""
         return None if self.intra_op_threads == "auto" else int(self.intra_op_threads)
 
-    def model_settings(self) -> ModelSettings:
-        """What every model serves with where its config sets nothing, in seconds and bytes."""
+    def model_settings(self, entry: str | None = None) -> ModelSettings:
+        """What every model serves with where its config sets nothing, in seconds and bytes;
+        with `entry`, the NAME of a --model entry ("" for an unnamed one), what that one
+        serves with: its --accept wire types too."""
+        if entry is not None:
+            return replace(self.model_settings(), accepts=self.accepts().get(entry, {}))
         return ModelSettings(
             device=self.device,
             intra_op_threads=self.threads(),
@@ -207,6 +217,48 @@ class ServerSettings(ProgramSettings):
         if self.workers != "auto":
             return int(self.workers)
         return 1 if gpu else os.cpu_count() or 1
+
+    def accepts(self) -> dict[str, dict[str, tuple[WireType, ...]]]:
+        """The --accept entries: by --model entry NAME ("" for an unnamed one), the wire
+        types of each input named. An entry without MODEL is the one --model's."""
+        syntax = f"[MODEL:]INPUT={WIRE_SYNTAX}"
+        if self.accept and not self.model:
+            raise ValueError(
+                "--accept is for --model models; a repository model names its wire types in "
+                'its config.pbtxt: parameters { key: "sluice.accept.INPUT" value: '
+                '{ string_value: "UINT8*0.00392157" } }'
+            )
+        entries = [name for name, _ in self.models()]
+        found: dict[str, dict[str, tuple[WireType, ...]]] = {}
+        for entry in self.accept:
+            target, equals, written = entry.partition("=")
+            model, colon, name = target.partition(":")
+            if not (colon and model.strip() and model.strip() in entries and name.strip()):
+                # No MODEL: the whole is the input's name (TensorFlow's hold colons: "x:0").
+                if len(entries) > 1:
+                    named = ", ".join(repr(n) for n in entries if n) or "none"
+                    raise ValueError(
+                        f"--accept {entry!r} names none of the {len(entries)} --model "
+                        f"entries (named: {named}): say which, as MODEL:INPUT=..., with "
+                        "MODEL the NAME of a --model NAME=PATH"
+                    )
+                model, name = entries[0], target
+            model, name = model.strip(), name.strip()
+            if not equals or not name:
+                raise ValueError(f"--accept takes {syntax}, not {entry!r}")
+            if "," in written:  # SLUICE_ACCEPT's commas part entries: one type to an entry
+                raise ValueError(f"--accept {entry!r}: one wire type each; repeat it for more")
+            try:
+                wires = parse_wire_types(written)
+            except ValueError as exc:
+                raise ValueError(f"--accept {entry!r}: {exc}; it takes {syntax}") from None
+            inputs = found.setdefault(model, {})
+            before = inputs.get(name, ())
+            twice = {w.datatype for w in before} & {w.datatype for w in wires}
+            if twice:
+                raise ValueError(f"--accept gives input {name!r} {', '.join(sorted(twice))} twice")
+            inputs[name] = before + wires
+        return found
 
     def models(self) -> list[tuple[str, str]]:
         """The --model entries as (name, path); an empty name: the model's own."""
