@@ -10,7 +10,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import grpc
 
@@ -31,6 +31,7 @@ from sluice.core.keys import (
     RETRY_AFTER_HEADER,
 )
 from sluice.core.limits import too_large
+from sluice.core.shm import Regions
 from sluice.core.stats import ServingStats, health_fields
 from sluice.core.tenants import HEADER, INTERACTIVE, Account, Tenants
 from sluice.runtime import door, spans, tracing
@@ -65,6 +66,11 @@ class Call:
     priority: int = INTERACTIVE  # its tenant's class in the batcher
 
 
+def tenant_of(call: Call) -> str:
+    """The caller's tenant's name, its shared memory regions' name space: "" with auth off."""
+    return call.account.tenant.name if call.account is not None else ""
+
+
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
 Methods: TypeAlias = "dict[str, grpc.RpcMethodHandler[bytes, bytes]]"
 Method = Callable[[bytes, Call], Awaitable[bytes]]
@@ -86,8 +92,10 @@ class InferenceService:
         default_timeout_s: float | None = None,
         tenants: Tenants | None = None,
         max_message_bytes: int = 0,
+        regions: Regions | None = None,
     ) -> None:
         self.plane = plane
+        self.regions = regions  # None: no shared memory (--shared-memory off)
         # --max-message-bytes, said in Health: a balancer refuses a larger request itself
         # rather than send it on the stream it shares, which grpc here would end for it.
         self.max_message_bytes = max_message_bytes
@@ -328,13 +336,26 @@ class InferenceService:
         await stream.serve(requests, context.write, answer, refuse=refuse, stop=self._draining)
 
     async def predict(self, body: bytes, call: Call) -> bytes:
-        return await self.infer(body, V1, call)
+        # SluiceV1.decode takes no lease yet; the dataplane hands it none (its route never
+        # says `shared`), and the cast goes once it takes one.
+        return await self.infer(body, cast("WireProtocol[bool]", V1), call)
 
     async def infer(self, body: bytes, protocol: WireProtocol[Any], call: Call) -> bytes:
-        """One inference call of any protocol, its trailers added to `call`."""
-        entry, cached = await self.plane.infer(
-            body, protocol, deadline=call.deadline, cache=not call.no_cache, priority=call.priority
-        )
+        """One inference call of any protocol, its trailers added to `call`; with shared
+        memory on, it holds a lease on its caller's regions until it is answered."""
+        lease = None if self.regions is None else self.regions.lease(tenant_of(call))
+        try:
+            entry, cached = await self.plane.infer(
+                body,
+                protocol,
+                deadline=call.deadline,
+                cache=not call.no_cache,
+                priority=call.priority,
+                lease=lease,
+            )
+        finally:
+            if lease is not None:  # the dataplane released one it used; not one it never took
+                lease.release()
         if entry.nonfinite:
             call.trailers.append(("x-nonfinite-inputs", ",".join(entry.nonfinite)))
         if cached is not None:

@@ -4,7 +4,8 @@ back response bytes. Transport-free.
 
 A cache hit is answered from the body's digest alone: nothing is parsed. The key covers the
 protocol, the model's name and version and the body, so protocols never meet each other's
-answers, nor a new model version an old one's."""
+answers, nor a new model version an old one's. A request whose tensors lie in shared memory
+regions (sluice.core.shm) is never cached: its answer depends on what the regions hold."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 import xxhash
 
 from sluice.core.errors import DeadlineExpired
+from sluice.core.shm import Lease
 from sluice.runtime import tracing
 from sluice.server.dataplane.batcher import Arrays, Trip
 from sluice.server.dataplane.cache import Entry, LRUCache, SingleFlight
@@ -42,6 +44,10 @@ class Asked(NamedTuple):
     # Bytes of the body that do not change the answer (a per-call id): left out of the cache
     # key, and put in front of the answer, where they are the same field (KServe's `id`).
     echo: tuple[int, int] | None = None
+    # The body may name shared memory regions (inputs read from, outputs written into one):
+    # its answer is not the body's alone, so it is kept out of the cache and single-flight,
+    # and decoded with the call's lease.
+    shared: bool = False
 
 
 @dataclass(slots=True)
@@ -51,17 +57,23 @@ class Request(Generic[Opts]):
     inputs: Mapping[str, np.ndarray]
     outputs: Sequence[str]  # empty: all of the model's outputs
     options: Opts  # the protocol's own, handed back to its `encode` (sluice.v1: typed outputs)
+    # The call's hold on the regions its inputs are views of and its outputs go into:
+    # released by the dataplane once the answer is encoded (the outputs written).
+    lease: Lease | None = None
 
 
 class WireProtocol(Protocol[Opts]):
-    """A wire protocol's request and response bodies. Raises InvalidInput on a bad body."""
+    """A wire protocol's request and response bodies. Raises InvalidInput on a bad body.
+    `decode` is given the call's lease only when `route` said the body is `shared` (and the
+    node takes shared memory); it reads inputs through it and keeps it on the Request, for
+    `encode` to write outputs through."""
 
     @property
     def name(self) -> str: ...  # in the cache key
 
     def route(self, body: bytes) -> Asked: ...
 
-    def decode(self, body: bytes) -> Request[Opts]: ...
+    def decode(self, body: bytes, lease: Lease | None = None) -> Request[Opts]: ...
 
     def encode(self, model: Model, request: Request[Opts], outputs: Arrays) -> bytes: ...
 
@@ -83,20 +95,24 @@ class Dataplane:
         deadline: float | None = None,
         cache: bool = True,
         priority: int = 0,
+        lease: Lease | None = None,
     ) -> tuple[Entry, Cached]:
         """The answer to one request body, and whether the cache gave it (`cache=False`
-        keeps the call out of the cache and single-flight). A model run waits in the
-        batcher's `priority` class (a computation shared by single-flight: its first
-        caller's)."""
+        keeps the call out of the cache and single-flight, as does a body that names
+        shared memory). A model run waits in the batcher's `priority` class (a computation
+        shared by single-flight: its first caller's). `lease`: the call's hold on its
+        caller's shared memory regions (None: the node takes none), released once the
+        answer is encoded."""
         if deadline is not None and deadline <= self.clock():
             raise DeadlineExpired(EXPIRED)
         asked = protocol.route(body)
         found = self.models.get(asked.model, asked.version)
-        if not cache or not self.cache.enabled:
+        if asked.shared or not cache or not self.cache.enabled:
             if tracing.ON:
                 tracing.annotate(tracing.CACHE, "off")
+            held = lease if asked.shared else None
             entry, cached = await self._held(
-                found, self._compute(found, body, protocol, deadline, priority)
+                found, self._compute(found, body, protocol, deadline, priority, held)
             )
         else:
             digest = xxhash.xxh3_128(found.scope(protocol.name))
@@ -191,8 +207,9 @@ class Dataplane:
         protocol: WireProtocol[Opts],
         deadline: float | None,
         priority: int,
+        lease: Lease | None,
     ) -> tuple[Entry, Cached]:
-        return await self._entry(model, body, protocol, deadline, priority), None
+        return await self._entry(model, body, protocol, deadline, priority, lease), None
 
     async def _entry(
         self,
@@ -201,8 +218,25 @@ class Dataplane:
         protocol: WireProtocol[Opts],
         deadline: float | None,
         priority: int,
+        lease: Lease | None = None,
     ) -> Entry:
-        request = protocol.decode(body)
+        try:
+            return await self._answer(model, body, protocol, deadline, priority, lease)
+        finally:
+            if lease is not None:  # the outputs are written, or never will be
+                lease.release()
+
+    async def _answer(
+        self,
+        model: Model,
+        body: bytes,
+        protocol: WireProtocol[Opts],
+        deadline: float | None,
+        priority: int,
+        lease: Lease | None,
+    ) -> Entry:
+        # A protocol is handed a lease only for a body that names regions.
+        request = protocol.decode(body) if lease is None else protocol.decode(body, lease)
         run = _RunSpans(model) if tracing.ON and tracing.recording() else None
         try:
             outputs, nonfinite = await model.run(
