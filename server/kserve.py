@@ -1,20 +1,27 @@
 """The KServe v2 / Open Inference Protocol over gRPC (`inference.GRPCInferenceService`, the API
 of Triton and MLServer), served beside sluice.v1 so their clients work unchanged: the
 ModelInferRequest wire format as a dataplane protocol, and a thin servicer for the protocol's
-calls. ModelInfer takes Predict's path (validation, cache, batching, status codes)."""
+calls. ModelInfer takes Predict's path (validation, cache, batching, status codes).
+
+With --shared-memory, Triton's system shared memory extension: callers on this host register
+POSIX shared memory regions (sluice.core.shm), and an input or requested output names one
+with the parameters shared_memory_region, shared_memory_byte_size and shared_memory_offset.
+An input is then a view of the region's bytes; an output is written into it, its tensor in
+the answer carrying no values (an empty raw entry, as Triton answers)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple, Protocol
 
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
 from sluice.core.datatypes import DATATYPES, DataType
-from sluice.core.errors import InvalidInput, ModelNotFound, Unimplemented
+from sluice.core.errors import InvalidInput, ModelNotFound, RegionNotFound, Unimplemented
+from sluice.core.shm import Lease, Regions
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.runtime.door import ADMIN, OPEN, TENANT
 from sluice.runtime.process import package_version
@@ -23,7 +30,7 @@ from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Asked, Request
 from sluice.server.dataplane.repository import LoadReport
-from sluice.server.service import Call, InferenceService, Method
+from sluice.server.service import Call, InferenceService, Method, tenant_of
 from sluice.server.v1 import parse
 from sluice.wire import codec, facts, peek
 
@@ -32,6 +39,7 @@ INFER = "ModelInfer"  # the method name, also a PredictStream message's `method`
 # Triton's name for ONNX models run by ONNX Runtime: clients and dashboards match on it.
 PLATFORM = "onnxruntime_onnx"
 REPOSITORY = "model_repository"  # the extension's name in ServerMetadata
+SYSTEM_SHARED_MEMORY = "system_shared_memory"  # and Triton's shared memory extension's
 # Who may call what with auth on (others: any tenant): probes need no key; loading and
 # unloading models is an admin's.
 ACCESS = {
@@ -45,6 +53,11 @@ ACCESS = {
 REPOSITORY_OFF = (
     "the repository API is off; start sluice-server with --model-repository DIR --repository-api"
 )
+SHARED_MEMORY_OFF = (
+    "shared memory is off; start sluice-server with --shared-memory (for callers on its host)"
+)
+# Triton's answer where it has no GPU; Sluice maps no CUDA memory of other processes.
+NO_CUDA = "GPUs not supported: Sluice takes system shared memory only"
 READY = "READY"
 # RepositoryModelLoad's answer has no fields: these trailers say which versions serve after
 # it and which it refused (their reasons: RepositoryIndex and the server's log).
@@ -54,7 +67,11 @@ REFUSED_TRAILER = "x-refused-versions"
 # KServe's typed fields are sluice.v1's, renamed: int_data is int_contents, and so on.
 _CONTENTS = sorted({d.typed_field.replace("_data", "_contents") for d in DATATYPES.values()})
 _ALL_CONTENTS = [*_CONTENTS, "bytes_contents"]
-_SHARED_MEMORY = "shared_memory_region"
+# A tensor's parameters that place it in a shared memory region (Triton's names).
+_REGION = "shared_memory_region"
+_BYTE_SIZE = "shared_memory_byte_size"
+_OFFSET = "shared_memory_offset"
+_REGION_KEY = _REGION.encode()  # in every body that names a region: its map key
 _RAW_INPUT = facts.INFER_RAW_INPUTS
 # Answers whose raw outputs reach this size are framed by hand (encode): below it the
 # framing's Python costs more than protobuf's copies save (0.4 us a call for 12 bytes; even
@@ -62,7 +79,22 @@ _RAW_INPUT = facts.INFER_RAW_INPUTS
 FRAMED_FROM = 4 << 10
 # ModelInferResponse's raw_output_contents tag (length-delimited).
 _RAW_OUTPUT_TAG = peek.tag(facts.INFER_RESPONSE_RAW_OUTPUTS)
-_NO_SHARED_MEMORY = "Sluice does not serve shared memory: send the values in the request"
+_NO_SHARED_MEMORY = (
+    "Sluice does not serve shared memory here: start sluice-server with --shared-memory "
+    "(for callers on its host), or send the values in the request"
+)
+_NO_VALUES = np.empty(0, np.uint8)  # an output in shared memory: its raw entry, empty
+
+
+class Placed(NamedTuple):
+    """A requested output's place in a shared memory region: the bytes it may fill."""
+
+    region: str
+    offset: int
+    view: memoryview  # writable, through the call's lease
+
+
+Placements = Mapping[str, Placed] | None  # by output name; None: no output in shared memory
 
 
 def _contents_field(dt: DataType) -> str | None:
@@ -75,57 +107,84 @@ class KServeV2:
     """ModelInfer's bodies. The request's `id` is echoed, not computed: it is left out of the
     cache key and the dataplane puts the request's id field in front of the answer, where it
     is ModelInferResponse's `id` (the same field number and type), so `encode` leaves it out
-    and two requests that differ only in id share one cached answer."""
+    and two requests that differ only in id share one cached answer. `shared_memory`: the
+    node takes shared memory, so `route` looks for bodies that name a region."""
 
     name = "kserve.v2"
+
+    def __init__(self, shared_memory: bool = False) -> None:
+        self.shared_memory = shared_memory
 
     def route(self, body: bytes) -> Asked:
         try:
             read = facts.read(body, facts.MODEL_INFER)  # an id that is not UTF-8 is refused
         except peek.Malformed as exc:
             raise InvalidInput(str(exc)) from None
-        return Asked(read.model, read.version, read.id_span)
+        # A region's parameter key in the body is a cheap test (a raw value that holds those
+        # bytes only costs that call the cache); off, a region is refused by `decode`.
+        shared = self.shared_memory and _REGION_KEY in body
+        return Asked(read.model, read.version, read.id_span, shared)
 
-    def decode(self, body: bytes) -> Request[None]:
+    def decode(self, body: bytes, lease: Lease | None = None) -> Request[Placements]:
         request, raw = read_infer(body)
+        model = request.model_name
         # Request-level parameters (Triton's priority, sequence ids, ...) change nothing here.
-        if raw and len(raw) != len(request.inputs):
+        places = [_place(t, lease) for t in request.inputs]
+        # As in Triton, the raw entries are those of the inputs not in shared memory.
+        unplaced = places.count(None)
+        if raw and len(raw) != unplaced:
             raise InvalidInput(
-                f"raw_input_contents has {len(raw)} entries but the request has "
-                f"{len(request.inputs)} inputs; send one entry per input, in order, or none"
+                f"raw_input_contents has {len(raw)} entries but the request has {unplaced} "
+                "inputs not in shared memory; send one entry per such input, in order, or none"
             )
         inputs: dict[str, np.ndarray] = {}
-        for i, tensor in enumerate(request.inputs):
+        at = 0
+        for tensor, place in zip(request.inputs, places, strict=True):
             if tensor.name in inputs:
                 raise InvalidInput(f"input {tensor.name!r} appears more than once")
-            inputs[tensor.name] = _decode(tensor, raw[i] if raw else None)
+            if place is not None:
+                inputs[tensor.name] = _shared(tensor, model, place, lease)
+            else:
+                inputs[tensor.name] = _decode(tensor, raw[at] if raw else None)
+                at += 1
         outputs = []
+        placements: dict[str, Placed] = {}
         for output in request.outputs:
-            label = f"output {output.name!r}"
+            outputs.append(output.name)
             if not output.parameters:
-                outputs.append(output.name)
                 continue
+            label = f"output {output.name!r}"
             if "classification" in output.parameters:
                 raise InvalidInput(
                     f"{label} asks for classification, which Sluice does not serve; "
                     "ask for the output itself and take the top classes from it"
                 )
-            if _SHARED_MEMORY in output.parameters:
-                raise InvalidInput(f"{label} names a shared memory region; {_NO_SHARED_MEMORY}")
-            outputs.append(output.name)
-        return Request(inputs, outputs, None)
+            place = _place(output, lease)
+            if place is not None:
+                assert lease is not None  # _place refused a region without one
+                # Taken now: an unknown region, a range past its end or one another call
+                # writes into is refused before the model runs.
+                view = lease.output(place.region, place.offset, place.byte_size)
+                placements[output.name] = Placed(place.region, place.offset, view)
+        return Request(inputs, outputs, placements or None, lease)
 
-    def encode(self, model: Model, request: Request[None], outputs: Arrays) -> bytes:
-        # Always raw, as Triton answers over gRPC: one entry per output, in order.
+    def encode(self, model: Model, request: Request[Placements], outputs: Arrays) -> bytes:
+        # Always raw, as Triton answers over gRPC: one entry per output, in order; an output
+        # written into shared memory has an empty one.
+        placements = request.options or {}
         tensors, arrays = [], []
         for name, array in outputs.items():
             dt = codec.datatype_of(array.dtype)
-            tensors.append(
-                kpb.ModelInferResponse.InferOutputTensor(
-                    name=name, datatype=dt.name, shape=array.shape
-                )
+            tensor = kpb.ModelInferResponse.InferOutputTensor(
+                name=name, datatype=dt.name, shape=array.shape
             )
-            arrays.append(np.ascontiguousarray(array, dtype=dt.dtype))
+            tensors.append(tensor)
+            placed = placements.get(name)
+            if placed is None:
+                arrays.append(np.ascontiguousarray(array, dtype=dt.dtype))
+            else:
+                _write(tensor, placed, array, dt)
+                arrays.append(_NO_VALUES)
         if sum(a.nbytes for a in arrays) < FRAMED_FROM:
             raw = [a.tobytes() for a in arrays]
             return kpb.ModelInferResponse(
@@ -186,19 +245,8 @@ def _decode(
 ) -> np.ndarray:
     """One input's array, from its raw bytes (`raw`, when the request uses them) or its
     typed contents. The checks against the model come later (Model.check)."""
-    label = f"input {tensor.name!r}" if tensor.name else "an input with no name"
-    if tensor.datatype == "BYTES":
-        raise InvalidInput(
-            f"{label} is BYTES, which Sluice does not serve: its models take numeric tensors"
-        )
-    dt = DATATYPES.get(tensor.datatype)
-    if dt is None:
-        raise InvalidInput(
-            f"{label} has unknown datatype {tensor.datatype!r}; "
-            f"expected one of {', '.join(DATATYPES)}"
-        )
-    if tensor.parameters and _SHARED_MEMORY in tensor.parameters:
-        raise InvalidInput(f"{label} names a shared memory region; {_NO_SHARED_MEMORY}")
+    label = _input_label(tensor)
+    dt = _datatype(label, tensor)
     shape = tuple(tensor.shape)
     count = _count(label, shape)
     # Only a request that fills `contents` pays for looking into it (a raw one does not).
@@ -260,6 +308,24 @@ def _count(label: str, shape: tuple[int, ...]) -> int:
     return count
 
 
+def _input_label(tensor: kpb.ModelInferRequest.InferInputTensor) -> str:
+    return f"input {tensor.name!r}" if tensor.name else "an input with no name"
+
+
+def _datatype(label: str, tensor: kpb.ModelInferRequest.InferInputTensor) -> DataType:
+    if tensor.datatype == "BYTES":
+        raise InvalidInput(
+            f"{label} is BYTES, which Sluice does not serve: its models take numeric tensors"
+        )
+    dt = DATATYPES.get(tensor.datatype)
+    if dt is None:
+        raise InvalidInput(
+            f"{label} has unknown datatype {tensor.datatype!r}; "
+            f"expected one of {', '.join(DATATYPES)}"
+        )
+    return dt
+
+
 def _raw(
     label: str, raw: bytes | memoryview, dt: DataType, shape: tuple[int, ...], count: int
 ) -> np.ndarray:
@@ -269,14 +335,129 @@ def _raw(
             f"{label} has {len(raw)} bytes in raw_input_contents but {dt.name} shape "
             f"{list(shape)} needs {expected} ({count} x {dt.dtype.itemsize} bytes)"
         )
-    array = np.frombuffer(raw, dtype=dt.dtype)
-    if not array.flags.aligned:  # a view at an odd offset of the body: kernels want it aligned
+    return _array(label, raw, dt, shape, "its raw_input_contents hold")
+
+
+def _array(
+    label: str, data: bytes | memoryview, dt: DataType, shape: tuple[int, ...], where: str
+) -> np.ndarray:
+    """A view of `data` as the input's array; a copy where it is not aligned."""
+    array = np.frombuffer(data, dtype=dt.dtype)
+    if not array.flags.aligned:  # a view at an odd offset: kernels want it aligned
         array = array.copy()
     if dt.dtype.kind == "b" and array.view(np.uint8).max(initial=0) > 1:
-        raise InvalidInput(
-            f"{label} is BOOL but its raw_input_contents hold bytes other than 0 and 1"
-        )
+        raise InvalidInput(f"{label} is BOOL but {where} bytes other than 0 and 1")
     return array.reshape(shape)
+
+
+# Shared memory: Triton's parameters, checks and words.
+
+
+class _Place(NamedTuple):
+    region: str
+    offset: int
+    byte_size: int
+
+
+Tensor = kpb.ModelInferRequest.InferInputTensor | kpb.ModelInferRequest.InferRequestedOutputTensor
+
+
+def _place(tensor: Tensor, lease: Lease | None) -> _Place | None:
+    """Where a tensor's parameters place it in shared memory; None: nowhere. Refused where
+    the node takes none (no `lease`)."""
+    parameters = tensor.parameters
+    if not parameters:
+        return None
+    if isinstance(tensor, kpb.ModelInferRequest.InferInputTensor):
+        label = _input_label(tensor)
+    else:
+        label = f"output {tensor.name!r}"
+    region = parameters.get(_REGION)
+    if region is not None:
+        if lease is None:
+            raise InvalidInput(f"{label} names a shared memory region; {_NO_SHARED_MEMORY}")
+        if region.WhichOneof("parameter_choice") != "string_param":
+            raise InvalidInput(
+                f"invalid value type for '{_REGION}' parameter for {label}, expected string_param"
+            )
+    offset = _int64(label, parameters, _OFFSET, region is not None)
+    byte_size = _int64(label, parameters, _BYTE_SIZE, region is not None)
+    if region is None:
+        return None
+    if byte_size is None:
+        raise InvalidInput(
+            f"'{_BYTE_SIZE}' must be specified along with '{_REGION}' parameter for {label}"
+        )
+    return _Place(region.string_param, offset or 0, byte_size)
+
+
+def _int64(
+    label: str, parameters: Mapping[str, kpb.InferParameter], key: str, placed: bool
+) -> int | None:
+    """An int64 placement parameter's value; None when absent."""
+    parameter = parameters.get(key)
+    if parameter is None:
+        return None
+    if not placed:
+        raise InvalidInput(
+            f"'{key}' can not be specified without '{_REGION}' parameter for {label}"
+        )
+    if parameter.WhichOneof("parameter_choice") != "int64_param":
+        raise InvalidInput(
+            f"invalid value type for '{key}' parameter for {label}, expected int64_param"
+        )
+    return int(parameter.int64_param)
+
+
+def _shared(
+    tensor: kpb.ModelInferRequest.InferInputTensor, model: str, place: _Place, lease: Lease | None
+) -> np.ndarray:
+    """An input in shared memory: a view of the region's bytes (no copy, unless they are
+    not aligned for its datatype)."""
+    assert lease is not None  # _place refused a region without one
+    label = _input_label(tensor)
+    dt = _datatype(label, tensor)
+    if tensor.HasField("contents"):
+        raise InvalidInput(
+            f"unexpected 'content' provided when using shared memory for {label}{_for_model(model)}"
+        )
+    shape = tuple(tensor.shape)
+    count = _count(label, shape)
+    view = lease.input(place.region, place.offset, place.byte_size)
+    expected = count * dt.dtype.itemsize
+    if place.byte_size != expected:
+        raise InvalidInput(
+            f"input byte size mismatch for {label}{_for_model(model)}. Expected {expected}, "
+            f"got {place.byte_size} ('{_BYTE_SIZE}'; {dt.name} shape {list(shape)} is "
+            f"{count} x {dt.dtype.itemsize} bytes)"
+        )
+    return _array(label, view, dt, shape, f"shared memory region '{place.region}' holds")
+
+
+def _for_model(model: str) -> str:
+    return f" for model '{model}'" if model else ""
+
+
+def _write(
+    tensor: kpb.ModelInferResponse.InferOutputTensor,
+    placed: Placed,
+    array: np.ndarray,
+    dt: DataType,
+) -> None:
+    """An output into its region (the one copy of its bytes), and the parameters that say
+    where it went and how many bytes it took."""
+    size = array.size * dt.dtype.itemsize
+    if size > len(placed.view):
+        raise InvalidInput(
+            f"shared memory size specified with the request for output '{tensor.name}' "
+            f"({len(placed.view)} bytes) should be at least {size} bytes to hold the results"
+        )
+    if size:
+        np.copyto(np.frombuffer(placed.view, dt.dtype, array.size).reshape(array.shape), array)
+    tensor.parameters[_REGION].string_param = placed.region
+    tensor.parameters[_BYTE_SIZE].int64_param = size
+    if placed.offset:
+        tensor.parameters[_OFFSET].int64_param = placed.offset
 
 
 # The servicer.
@@ -308,13 +489,16 @@ class Repository(Protocol):
 class KServeService:
     """`inference.GRPCInferenceService` over an InferenceService: the same request ids,
     trailers, stats, tracing and error table. The repository calls are served only with a
-    `repository` (--repository-api). Registers ModelInfer as a PredictStream method too, so
-    a balancer can forward ModelInfer bodies on its streams."""
+    `repository` (--repository-api), the system shared memory calls only where the service
+    has regions (--shared-memory), each caller's tenant in its own name space. Registers
+    ModelInfer as a PredictStream method too, so a balancer can forward ModelInfer bodies
+    on its streams."""
 
     def __init__(self, service: InferenceService, repository: Repository | None = None) -> None:
         self.service = service
         self.repository = repository
         self.version = package_version()
+        self.protocol = KServeV2(shared_memory=service.regions is not None)
         service.stream_methods[INFER] = self.model_infer
 
     def handler(self) -> grpc.GenericRpcHandler[bytes, bytes]:
@@ -332,6 +516,12 @@ class KServeService:
             "RepositoryIndex": self.repository_index,
             "RepositoryModelLoad": self.repository_load,
             "RepositoryModelUnload": self.repository_unload,
+            "SystemSharedMemoryStatus": self.system_shared_memory_status,
+            "SystemSharedMemoryRegister": self.system_shared_memory_register,
+            "SystemSharedMemoryUnregister": self.system_shared_memory_unregister,
+            "CudaSharedMemoryStatus": self.cuda_shared_memory_status,
+            "CudaSharedMemoryRegister": self.cuda_shared_memory_register,
+            "CudaSharedMemoryUnregister": self.cuda_shared_memory_unregister,
         }
         return {
             name: grpc.unary_unary_rpc_method_handler(
@@ -343,7 +533,7 @@ class KServeService:
         }
 
     async def model_infer(self, body: bytes, call: Call) -> bytes:
-        return await self.service.infer(body, KSERVE, call)
+        return await self.service.infer(body, self.protocol, call)
 
     async def server_live(self, body: bytes, call: Call) -> bytes:
         parse(kpb.ServerLiveRequest, body)
@@ -367,6 +557,8 @@ class KServeService:
     async def server_metadata(self, body: bytes, call: Call) -> bytes:
         parse(kpb.ServerMetadataRequest, body)
         extensions = [REPOSITORY] if self.repository is not None else []
+        if self.service.regions is not None:
+            extensions.append(SYSTEM_SHARED_MEMORY)
         response = kpb.ServerMetadataResponse(
             name="sluice", version=self.version, extensions=extensions
         )
@@ -424,6 +616,55 @@ class KServeService:
         _no_parameters("RepositoryModelUnload", asked)
         await repository.unload(request.model_name)
         return kpb.RepositoryModelUnloadResponse().SerializeToString()
+
+    def _regions(self) -> Regions:
+        if self.service.regions is None:
+            raise Unimplemented(SHARED_MEMORY_OFF)
+        return self.service.regions
+
+    async def system_shared_memory_status(self, body: bytes, call: Call) -> bytes:
+        regions = self._regions()
+        request = parse(kpb.SystemSharedMemoryStatusRequest, body)
+        response = kpb.SystemSharedMemoryStatusResponse()
+        for info in regions.status(tenant_of(call), request.name):
+            response.regions[info.name].CopyFrom(
+                kpb.SystemSharedMemoryStatusResponse.RegionStatus(
+                    name=info.name, key=info.key, offset=info.offset, byte_size=info.byte_size
+                )
+            )
+        return response.SerializeToString()
+
+    async def system_shared_memory_register(self, body: bytes, call: Call) -> bytes:
+        regions = self._regions()
+        request = parse(kpb.SystemSharedMemoryRegisterRequest, body)
+        regions.register(
+            tenant_of(call), request.name, request.key, request.offset, request.byte_size
+        )
+        return kpb.SystemSharedMemoryRegisterResponse().SerializeToString()
+
+    async def system_shared_memory_unregister(self, body: bytes, call: Call) -> bytes:
+        regions = self._regions()
+        request = parse(kpb.SystemSharedMemoryUnregisterRequest, body)
+        regions.unregister(tenant_of(call), request.name)
+        return kpb.SystemSharedMemoryUnregisterResponse().SerializeToString()
+
+    # CUDA shared memory, as Triton without GPUs answers it: none is ever registered.
+
+    async def cuda_shared_memory_status(self, body: bytes, call: Call) -> bytes:
+        request = parse(kpb.CudaSharedMemoryStatusRequest, body)
+        if request.name:
+            raise RegionNotFound(f"Unable to find cuda shared memory region: {request.name!r}")
+        return kpb.CudaSharedMemoryStatusResponse().SerializeToString()
+
+    async def cuda_shared_memory_register(self, body: bytes, call: Call) -> bytes:
+        request = parse(kpb.CudaSharedMemoryRegisterRequest, body)
+        raise InvalidInput(
+            f"failed to register CUDA shared memory region: {request.name[:256]!r}, {NO_CUDA}"
+        )
+
+    async def cuda_shared_memory_unregister(self, body: bytes, call: Call) -> bytes:
+        parse(kpb.CudaSharedMemoryUnregisterRequest, body)  # none is there to unregister
+        return kpb.CudaSharedMemoryUnregisterResponse().SerializeToString()
 
 
 def _no_parameters(method: str, parameters: Iterable[str]) -> None:

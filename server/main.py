@@ -15,13 +15,16 @@ if __name__ == "__main__":
             raise
         raise SystemExit(str(exc)) from None
 
+import asyncio
 import contextlib
+import functools
 import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from sluice.core.errors import SluiceError
+from sluice.core.shm import Regions
 from sluice.runtime import door, program
 from sluice.runtime.health import Readiness
 from sluice.runtime.workers import Workers
@@ -41,9 +44,18 @@ log = logging.getLogger("sluice.server")
 
 
 WORKERS = Workers("sluice.server.main", "SLUICE_SERVER_WORKER", "SLUICE_SERVER_WORKERS", "worker")
+SWEEP_S = 2.0  # how often regions whose objects their callers unlinked are let go
+ONE_PROCESS = (
+    "--shared-memory needs --workers 1: each process would keep its own regions, and a "
+    "call may reach another process than the one its regions were registered on"
+)
 
 
 async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
+    processes = settings.worker_count(gpu=CUDA in choose_providers(settings.device))
+    if settings.shared_memory and processes > 1:
+        log.error(ONE_PROCESS)
+        return 1
     defaults = settings.model_settings()
     # --model entries: loaded, checked and warmed up once, like a repository's versions.
     served = [await load_model(name, "1", Path(path), defaults) for name, path in settings.models()]
@@ -66,12 +78,14 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
         await repository.poll()  # what is there at start serves from the first call
     plane = Dataplane(models, LRUCache(settings.cache_entries, settings.cache_bytes))
     tenants = door.load(settings.tenants) if settings.tenants else None
+    regions = shared_regions(settings)
     service = InferenceService(
         plane,
         node_id=settings.node_id,
         default_timeout_s=settings.default_timeout_s or None,
         tenants=tenants,
         max_message_bytes=settings.max_message_bytes,
+        regions=regions,
     )
     # KServe v2 beside sluice.v1; its repository calls answer UNIMPLEMENTED unless asked for.
     kserve = KServeService(service, repository=repository if settings.repository_api else None)
@@ -85,6 +99,12 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
         if repository is not None:
             await repository.close()  # versions being retired finish unloading
         await plane.close()  # each model: its running batches, then its engine
+        if regions is not None:
+            regions.close()  # no call is left to write into one
+
+    background = [repository.run] if repository is not None else []
+    if regions is not None:
+        background.append(functools.partial(sweep, regions))
 
     def banner() -> str:
         # Each model's own settings (a config's override the flags' defaults), and the node's
@@ -105,18 +125,36 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
             services={SERVICE: service.methods(), KSERVE: kserve.methods()},
             stats=service.stats,
             readiness=readiness,
-            processes=settings.worker_count(gpu=CUDA in choose_providers(settings.device)),
+            processes=processes,
             banner=banner,
             collectors=[DataplaneCollector(models, plane.cache)],
             tenants=tenants,
             drain_delay_s=settings.drain_delay_s,
-            background=[repository.run] if repository is not None else [],
+            background=background,
             draining=draining,
             refusing=service.start_draining,
             closing=[close],
         ),
         argv,
     )
+
+
+def shared_regions(settings: ServerSettings) -> Regions | None:
+    """The registry of the regions callers register (None: --shared-memory is off)."""
+    if not settings.shared_memory:
+        return None
+    return Regions(
+        max_regions=settings.shared_memory_regions, max_bytes=settings.shared_memory_bytes
+    )
+
+
+async def sweep(regions: Regions) -> None:
+    """Let go of the regions whose objects their callers unlinked, every SWEEP_S."""
+    while True:
+        await asyncio.sleep(SWEEP_S)
+        swept = regions.sweep()
+        if swept:
+            log.info("shared memory regions unlinked by their callers, let go: %s", swept)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
