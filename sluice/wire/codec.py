@@ -7,25 +7,62 @@ server's job. Encoding also takes plain Python values (nested lists, tuples, sca
 converted to the input's declared datatype (`array_of`). Predict's request and response
 bodies are written here by hand (`encode_predict`, `encode_predict_response`): the arrays'
 bytes copied once, each request input aligned for the server to read it in place.
+
+A tensor may instead name bytes in a shared memory region (Tensor.shared_memory): decoded,
+it is a view of the region (a `Memory`: the server's lease, or a client's own regions), and
+the outputs a request places there (output_memory) are written into them once.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import cast
+from typing import NamedTuple, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from sluice.core.datatypes import DATATYPES, DataType
 from sluice.core.datatypes import datatype_of as _datatype_of
+from sluice.core.errors import SluiceError
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import facts, peek
 
 
 class TensorError(ValueError):
     """A tensor message that cannot be decoded; the message says why."""
+
+
+class Unshared(TensorError):
+    """A tensor (or an output) names a shared memory region where none can be read: the
+    reader was given no `Memory` (a node that takes no shared memory)."""
+
+
+class Memory(Protocol):
+    """Byte views of registered shared memory regions (the server's: a call's
+    sluice.core.shm.Lease; a client's: its own regions). Each raises a SluiceError (or a
+    TensorError) for a region it does not know or a range outside it."""
+
+    def input(self, region: str, offset: int, byte_size: int) -> memoryview: ...
+
+    def output(self, region: str, offset: int, byte_size: int) -> memoryview: ...
+
+
+class Ref(NamedTuple):
+    """Bytes in a shared memory region, as a SharedMemoryRef names them."""
+
+    region: str
+    offset: int
+    byte_size: int
+
+
+def ref_of(message: pb.SharedMemoryRef) -> Ref:
+    return Ref(message.region, message.offset, message.byte_size)
+
+
+# In the message that refuses an output region too small for its output: a client that
+# sized it from an earlier answer sends that output's bytes instead (sluice.client.shm).
+TOO_SMALL = "too small for"
 
 
 # The most elements a shape may describe, counting its non-zero dimensions only (numpy
@@ -92,18 +129,34 @@ def encode_predict(
 
 
 def encode_predict_response(
-    model: str, version: str, outputs: Mapping[str, np.ndarray], typed: bool
+    model: str,
+    version: str,
+    outputs: Mapping[str, np.ndarray],
+    typed: bool,
+    memory: Mapping[str, Placed] | None = None,
 ) -> bytes:
     """A PredictResponse's bytes, as protobuf writes them. Raw outputs are written here, the
     arrays' bytes copied once, into the reply (ORT's outputs are views of its own memory;
-    through protobuf they were copied three times). Typed outputs go through protobuf."""
+    through protobuf they were copied three times). Typed outputs go through protobuf. The
+    outputs `memory` places (`placed`) are copied once, into their regions (`written`):
+    their tensors carry a SharedMemoryRef, not their bytes."""
+    refs = written(outputs, memory) if memory else {}
     if typed:
-        tensors = encode_all(outputs, typed=True)
+        tensors = [
+            shared_tensor(name, array, refs[name])
+            if name in refs
+            else encode(name, array, typed=True)
+            for name, array in outputs.items()
+        ]
         return pb.PredictResponse(model=model, version=version, outputs=tensors).SerializeToString()
     parts: list[bytes | memoryview] = [_string(_REPLY_MODEL, model)]
     at = len(parts[0])
     for name, array in outputs.items():
-        at = _tensor(parts, at, _REPLY_OUTPUTS, name, array, align=False)
+        ref = refs.get(name)
+        if ref is None:
+            at = _tensor(parts, at, _REPLY_OUTPUTS, name, array, align=False)
+        else:
+            at = _shared(parts, at, name, array, ref)
     parts.append(_string(_REPLY_VERSION, version))
     return b"".join(parts)
 
@@ -115,13 +168,9 @@ def _tensor(
     far end at offset `at`; with `align`, raw_data padded to start at a multiple of ALIGN.
     The offset after it."""
     dt = datatype_of(array.dtype)
-    dims = array.shape  # before ascontiguousarray, which makes a scalar of shape [] a [1]
+    head = _head(name, dt, array.shape)  # before ascontiguousarray: it makes a [] a [1]
     array = np.ascontiguousarray(array, dtype=dt.dtype)  # ORT's outputs as they are
     n = array.nbytes
-    # Dimensions under 128 are their own varints: the common case, without a call each.
-    shape = bytes(dims) if max(dims, default=0) < 0x80 else b"".join(peek.varint(d) for d in dims)
-    head = _string(_TENSOR_NAME, name) + _string(_TENSOR_DATATYPE, dt.name)
-    head += _TENSOR_SHAPE + peek.varint(len(shape)) + shape if shape else b""
     raw = _TENSOR_RAW + peek.varint(n) if n else b""  # proto3 leaves an empty one out
     before = len(head) + len(raw)
     pad = 0
@@ -138,6 +187,29 @@ def _tensor(
     outer = tag + peek.varint(size)
     parts += [outer, head, raw, array.data]  # a view of the array's bytes, whatever its shape
     return at + len(outer) + size
+
+
+def _head(name: str, dt: DataType, dims: tuple[int, ...]) -> bytes:
+    """A Tensor's name, datatype and shape fields."""
+    # Dimensions under 128 are their own varints: the common case, without a call each.
+    shape = bytes(dims) if max(dims, default=0) < 0x80 else b"".join(peek.varint(d) for d in dims)
+    head = _string(_TENSOR_NAME, name) + _string(_TENSOR_DATATYPE, dt.name)
+    return head + _TENSOR_SHAPE + peek.varint(len(shape)) + shape if shape else head
+
+
+def _shared(
+    parts: list[bytes | memoryview], at: int, name: str, array: np.ndarray, ref: Ref
+) -> int:
+    """Append a reply's output Tensor whose bytes lie at `ref` (as `shared_tensor` makes it)
+    to `parts`, whose bytes so far end at `at`; the offset after it."""
+    inner = _string(_MEMORY_REGION, ref.region)
+    inner += _MEMORY_OFFSET + peek.varint(ref.offset) if ref.offset else b""
+    inner += _MEMORY_SIZE + peek.varint(ref.byte_size) if ref.byte_size else b""
+    tensor = _head(name, datatype_of(array.dtype), array.shape)
+    tensor += _TENSOR_MEMORY + peek.varint(len(inner)) + inner
+    field = _REPLY_OUTPUTS + peek.varint(len(tensor)) + tensor
+    parts.append(field)
+    return at + len(field)
 
 
 def _string(tag: bytes, text: str, repeated: bool = False) -> bytes:
@@ -158,6 +230,10 @@ _TENSOR_DATATYPE = peek.tag(facts.TENSOR_DATATYPE)
 _TENSOR_SHAPE = peek.tag(facts.TENSOR_SHAPE)
 _TENSOR_RAW = peek.tag(facts.TENSOR_RAW_DATA)
 _TENSOR_PADDING = peek.tag(PADDING)
+_TENSOR_MEMORY = peek.tag(facts.TENSOR_SHARED_MEMORY)
+_MEMORY_REGION = peek.tag(facts.MEMORY_REGION)
+_MEMORY_OFFSET = peek.tag(facts.MEMORY_OFFSET, 0)
+_MEMORY_SIZE = peek.tag(facts.MEMORY_BYTE_SIZE, 0)
 
 
 def encode_all(
@@ -238,11 +314,20 @@ def _check_fits(found: np.ndarray, want: DataType, refuse: Callable[[str], TypeE
             raise refuse(f"it holds finite values outside the range of {want.name}")
 
 
-def decode(tensor: pb.Tensor) -> np.ndarray:
-    """The array a Tensor message carries; TensorError names the tensor and the fault."""
+def decode(tensor: pb.Tensor, memory: Memory | None = None) -> np.ndarray:
+    """The array a Tensor message carries; TensorError names the tensor and the fault. One
+    in shared memory is a view of `memory`'s bytes (no copy; Unshared without `memory`);
+    `memory`'s own refusals are raised as they are, their message led by the tensor's."""
     label = _label(tensor.name)
     dt, shape, count = _header(label, tensor.datatype, tuple(tensor.shape))
     present = [f for f in _TYPED_FIELDS if len(getattr(tensor, f))]
+    if tensor.HasField("shared_memory"):
+        if tensor.raw_data or present:
+            carried = "raw_data" if tensor.raw_data else present[0]
+            raise TensorError(
+                f"{label} carries both {carried} and shared_memory; send its bytes one way"
+            )
+        return shared(label, dt, shape, count, ref_of(tensor.shared_memory), memory)
     if tensor.raw_data and present:
         raise TensorError(
             f"{label} carries both raw_data and {present[0]}; send exactly one of them"
@@ -312,6 +397,36 @@ def _raw(
     return array.reshape(shape)
 
 
+def shared(
+    label: str,
+    dt: DataType,
+    shape: tuple[int, ...],
+    count: int,
+    ref: Ref,
+    memory: Memory | None,
+) -> np.ndarray:
+    """The array whose bytes `ref` names in `memory`: a view of them (an unaligned offset:
+    a copy, as `_raw` makes)."""
+    expected = count * dt.dtype.itemsize
+    if ref.byte_size != expected:
+        raise TensorError(
+            f"{label} has shared_memory byte_size {ref.byte_size} but {dt.name} shape "
+            f"{list(shape)} needs {expected} ({count} x {dt.dtype.itemsize} bytes)"
+        )
+    if memory is None:
+        raise Unshared(f"{label} names shared memory region {ref.region!r}")
+    try:
+        view = memory.input(*ref)
+    except SluiceError as exc:
+        raise _led(label, exc) from None
+    return _raw(label, dt, shape, count, view)
+
+
+def _led(label: str, exc: SluiceError) -> SluiceError:
+    """A Memory's refusal as it was (its status), its message led by what it refused."""
+    return type(exc)(f"{label}: {exc}")
+
+
 def decode_predict(
     body: bytes | memoryview,
 ) -> tuple[dict[str, np.ndarray], list[str], bool] | None:
@@ -362,6 +477,8 @@ def _predict(given: bytes | memoryview) -> tuple[dict[str, np.ndarray], list[str
         budget -= 1
         if number in _PREDICT_FIELDS and wire != _PREDICT_FIELDS[number]:
             raise _FullParse
+        if number == facts.PREDICT_OUTPUT_MEMORY:
+            raise _FullParse  # outputs into shared memory: the parser reads them
         if number == facts.PREDICT_INPUTS:
             tensors.append((a, b))
         elif number == facts.PREDICT_OUTPUTS:
@@ -379,8 +496,8 @@ def _predict(given: bytes | memoryview) -> tuple[dict[str, np.ndarray], list[str
             budget -= 1
             if number in _TENSOR_FIELDS and wire not in _TENSOR_FIELDS[number]:
                 raise _FullParse  # a wire type the parser would judge
-            if number in facts.TENSOR_TYPED:
-                raise _FullParse  # typed values: the parser reads them
+            if number in facts.TENSOR_TYPED or number == facts.TENSOR_SHARED_MEMORY:
+                raise _FullParse  # typed values, shared memory: the parser reads them
             if number == facts.TENSOR_NAME:
                 name = str(view[a:b], "utf-8")
             elif number == facts.TENSOR_DATATYPE:
@@ -428,11 +545,78 @@ _WIDE = {
 }
 
 
-def decode_all(tensors: Iterable[pb.Tensor]) -> dict[str, np.ndarray]:
-    """Decode tensors by name; TensorError on a fault or a repeated name."""
+def decode_all(tensors: Iterable[pb.Tensor], memory: Memory | None = None) -> dict[str, np.ndarray]:
+    """Decode tensors by name (`memory`: as `decode`); TensorError on a fault or a repeated
+    name."""
     arrays: dict[str, np.ndarray] = {}
     for tensor in tensors:
         if tensor.name in arrays:
             raise TensorError(f"tensor {tensor.name!r} appears more than once")
-        arrays[tensor.name] = decode(tensor)
+        arrays[tensor.name] = decode(tensor, memory)
     return arrays
+
+
+def shared_tensor(name: str, array: np.ndarray, ref: Ref) -> pb.Tensor:
+    """A Tensor message for `array` whose bytes lie at `ref` (its writer put them there)."""
+    dt = datatype_of(array.dtype)
+    memory = pb.SharedMemoryRef(region=ref.region, offset=ref.offset, byte_size=ref.byte_size)
+    return pb.Tensor(name=name, datatype=dt.name, shape=array.shape, shared_memory=memory)
+
+
+def write(view: memoryview, array: np.ndarray) -> int:
+    """Copy `array`'s bytes (little-endian, row-major) to the start of `view`, which must
+    hold them; how many."""
+    dt = datatype_of(array.dtype)
+    data = np.ascontiguousarray(array, dtype=dt.dtype).reshape(-1)
+    view[: data.nbytes] = data.view(np.uint8).data
+    return data.nbytes
+
+
+class Placed(NamedTuple):
+    """An output's region, as its request named it, and the writable view of it."""
+
+    ref: Ref
+    view: memoryview
+
+
+def placed(memory: Memory | None, refs: Mapping[str, Ref]) -> dict[str, Placed]:
+    """The views an answer's outputs are written into (output_memory), each taken now, so
+    that a region unknown or a range outside it refuses the call before the model runs.
+    Unshared for any without `memory`."""
+    if not refs:
+        return {}
+    if memory is None:
+        names = ", ".join(repr(n) for n in refs)
+        raise Unshared(f"output_memory names shared memory for output {names}")
+    views: dict[str, Placed] = {}
+    for name, ref in refs.items():
+        try:
+            views[name] = Placed(ref, memory.output(*ref))
+        except SluiceError as exc:
+            raise _led(f"output_memory of output {name!r}", exc) from None
+    return views
+
+
+def written(outputs: Mapping[str, np.ndarray], memory: Mapping[str, Placed]) -> dict[str, Ref]:
+    """Write the outputs `memory` places into their views, once each, checked first (every
+    name one of `outputs`, every view large enough) so that a refused answer writes
+    nothing; the refs an answer gives them (byte_size: the bytes written)."""
+    for name, (ref, view) in memory.items():
+        if name not in outputs:
+            raise TensorError(
+                f"output_memory names output {name!r}, which this call does not return "
+                f"(it returns {', '.join(repr(o) for o in outputs) or 'nothing'})"
+            )
+        array = outputs[name]
+        dt = datatype_of(array.dtype)
+        needed = array.size * dt.dtype.itemsize
+        if needed > len(view):
+            raise TensorError(
+                f"output_memory of output {name!r} ({ref.byte_size} bytes at offset "
+                f"{ref.offset} of region {ref.region!r}) is {TOO_SMALL} its {needed} bytes "
+                f"({dt.name} shape {list(array.shape)})"
+            )
+    return {
+        name: Ref(ref.region, ref.offset, write(view, outputs[name]))
+        for name, (ref, view) in memory.items()
+    }

@@ -21,6 +21,7 @@ TENSOR_NAME = pb.Tensor.NAME_FIELD_NUMBER
 TENSOR_DATATYPE = pb.Tensor.DATATYPE_FIELD_NUMBER
 TENSOR_SHAPE = pb.Tensor.SHAPE_FIELD_NUMBER
 TENSOR_RAW_DATA = pb.Tensor.RAW_DATA_FIELD_NUMBER
+TENSOR_SHARED_MEMORY = pb.Tensor.SHARED_MEMORY_FIELD_NUMBER
 TENSOR_TYPED = frozenset(
     {
         pb.Tensor.BOOL_DATA_FIELD_NUMBER,
@@ -38,6 +39,11 @@ PREDICT_OUTPUTS = pb.PredictRequest.OUTPUTS_FIELD_NUMBER
 PREDICT_TYPED_OUTPUTS = pb.PredictRequest.TYPED_OUTPUTS_FIELD_NUMBER
 PREDICT_MODEL = pb.PredictRequest.MODEL_FIELD_NUMBER
 PREDICT_VERSION = pb.PredictRequest.VERSION_FIELD_NUMBER
+PREDICT_OUTPUT_MEMORY = pb.PredictRequest.OUTPUT_MEMORY_FIELD_NUMBER
+# sluice.v1.SharedMemoryRef's (a reply's, written by hand: sluice.wire.codec).
+MEMORY_REGION = pb.SharedMemoryRef.REGION_FIELD_NUMBER
+MEMORY_OFFSET = pb.SharedMemoryRef.OFFSET_FIELD_NUMBER
+MEMORY_BYTE_SIZE = pb.SharedMemoryRef.BYTE_SIZE_FIELD_NUMBER
 
 # sluice.v1.PredictResponse's (a reply written by hand: sluice.wire.codec).
 RESPONSE_MODEL = pb.PredictResponse.MODEL_FIELD_NUMBER
@@ -195,3 +201,27 @@ def _first(body: bytes, start: int, end: int, shape: int, budget: int) -> tuple[
     except peek.Malformed:
         pass
     return None, budget
+
+
+def uses_regions(body: bytes) -> bool:
+    """Whether a PredictRequest body names shared memory: outputs to write into regions
+    (output_memory), or an input whose bytes lie in one (Tensor.shared_memory). Its answer
+    then depends on what the regions hold, not on the body alone: no cache may keep it.
+    One walk of the top-level fields and of each input's (a raw_data is stepped over, not
+    read). A body this walk cannot read is taken to use them: the decode judges it."""
+    budget = peek.MAX_FIELDS
+    try:
+        for number, wire, a, b in peek.fields(body, 0, len(body), budget):
+            budget -= 1
+            if wire != 2:
+                continue  # another wire type is an unknown field to the parser, not these
+            if number == PREDICT_OUTPUT_MEMORY:
+                return True
+            if number == PREDICT_INPUTS:
+                for inner, kind, _, _ in peek.fields(body, a, b, budget):
+                    budget -= 1
+                    if inner == TENSOR_SHARED_MEMORY and kind == 2:
+                        return True
+    except peek.Malformed:
+        return True
+    return False
