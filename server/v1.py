@@ -1,14 +1,21 @@
 """The sluice.v1 protocol on the dataplane: PredictRequest bytes to a core request, outputs
 to PredictResponse bytes (both read and written by sluice.wire.codec where it can), a model's
-specs to a ModelInfo."""
+specs to a ModelInfo.
+
+With shared memory on (--shared-memory), a tensor may lie in a region its caller registered
+(Tensor.shared_memory): decoded through the call's lease (sluice.core.shm), a view of the
+region, and the outputs output_memory names are written into theirs (their tensors in the
+answer carry where, not the bytes)."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Mapping
+from typing import NamedTuple, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
 from sluice.core.errors import InvalidInput
+from sluice.core.shm import Lease
 from sluice.server.dataplane.batcher import Arrays
 from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.models import Model, Models
@@ -32,37 +39,64 @@ def parse(kind: type[M], body: bytes) -> M:
 # image's parse and raw_data copies cost 1.1 ms a call in fresh memory; below it the full
 # parser is the faster (8.8 us against 10.2 for the digits model's 300 bytes).
 WIRE_READ_FROM = 16 << 10
+# A body naming shared memory where the node takes none (the KServe face's words).
+NO_SHARED_MEMORY = (
+    "Sluice does not serve shared memory here: start sluice-server with --shared-memory "
+    "(for callers on its host), or send the values in the request"
+)
+
+
+class Options(NamedTuple):
+    """What a Predict asks of its answer: typed outputs, and the outputs to write into
+    shared memory (their views taken at decode, through the call's lease)."""
+
+    typed: bool
+    memory: Mapping[str, codec.Placed]
 
 
 class SluiceV1:
-    """Predict's bodies; the option is `typed_outputs`."""
+    """Predict's bodies. `shared_memory`: the node takes shared memory, so `route` looks
+    for bodies that name a region (off, `decode` refuses them)."""
 
     name = "sluice.v1"
+
+    def __init__(self, shared_memory: bool = False) -> None:
+        self.shared_memory = shared_memory
 
     def route(self, body: bytes) -> Asked:
         try:
             read = facts.read(body, facts.PREDICT)
         except peek.Malformed as exc:
             raise InvalidInput(str(exc)) from None
-        return Asked(read.model, read.version)
+        shared = self.shared_memory and facts.uses_regions(body)
+        return Asked(read.model, read.version, None, shared)
 
-    def decode(self, body: bytes) -> Request[bool]:
+    def decode(self, body: bytes, lease: Lease | None = None) -> Request[Options]:
         if len(body) >= WIRE_READ_FROM:  # straight off the wire, where it can
             try:
-                read = codec.decode_predict(body)
+                read = codec.decode_predict(body)  # None for one that names shared memory
             except codec.TensorError as exc:
                 raise InvalidInput(str(exc)) from None
             if read is not None:
-                return Request(*read)
+                inputs, outputs, typed = read
+                return Request(inputs, outputs, Options(typed, {}), lease)
         request = parse(pb.PredictRequest, body)
+        refs = {name: codec.ref_of(ref) for name, ref in request.output_memory.items()}
         try:
-            inputs = codec.decode_all(request.inputs)
+            inputs = codec.decode_all(request.inputs, lease)
+            memory = codec.placed(lease, refs)  # a bad region refuses it before the model runs
+        except codec.Unshared as exc:
+            raise InvalidInput(f"{exc}; {NO_SHARED_MEMORY}") from None
         except codec.TensorError as exc:
             raise InvalidInput(str(exc)) from None
-        return Request(inputs, request.outputs, request.typed_outputs)
+        return Request(inputs, request.outputs, Options(request.typed_outputs, memory), lease)
 
-    def encode(self, model: Model, request: Request[bool], outputs: Arrays) -> bytes:
-        return codec.encode_predict_response(model.name, model.version, outputs, request.options)
+    def encode(self, model: Model, request: Request[Options], outputs: Arrays) -> bytes:
+        typed, memory = request.options
+        try:
+            return codec.encode_predict_response(model.name, model.version, outputs, typed, memory)
+        except codec.TensorError as exc:  # an output_memory its output does not fit
+            raise InvalidInput(str(exc)) from None
 
 
 V1 = SluiceV1()
@@ -71,7 +105,12 @@ V1 = SluiceV1()
 def _specs(specs: list[TensorSpec]) -> list[pb.TensorSpec]:
     return [
         pb.TensorSpec(
-            name=s.name, datatype=s.datatype, shape=[-1 if d is None else d for d in s.shape]
+            name=s.name,
+            datatype=s.datatype,
+            shape=[-1 if d is None else d for d in s.shape],
+            accepts=[
+                pb.WireType(datatype=w.datatype, scale=w.scale, offset=w.offset) for w in s.accepts
+            ],
         )
         for s in specs
     ]
