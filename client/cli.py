@@ -252,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
         " as the model's input `input` (or its only input)",
     )
     predict.add_argument("--output", action="append", help="return only this output (repeatable)")
+    predict.add_argument(
+        "--shared-memory",
+        action="store_true",
+        help="send the tensors through POSIX shared memory this command creates (and removes) "
+        "instead of in the messages: for a server on this host started with --shared-memory",
+    )
     health = client_command("health", cmd_health, "Show node, model and serving statistics.")
     metadata = client_command("metadata", cmd_metadata, "Show the model's inputs and outputs.")
     for sub in (health, metadata):
@@ -336,6 +342,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             args.target,
             timeout=args.timeout,
             max_message_bytes=args.max_message_bytes,
+            shared_memory=getattr(args, "shared_memory", False),  # predict's alone
             **connection.client_kwargs(),
         ) as client:
             print(fn(client, args))

@@ -9,6 +9,11 @@ retry budget and call planner (sluice.routing.planner), and no extra hop.
 `AsyncSluiceClient` (asyncio) and `SluiceClient` (blocking, on grpc's blocking channels:
 no event loop or thread of its own) add only the sending.
 
+With `shared_memory=True` (one target, a server on this host started with --shared-memory),
+tensors travel in POSIX shared memory regions the client creates, registers and reuses
+(sluice.client.shm), the messages carrying only where they lie; `predict` returns the same
+arrays. close() unregisters the regions and removes their objects.
+
 Plain values need their inputs' datatypes first: the model's Metadata, asked as a Predict
 is sent (several targets: through the planner, so a target that is down is passed over), within
 the call's one deadline; the Predict gets the time left.
@@ -24,6 +29,7 @@ naming this client's keywords (or, for the sluice commands, their flags: `hints`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import threading
@@ -38,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from sluice.client import diagnose
+from sluice.client.shm import Arena, Plan, SharedMemory, check_target, registration_error
 from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, PREDICT, affinity_key
 from sluice.core.tenants import authorization
 from sluice.routing.breaker import BreakerSettings
@@ -176,6 +183,7 @@ class _Core:
     _hints: diagnose.Audience
     # The inputs' datatypes by (model, version), asked once, for plain values only.
     _declared: dict[tuple[str, str], dict[str, str]]
+    _memory: SharedMemory | None  # shared_memory=True: the regions its tensors travel in
 
     def _start(
         self,
@@ -232,7 +240,18 @@ class _Core:
         """A Predict's body (plain values in their declared datatypes) and metadata."""
         datatypes = self._declared.get((model, version)) if plain_values else None
         body = codec.encode_predict(inputs, outputs, model, version, datatypes)
-        return body, (*call_metadata(request_id, no_cache).items(), *self._auth)
+        return body, self._metadata_of(request_id, no_cache)
+
+    def _metadata_of(self, request_id: str | None, no_cache: bool) -> Metadata:
+        return (*call_metadata(request_id, no_cache).items(), *self._auth)
+
+    def _arrays(
+        self, inputs: Inputs, plain_values: bool, model: str, version: str
+    ) -> dict[str, np.ndarray]:
+        """The arrays the inputs send (plain values in their declared datatypes), for a
+        shared memory call to place."""
+        datatypes = self._declared.get((model, version), {}) if plain_values else {}
+        return {n: codec.array_of(n, v, datatypes.get(n, "")) for n, v in inputs.items()}
 
     def _refused(self, error: grpc.RpcError, plain_values: bool, model: str, version: str) -> None:
         """A failed Predict: a plain one refused INVALID_ARGUMENT forgets the datatypes (a
@@ -310,6 +329,14 @@ def prediction(reply: Reply) -> Prediction:
     )
 
 
+def shared_prediction(memory: SharedMemory, plan: Plan, reply: Reply) -> Prediction:
+    """`prediction` of a shared memory call: the outputs in its region copied out."""
+    if reply.code:
+        raise rpc_error(reply)
+    response, outputs = memory.answer(plan, reply.body)
+    return Prediction(outputs, reply.trailers, response.model, response.version)
+
+
 class AsyncSluiceClient(_Core):
     """asyncio client; create and use it inside a running event loop. One target is a server
     or a balancer; several targets are servers that this client balances itself.
@@ -319,7 +346,13 @@ class AsyncSluiceClient(_Core):
     server that requires one (mutual TLS), and checking the server's certificate against
     `server_name` (empty: the target's host). `api_key` is sent on every call as
     `authorization: Bearer KEY`. `hints`: whose options the hint on a failed call names
-    (the sluice commands pass Audience.COMMANDS: their flags and variables)."""
+    (the sluice commands pass Audience.COMMANDS: their flags and variables).
+
+    `shared_memory`: send tensors (inputs, and outputs once the model's sizes are known
+    from a first answer of the same input shapes) through POSIX shared memory regions this
+    client creates and registers, reused across calls, removed by close(); for one target,
+    a server on this host (127.0.0.1, localhost, [::1] or unix:; ValueError otherwise)
+    started with --shared-memory."""
 
     def __init__(
         self,
@@ -335,14 +368,19 @@ class AsyncSluiceClient(_Core):
         server_name: str = "",
         api_key: str = "",
         hints: diagnose.Audience = diagnose.Audience.PYTHON,
+        shared_memory: bool = False,
     ) -> None:
+        targets = target_list(target)
+        if shared_memory:
+            check_target(targets)
         security = ClientTLS.of(
             tls=tls, ca=tls_ca, cert=tls_cert, key=tls_key, server_name=server_name
         )
         settings = channel_options(max_message_bytes, options)
-        channels = {t: [aio_channel(t, security, settings)] for t in target_list(target)}
+        channels = {t: [aio_channel(t, security, settings)] for t in targets}
         shown = diagnose.Shown(tls=security is not None, certificate=bool(tls_cert))
         self._attach(channels, timeout, api_key, owned=True, shown=shown, hints=hints)
+        self._memory = SharedMemory() if shared_memory else None
 
     @classmethod
     def on_channels(
@@ -381,6 +419,7 @@ class AsyncSluiceClient(_Core):
         self._channels = channels
         self._owned = owned
         self._stub = pb_grpc.InferenceStub(channels[self.target][0])
+        self._memory = None
 
     async def predict(
         self,
@@ -425,14 +464,64 @@ class AsyncSluiceClient(_Core):
         plain_values = plain(inputs)
         if self._asks_datatypes(plain_values, model, version):
             await self._metadata(model, version, deadline, inputs)
-        body, metadata = self._request(
-            inputs, plain_values, outputs, request_id, no_cache, model, version
-        )
         try:
+            if self._memory is not None:
+                arrays = self._arrays(inputs, plain_values, model, version)
+                metadata = self._metadata_of(request_id, no_cache)
+                return await self._shared(
+                    self._memory, arrays, outputs, model, version, metadata, deadline
+                )
+            body, metadata = self._request(
+                inputs, plain_values, outputs, request_id, no_cache, model, version
+            )
             return prediction(await self._call(body, metadata, deadline))
         except grpc.RpcError as exc:
             self._refused(exc, plain_values, model, version)
             await self._araise(exc, self._routed_target())
+
+    async def _shared(
+        self,
+        memory: SharedMemory,
+        arrays: Mapping[str, np.ndarray],
+        outputs: Sequence[str],
+        model: str,
+        version: str,
+        metadata: Metadata,
+        deadline: Deadline,
+    ) -> Prediction:
+        """A Predict whose tensors travel in this client's shared memory; sent once more
+        when the server's refusal says the next try may not be refused (SharedMemory.failed)."""
+        with memory.planned(arrays, outputs, model, version) as plan:
+            try:
+                return await self._shared_send(memory, plan, metadata, deadline)
+            except grpc.RpcError as exc:
+                if not memory.failed(plan, exc):
+                    raise
+        with memory.planned(arrays, outputs, model, version) as plan:
+            return await self._shared_send(memory, plan, metadata, deadline)
+
+    async def _shared_send(
+        self, memory: SharedMemory, plan: Plan, metadata: Metadata, deadline: Deadline
+    ) -> Prediction:
+        if plan.fresh:
+            await self._register(plan.arena, deadline)
+        return shared_prediction(memory, plan, await self._call(plan.body, metadata, deadline))
+
+    async def _register(self, arena: Arena, deadline: Deadline) -> None:
+        """Register `arena` as it is now, under its name (whatever the server held under it
+        unregistered first: a smaller object, or one this client lost track of)."""
+        try:
+            await self._stub.UnregisterRegion(
+                pb.UnregisterRegionRequest(name=arena.name),
+                timeout=deadline.left(),
+                metadata=self._auth,
+            )
+            await self._stub.RegisterRegion(
+                arena.registration(), timeout=deadline.left(), metadata=self._auth
+            )
+        except grpc.RpcError as exc:
+            raise registration_error(exc, arena.name, self.target, self._hints) from exc
+        arena.registered_now()
 
     async def _araise(self, error: grpc.RpcError, target: str) -> NoReturn:
         """`_raise` off the event loop when it would probe the target."""
@@ -526,6 +615,17 @@ class AsyncSluiceClient(_Core):
             await self._araise(exc, self._routed_target())
 
     async def close(self) -> None:
+        """Unregister this client's shared memory regions (if any), unlink their objects,
+        and close the channels it made."""
+        if self._memory is not None:
+            for name in self._memory.registered():
+                with contextlib.suppress(grpc.RpcError):  # a server gone forgot it anyway
+                    await self._stub.UnregisterRegion(
+                        pb.UnregisterRegionRequest(name=name),
+                        timeout=self.timeout,
+                        metadata=self._auth,
+                    )
+            self._memory.close()
         if self._owned:
             for chs in self._channels.values():
                 for channel in chs:
@@ -558,12 +658,16 @@ class SluiceClient(_Core):
         server_name: str = "",
         api_key: str = "",
         hints: diagnose.Audience = diagnose.Audience.PYTHON,
+        shared_memory: bool = False,
     ) -> None:
+        targets = target_list(target)
+        if shared_memory:
+            check_target(targets)
         security = ClientTLS.of(
             tls=tls, ca=tls_ca, cert=tls_cert, key=tls_key, server_name=server_name
         )
         settings = channel_options(max_message_bytes, options)
-        self._channels = {t: blocking_channel(t, security, settings) for t in target_list(target)}
+        self._channels = {t: blocking_channel(t, security, settings) for t in targets}
         self._start(
             {t: [ch.unary_unary(PREDICT, **RAW)] for t, ch in self._channels.items()},
             {t: ch.unary_unary(METADATA, **RAW) for t, ch in self._channels.items()},
@@ -574,6 +678,7 @@ class SluiceClient(_Core):
         )
         self._stub = pb_grpc.InferenceStub(self._channels[self.target])
         self._lock = threading.Lock()  # the planner's steps, when several threads call
+        self._memory = SharedMemory() if shared_memory else None
 
     def predict(
         self,
@@ -617,14 +722,62 @@ class SluiceClient(_Core):
         plain_values = plain(inputs)
         if self._asks_datatypes(plain_values, model, version):
             self._metadata(model, version, deadline, inputs)
-        body, metadata = self._request(
-            inputs, plain_values, outputs, request_id, no_cache, model, version
-        )
         try:
+            if self._memory is not None:
+                arrays = self._arrays(inputs, plain_values, model, version)
+                metadata = self._metadata_of(request_id, no_cache)
+                return self._shared(
+                    self._memory, arrays, outputs, model, version, metadata, deadline
+                )
+            body, metadata = self._request(
+                inputs, plain_values, outputs, request_id, no_cache, model, version
+            )
             return prediction(self._call(body, metadata, deadline))
         except grpc.RpcError as exc:
             self._refused(exc, plain_values, model, version)
             self._raise(exc, self._routed_target())
+
+    def _shared(
+        self,
+        memory: SharedMemory,
+        arrays: Mapping[str, np.ndarray],
+        outputs: Sequence[str],
+        model: str,
+        version: str,
+        metadata: Metadata,
+        deadline: Deadline,
+    ) -> Prediction:
+        """AsyncSluiceClient._shared, blocking."""
+        with memory.planned(arrays, outputs, model, version) as plan:
+            try:
+                return self._shared_send(memory, plan, metadata, deadline)
+            except grpc.RpcError as exc:
+                if not memory.failed(plan, exc):
+                    raise
+        with memory.planned(arrays, outputs, model, version) as plan:
+            return self._shared_send(memory, plan, metadata, deadline)
+
+    def _shared_send(
+        self, memory: SharedMemory, plan: Plan, metadata: Metadata, deadline: Deadline
+    ) -> Prediction:
+        if plan.fresh:
+            self._register(plan.arena, deadline)
+        return shared_prediction(memory, plan, self._call(plan.body, metadata, deadline))
+
+    def _register(self, arena: Arena, deadline: Deadline) -> None:
+        """AsyncSluiceClient._register, blocking."""
+        try:
+            self._stub.UnregisterRegion(
+                pb.UnregisterRegionRequest(name=arena.name),
+                timeout=deadline.left(),
+                metadata=self._auth,
+            )
+            self._stub.RegisterRegion(
+                arena.registration(), timeout=deadline.left(), metadata=self._auth
+            )
+        except grpc.RpcError as exc:
+            raise registration_error(exc, arena.name, self.target, self._hints) from exc
+        arena.registered_now()
 
     def _call(self, body: bytes, metadata: Metadata, deadline: Deadline) -> Reply:
         """One Predict, traced when the application traces."""
@@ -690,6 +843,17 @@ class SluiceClient(_Core):
             self._raise(exc, self._routed_target())
 
     def close(self) -> None:
+        """Unregister this client's shared memory regions (if any), unlink their objects,
+        and close its channels."""
+        if self._memory is not None:
+            for name in self._memory.registered():
+                with contextlib.suppress(grpc.RpcError):  # a server gone forgot it anyway
+                    self._stub.UnregisterRegion(
+                        pb.UnregisterRegionRequest(name=name),
+                        timeout=self.timeout,
+                        metadata=self._auth,
+                    )
+            self._memory.close()
         for channel in self._channels.values():
             channel.close()
 

@@ -1,0 +1,453 @@
+"""Shared memory in the sluice.v1 API, in one process on real /dev/shm objects: the codec
+reads inputs as views of a region and writes outputs into one, the v1 protocol refuses each
+bad reference by name, the route sees which bodies name regions, the region calls, and the
+client's own regions (placing, reading back, learning output sizes, cleaning up)."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import pytest
+
+from sluice.client import SluiceClient
+from sluice.client import shm as client_shm
+from sluice.client.diagnose import Audience
+from sluice.core.errors import (
+    AlreadyExists,
+    InvalidInput,
+    QuotaExceeded,
+    RegionNotFound,
+    SluiceError,
+    Unimplemented,
+)
+from sluice.core.shm import Regions
+from sluice.server.dataplane.engine import TensorSpec
+from sluice.server.dataplane.modelsettings import WireType
+from sluice.server.regions import OFF, RegionCalls
+from sluice.server.v1 import NO_SHARED_MEMORY, V1, WIRE_READ_FROM, SluiceV1, _specs
+from sluice.v1 import inference_pb2 as pb
+from sluice.wire import codec, facts
+
+SHARED = SluiceV1(shared_memory=True)
+X = np.arange(12, dtype=np.float32).reshape(3, 4)
+
+
+def objects() -> set[str]:
+    """This process's client objects in /dev/shm."""
+    mine = f"{client_shm.PREFIX}{os.getpid()}-"
+    return {n for n in os.listdir(client_shm.ROOT) if n.startswith(mine)}
+
+
+@pytest.fixture
+def regions() -> Iterator[Regions]:
+    held = Regions()
+    yield held
+    held.close()
+
+
+@dataclass
+class Region:
+    """A client segment registered as region `name` (the tenant "")."""
+
+    name: str
+    segment: client_shm.Segment
+
+    def put(self, offset: int, array: np.ndarray) -> codec.Ref:
+        n = codec.write(self.segment.view[offset:], array)
+        return codec.Ref(self.name, offset, n)
+
+    def read(self, ref: codec.Ref, dtype: str) -> np.ndarray:
+        end = ref.offset + ref.byte_size
+        return np.frombuffer(self.segment.view[ref.offset : end], dtype).copy()
+
+
+@pytest.fixture
+def region(regions: Regions) -> Iterator[Region]:
+    segment = client_shm.Segment(1 << 16)
+    regions.register("", "r", segment.key, 0, segment.size)
+    yield Region("r", segment)
+    regions.unregister("", "r")
+    segment.close()
+
+
+def memory_ref(ref: codec.Ref) -> pb.SharedMemoryRef:
+    return pb.SharedMemoryRef(region=ref.region, offset=ref.offset, byte_size=ref.byte_size)
+
+
+def request(
+    inputs: list[pb.Tensor], output_memory: dict[str, codec.Ref] | None = None, **fields: object
+) -> bytes:
+    memory = {n: memory_ref(r) for n, r in (output_memory or {}).items()}
+    message = pb.PredictRequest(inputs=inputs, output_memory=memory, **fields)
+    return message.SerializeToString()
+
+
+class Model:
+    name = "m"
+    version = "1"
+
+
+# The codec and the v1 protocol.
+
+
+def test_an_input_in_shared_memory_is_a_view_of_the_region(
+    regions: Regions, region: Region
+) -> None:
+    ref = region.put(64, X)
+    body = request([codec.shared_tensor("x", X, ref)])
+    with regions.lease("") as lease:
+        got = SHARED.decode(body, lease).inputs["x"]
+        np.testing.assert_array_equal(got, X)
+        assert not got.flags.writeable
+        region.segment.view[64:68] = np.float32(-1).tobytes()  # the caller writes: seen
+        assert got[0, 0] == -1
+
+
+def test_outputs_are_written_into_their_regions_and_the_answer_says_where(
+    regions: Regions, region: Region
+) -> None:
+    y, z = X * 2, np.array([7, 8], np.int64)
+    out = codec.Ref("r", 1024, 4096)
+    body = request([codec.encode("x", X)], {"y": out})
+    with regions.lease("") as lease:
+        decoded = SHARED.decode(body, lease)
+        answer = SHARED.encode(Model(), decoded, {"y": y, "z": z})
+    response = pb.PredictResponse.FromString(answer)
+    tensor = response.outputs[0]
+    assert (tensor.name, tensor.datatype, list(tensor.shape)) == ("y", "FP32", [3, 4])
+    assert not tensor.raw_data
+    assert codec.ref_of(tensor.shared_memory) == codec.Ref("r", 1024, y.nbytes)
+    np.testing.assert_array_equal(region.read(codec.ref_of(tensor.shared_memory), "<f4"), y.ravel())
+    assert codec.decode(response.outputs[1]).tolist() == [7, 8]  # not placed: its bytes
+    # Written by hand as protobuf writes it; typed outputs alike, through protobuf.
+    assert answer == response.SerializeToString()
+    typed = request([codec.encode("x", X)], {"y": out}, typed_outputs=True)
+    with regions.lease("") as lease:
+        answer = SHARED.encode(Model(), SHARED.decode(typed, lease), {"y": y, "z": z})
+    response = pb.PredictResponse.FromString(answer)
+    assert response.outputs[0].HasField("shared_memory")
+    assert list(response.outputs[1].int64_data) == [7, 8]
+
+
+def test_a_large_body_with_a_tensor_in_shared_memory_is_read_by_the_parser(
+    regions: Regions, region: Region
+) -> None:
+    big = np.ones((1, WIRE_READ_FROM), np.uint8)
+    ref = region.put(0, X)
+    body = request([codec.encode("big", big), codec.shared_tensor("x", X, ref)])
+    assert len(body) >= WIRE_READ_FROM
+    assert codec.decode_predict(body) is None  # the wire read leaves it to the parser
+    with regions.lease("") as lease:
+        inputs = SHARED.decode(body, lease).inputs
+        np.testing.assert_array_equal(inputs["x"], X)
+        np.testing.assert_array_equal(inputs["big"], big)
+
+
+def refused(body: bytes, regions: Regions) -> SluiceError:
+    with regions.lease("") as lease, pytest.raises(SluiceError) as caught:
+        SHARED.decode(body, lease)
+    return caught.value
+
+
+def test_bad_references_are_refused_naming_the_tensor(regions: Regions, region: Region) -> None:
+    ref = region.put(0, X)
+    both = codec.shared_tensor("x", X, ref)
+    both.raw_data = X.tobytes()
+    error = refused(request([both]), regions)
+    assert isinstance(error, InvalidInput)
+    assert "tensor 'x' carries both raw_data and shared_memory" in str(error)
+    typed = codec.shared_tensor("x", X, ref)
+    typed.fp32_data.extend(X.ravel().tolist())
+    assert "carries both fp32_data and shared_memory" in str(refused(request([typed]), regions))
+    short = codec.shared_tensor("x", X, ref._replace(byte_size=40))
+    error = refused(request([short]), regions)
+    assert isinstance(error, InvalidInput)
+    assert "tensor 'x' has shared_memory byte_size 40 but FP32 shape [3, 4] needs 48" in str(error)
+    unknown = codec.shared_tensor("x", X, ref._replace(region="nobody"))
+    error = refused(request([unknown]), regions)
+    assert type(error) is InvalidInput
+    assert str(error).startswith("tensor 'x': Unable to find shared memory region: 'nobody'")
+    past = codec.shared_tensor("x", X, ref._replace(offset=region.segment.size - 8))
+    error = refused(request([past]), regions)
+    assert type(error) is InvalidInput
+    assert str(error).startswith("tensor 'x': Invalid offset + byte size")
+
+
+def test_bad_output_memory_is_refused_naming_the_output(regions: Regions, region: Region) -> None:
+    body = request([codec.encode("x", X)], {"y": codec.Ref("nobody", 0, 48)})
+    error = refused(body, regions)  # before the model runs
+    assert type(error) is InvalidInput
+    assert str(error).startswith("output_memory of output 'y': Unable to find")
+    body = request([codec.encode("x", X)], {"y": codec.Ref("r", 1 << 16, 48)})
+    assert "output_memory of output 'y': Invalid offset" in str(refused(body, regions))
+    # An output the call does not return, and one too small: refused, nothing written.
+    for memory, words in (
+        ({"w": codec.Ref("r", 0, 48), "y": codec.Ref("r", 64, 48)}, "names output 'w', which"),
+        (
+            {"y": codec.Ref("r", 64, 47)},
+            "(47 bytes at offset 64 of region 'r') is too small for its 48",
+        ),
+    ):
+        region.segment.view[:512] = bytes(512)
+        with regions.lease("") as lease:
+            decoded = SHARED.decode(request([codec.encode("x", X)], memory), lease)
+            with pytest.raises(InvalidInput, match=re.escape(words)):
+                SHARED.encode(Model(), decoded, {"y": X})
+        assert bytes(region.segment.view[:512]) == bytes(512)
+    assert codec.TOO_SMALL in words
+
+
+def test_with_shared_memory_off_a_region_is_refused_with_the_flag_to_start() -> None:
+    segmentless = codec.shared_tensor("x", X, codec.Ref("r", 0, 48))
+    with pytest.raises(InvalidInput) as caught:
+        V1.decode(request([segmentless]))
+    assert str(caught.value) == f"tensor 'x' names shared memory region 'r'; {NO_SHARED_MEMORY}"
+    assert "--shared-memory" in NO_SHARED_MEMORY
+    with pytest.raises(InvalidInput, match="output_memory names shared memory for output 'y'"):
+        V1.decode(request([codec.encode("x", X)], {"y": codec.Ref("r", 0, 48)}))
+
+
+def test_the_route_says_which_bodies_name_regions() -> None:
+    plain = request([codec.encode("x", X)])
+    inputs = request([codec.encode("x", X), codec.shared_tensor("z", X, codec.Ref("r", 0, 48))])
+    outputs = request([codec.encode("x", X)], {"y": codec.Ref("r", 0, 48)})
+    assert [facts.uses_regions(b) for b in (plain, inputs, outputs)] == [False, True, True]
+    assert not SHARED.route(plain).shared
+    assert SHARED.route(inputs).shared and SHARED.route(outputs).shared
+    assert not V1.route(inputs).shared  # off: decode refuses it
+    assert facts.uses_regions(b"\x0a\x05\x62")  # a tensor the walk cannot read: the decode's
+    # Field 12 of another wire type is an unknown field to the parser, not a region.
+    odd = plain + b"\x0a\x02\x60\x01"
+    assert not pb.PredictRequest.FromString(odd).inputs[1].HasField("shared_memory")
+    assert not facts.uses_regions(odd)
+
+
+# The region calls.
+
+
+def test_the_region_calls_register_report_and_unregister(regions: Regions) -> None:
+    segment = client_shm.Segment(8192)
+    try:
+        calls = RegionCalls(regions, "")
+        register = pb.RegisterRegionRequest(name="a", key=segment.key, offset=0, byte_size=4096)
+        assert calls.register(register.SerializeToString()) == b""
+        with pytest.raises(AlreadyExists):
+            calls.register(register.SerializeToString())
+        status = pb.RegionStatusResponse.FromString(calls.status(b""))
+        assert list(status.regions) == [register]
+        named = pb.RegionStatusRequest(name="a").SerializeToString()
+        assert pb.RegionStatusResponse.FromString(calls.status(named)).regions[0] == register
+        assert RegionCalls(regions, "other").status(b"") == b""  # another tenant's: none
+        with pytest.raises(RegionNotFound):
+            RegionCalls(regions, "other").status(named)
+        unregister = pb.UnregisterRegionRequest(name="a").SerializeToString()
+        assert calls.unregister(unregister) == b""
+        assert calls.unregister(unregister) == b""  # one never registered: no error
+        assert len(regions) == 0
+        with pytest.raises(InvalidInput, match=r"not a valid sluice\.v1\.RegisterRegionRequest"):
+            calls.register(b"\xff")
+        small = Regions(max_regions=1)
+        RegionCalls(small, "").register(register.SerializeToString())
+        with pytest.raises(QuotaExceeded):
+            RegionCalls(small, "").register(register.SerializeToString().replace(b"a", b"b", 1))
+        small.close()
+    finally:
+        segment.close()
+
+
+def test_the_region_calls_with_shared_memory_off_name_the_flag() -> None:
+    calls = RegionCalls(None, "")
+    for call in (calls.register, calls.status, calls.unregister):
+        with pytest.raises(Unimplemented) as caught:
+            call(b"")
+        assert str(caught.value) == OFF
+    assert "--shared-memory" in OFF
+
+
+def test_metadata_shows_the_wire_types_an_input_accepts() -> None:
+    spec = TensorSpec("image", "FP32", (None, 3), (WireType("UINT8", 1 / 255, 0.5),))
+    (shown,) = _specs([spec])
+    assert list(shown.shape) == [-1, 3]
+    assert [(w.datatype, w.scale, w.offset) for w in shown.accepts] == [("UINT8", 1 / 255, 0.5)]
+
+
+# The client's regions.
+
+
+@pytest.mark.parametrize(
+    ("target", "local"),
+    [
+        ("127.0.0.1:8000", True),
+        ("127.3.0.1:8000", True),
+        ("localhost:8000", True),
+        ("[::1]:8000", True),
+        ("unix:/tmp/s.sock", True),
+        ("unix:///tmp/s.sock", True),
+        ("ipv4:127.0.0.1:1,127.0.0.2:2", True),
+        ("ipv6:[::1]:8000", True),
+        ("dns:///localhost:8000", True),
+        ("10.0.0.5:8000", False),
+        ("example.com:8000", False),
+        ("ipv4:127.0.0.1:1,10.0.0.1:2", False),
+        ("dns://8.8.8.8/localhost:8000", True),
+        ("[::2]:8000", False),
+    ],
+)
+def test_shared_memory_needs_a_target_on_this_host(target: str, local: bool) -> None:
+    assert client_shm.on_this_host(target) is local
+
+
+def test_a_client_with_shared_memory_refuses_a_target_elsewhere_or_several() -> None:
+    with pytest.raises(ValueError, match=r"needs a target on this host .* 10\.0\.0\.5:8000 is not"):
+        SluiceClient("10.0.0.5:8000", shared_memory=True)
+    with pytest.raises(ValueError, match="needs one target, a server on this host: 2 were"):
+        SluiceClient(["127.0.0.1:1", "127.0.0.1:2"], shared_memory=True)
+
+
+def serve(memory: client_shm.SharedMemory, plan: client_shm.Plan, regions: Regions) -> bytes:
+    """What a server with shared memory on answers to `plan`'s body: y = 2x, and a label."""
+    if plan.fresh:
+        registration = plan.arena.registration()
+        regions.unregister("", registration.name)
+        regions.register(
+            "", registration.name, registration.key, registration.offset, registration.byte_size
+        )
+        plan.arena.registered_now()
+    with regions.lease("") as lease:
+        decoded = SHARED.decode(plan.body, lease)
+        x = decoded.inputs["x"]
+        outputs = {"y": x * 2, "label": np.arange(len(x), dtype=np.int64)}
+        return SHARED.encode(Model(), decoded, outputs)
+
+
+def test_the_clients_regions_carry_inputs_then_outputs_sized_from_an_answer(
+    regions: Regions,
+) -> None:
+    before = objects()
+    memory = client_shm.SharedMemory()
+    try:
+        placed = []
+        for rows in (3, 3, 5):
+            x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+            with memory.planned({"x": x}, [], "", "") as plan:
+                response, outputs = memory.answer(plan, serve(memory, plan, regions))
+            np.testing.assert_array_equal(outputs["y"], x * 2)
+            assert outputs["label"].tolist() == list(range(rows))
+            placed.append(sorted(t.name for t in response.outputs if t.HasField("shared_memory")))
+        # The first answer of each shape sized the outputs; the next call placed them.
+        assert placed == [[], ["label", "y"], []]
+        with memory.planned({"x": x}, [], "", "") as plan:
+            assert not plan.fresh  # the arena grew for 5 rows already: registered as it is
+            assert sorted(plan.outputs) == ["label", "y"]
+            _, outputs = memory.answer(plan, serve(memory, plan, regions))
+        plan.arena.segment.view[: x.nbytes] = bytes(x.nbytes)  # the next call's bytes ...
+        np.testing.assert_array_equal(outputs["y"], x * 2)  # ... never the answer's
+        assert len(objects() - before) == 1
+        assert [i.name for i in regions.status("")] == [plan.arena.name]
+    finally:
+        memory.close()
+    assert objects() == before
+
+
+def test_two_calls_at_once_have_regions_of_their_own() -> None:
+    memory = client_shm.SharedMemory()
+    try:
+        with (
+            memory.planned({"x": X}, [], "", "") as one,
+            memory.planned({"x": X * 3}, [], "", "") as two,
+        ):
+            assert one.arena is not two.arena and one.arena.name != two.arena.name
+        with memory.planned({"x": X}, [], "", "") as again:
+            assert again.arena in (one.arena, two.arena)  # handed back: reused
+    finally:
+        memory.close()
+
+
+class Refusal(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_outputs_that_outgrow_their_room_are_sent_again_as_bytes(regions: Regions) -> None:
+    memory = client_shm.SharedMemory()
+    try:
+        with memory.planned({"x": X}, [], "", "") as plan:
+            memory.answer(plan, serve(memory, plan, regions))
+        key = client_shm.signature({"x": X}, [], "", "")
+        memory.learned.put(key, {"y": 8, "label": 24})  # as if the last answer were smaller
+        with memory.planned({"x": X}, [], "", "") as plan:
+            with pytest.raises(InvalidInput) as caught:
+                serve(memory, plan, regions)
+            error = Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(caught.value))
+            assert memory.failed(plan, error)
+            assert plan.arena.registered  # the region is fine: only the sizes were not
+        with memory.planned({"x": X}, [], "", "") as plan:
+            assert plan.outputs == {}
+            _, outputs = memory.answer(plan, serve(memory, plan, regions))
+        np.testing.assert_array_equal(outputs["y"], X * 2)
+        # A server that lost the region (restarted): registered afresh by the next try.
+        lost = Refusal(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"tensor 'x': Unable to find shared memory region: '{plan.arena.name}'",
+        )
+        assert memory.failed(plan, lost) and not plan.arena.registered
+        other = Refusal(grpc.StatusCode.INVALID_ARGUMENT, "tensor 'x' has shape [3, 5]")
+        assert not memory.failed(plan, other)
+    finally:
+        memory.close()
+
+
+def test_a_grown_arena_is_registered_afresh_and_its_old_object_removed(
+    regions: Regions,
+) -> None:
+    before = objects()
+    memory = client_shm.SharedMemory()
+    try:
+        small = np.zeros(16, np.float32)
+        with memory.planned({"x": small}, [], "", "") as plan:
+            first = plan.arena.segment
+            assert plan.fresh
+            plan.arena.registered_now()
+        big = np.zeros(1 << 20, np.float32)
+        with memory.planned({"x": big}, [], "", "") as plan:
+            assert plan.fresh and plan.arena.segment is not first
+            assert first is not None and first.path.exists()  # the server may map it still
+            plan.arena.registered_now()
+            assert not first.path.exists()
+        assert len(objects() - before) == 1
+    finally:
+        memory.close()
+    assert objects() == before
+
+
+def test_a_segment_is_unlinked_when_collected_without_close() -> None:
+    segment = client_shm.Segment(4096)
+    path = segment.path
+    assert path.exists() and (path.stat().st_mode & 0o777) == 0o600
+    del segment
+    assert not path.exists()
+
+
+def test_a_target_without_region_calls_is_explained_in_the_readers_words() -> None:
+    unimplemented = Refusal(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+    python = client_shm.registration_error(unimplemented, "a", "127.0.0.1:1", Audience.PYTHON)
+    assert python.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "start the server with --shared-memory" in (python.details() or "")
+    assert "drop shared_memory=True" in (python.details() or "")
+    commands = client_shm.registration_error(unimplemented, "a", "x:1", Audience.COMMANDS)
+    assert "drop this command's --shared-memory" in (commands.details() or "")
+    off = Refusal(grpc.StatusCode.FAILED_PRECONDITION, "busy")
+    kept = client_shm.registration_error(off, "a", "127.0.0.1:1", Audience.PYTHON)
+    assert kept.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert kept.details() == "could not register shared memory region 'a' on 127.0.0.1:1: busy"
