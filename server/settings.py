@@ -89,9 +89,10 @@ class ServerSettings(ProgramSettings):
         default_factory=list,
         metadata={
             "list": True,
-            "help": "a compact wire type an FP32 input of a --model also takes, as "
-            "[MODEL:]INPUT=UINT8|FP16[*SCALE][+OFFSET] (cast once by the server as "
-            "x * SCALE + OFFSET); repeat for more",
+            "help": "a compact wire type an FP32 (or FP16) input of a --model also takes, as "
+            "[MODEL:]INPUT=UINT8|INT8|UINT16|FP16[*SCALE][+OFFSET] (cast once by the server "
+            "as x * SCALE + OFFSET; MODEL: the NAME of a --model NAME=PATH, needed with more "
+            "than one); repeat for more",
         },
     )
     workers: str = field(

@@ -19,6 +19,7 @@ from hypothesis.extra import numpy as hnp
 
 from sluice import models
 from sluice.core.errors import InvalidInput, LoadFailed
+from sluice.perf.sweep import request_body
 from sluice.runtime import config
 from sluice.server.dataplane import staging
 from sluice.server.dataplane.batcher import Batcher
@@ -171,6 +172,14 @@ def test_the_cast_makes_nothing_the_size_of_the_input_beside_its_result() -> Non
     # numpy converts in blocks of 8192 elements: a float32 temporary would be 602 KB.
     assert into_peak < 64 << 10
     assert cast_peak < out.nbytes + (64 << 10)
+
+
+@pytest.mark.parametrize("call", ["predict", "modelinfer"])
+def test_a_uint8_image_is_a_quarter_of_the_fp32_request(call: str) -> None:
+    image = np.zeros((1, 3, 224, 224), np.uint8)
+    fp32, uint8 = (request_body(image.astype(t), "input", call, "m") for t in (np.float32, U8DT))
+    assert image.size <= len(uint8) < image.size + 256  # the header: a few bytes
+    assert 3.99 < len(fp32) / len(uint8) < 4
 
 
 # What a model takes at load.
