@@ -170,6 +170,15 @@ def test_route_marks_a_body_that_names_a_region_only_with_shared_memory_on() -> 
     on = KServeV2(shared_memory=True)
     assert on.route(body).shared and not on.route(plain).shared
     assert not KSERVE.route(body).shared  # off: decode refuses it, with no lease to read by
+    # Raw values that hold the key's bytes are stepped over: that body may be cached.
+    lookalike = Infer(
+        inputs=[InputTensor(name="input", datatype="UINT8", shape=[20])],
+        raw_input_contents=[b"shared_memory_region"],
+    ).SerializeToString()
+    assert not on.route(lookalike).shared
+    assert on.route(request(shared_input(), outputs=(Output(name="label"),))).shared
+    only_output = request(outputs=(Output(name="label", parameters=placed("out", 8)),))
+    assert on.route(only_output).shared
 
 
 def test_an_input_is_a_read_only_view_of_the_region(
