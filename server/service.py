@@ -10,7 +10,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeAlias, cast
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -40,7 +40,8 @@ from sluice.runtime.status import status_of
 from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Dataplane, WireProtocol
-from sluice.server.v1 import V1, model_info, model_statuses, parse
+from sluice.server.regions import RegionCalls
+from sluice.server.v1 import SluiceV1, model_info, model_statuses, parse
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import stream
 
@@ -96,6 +97,7 @@ class InferenceService:
     ) -> None:
         self.plane = plane
         self.regions = regions  # None: no shared memory (--shared-memory off)
+        self.v1 = SluiceV1(shared_memory=regions is not None)
         # --max-message-bytes, said in Health: a balancer refuses a larger request itself
         # rather than send it on the stream it shares, which grpc here would end for it.
         self.max_message_bytes = max_message_bytes
@@ -118,6 +120,9 @@ class InferenceService:
             "Predict": self.predict,
             "Health": self.health,
             "Metadata": self.metadata,
+            "RegisterRegion": self.register_region,
+            "RegionStatus": self.region_status,
+            "UnregisterRegion": self.unregister_region,
         }
         handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {
             name: grpc.unary_unary_rpc_method_handler(
@@ -336,9 +341,18 @@ class InferenceService:
         await stream.serve(requests, context.write, answer, refuse=refuse, stop=self._draining)
 
     async def predict(self, body: bytes, call: Call) -> bytes:
-        # SluiceV1.decode takes no lease yet; the dataplane hands it none (its route never
-        # says `shared`), and the cast goes once it takes one.
-        return await self.infer(body, cast("WireProtocol[bool]", V1), call)
+        return await self.infer(body, self.v1, call)
+
+    # sluice.v1's shared memory regions, each caller's tenant's own.
+
+    async def register_region(self, body: bytes, call: Call) -> bytes:
+        return RegionCalls(self.regions, tenant_of(call)).register(body)
+
+    async def region_status(self, body: bytes, call: Call) -> bytes:
+        return RegionCalls(self.regions, tenant_of(call)).status(body)
+
+    async def unregister_region(self, body: bytes, call: Call) -> bytes:
+        return RegionCalls(self.regions, tenant_of(call)).unregister(body)
 
     async def infer(self, body: bytes, protocol: WireProtocol[Any], call: Call) -> bytes:
         """One inference call of any protocol, its trailers added to `call`; with shared

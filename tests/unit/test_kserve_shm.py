@@ -41,6 +41,9 @@ from sluice.server.kserve import (
 from sluice.server.main import ONE_PROCESS, serve
 from sluice.server.service import InferenceService
 from sluice.server.settings import ServerSettings
+from sluice.v1 import inference_pb2 as pb
+from sluice.v1 import inference_pb2_grpc as pb_grpc
+from sluice.wire import codec
 from tests.conftest import SAMPLES
 from tests.unit.test_dataplane import Gated
 
@@ -288,24 +291,34 @@ async def test_shared_memory_beside_raw_values(
 
 
 @asynccontextmanager
-async def serving(
+async def both_faces(
     plane: Dataplane, regions: Regions | None, tenants: Path | None = None
-) -> AsyncIterator[GRPCInferenceServiceStub]:
+) -> AsyncIterator[tuple[GRPCInferenceServiceStub, Any]]:
+    """A server on this loop with both faces, as sluice-server serves them: their stubs."""
     service = InferenceService(
         plane,
         node_id="n",
         regions=regions,
         tenants=door.load(str(tenants)) if tenants else None,
     )
+    kserve = KServeService(service)
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers([KServeService(service).handler()])
+    server.add_generic_rpc_handlers([service.handler(), kserve.handler()])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield GRPCInferenceServiceStub(channel)
+            yield GRPCInferenceServiceStub(channel), pb_grpc.InferenceStub(channel)
     finally:
         await server.stop(None)
+
+
+@asynccontextmanager
+async def serving(
+    plane: Dataplane, regions: Regions | None, tenants: Path | None = None
+) -> AsyncIterator[GRPCInferenceServiceStub]:
+    async with both_faces(plane, regions, tenants) as (stub, _):
+        yield stub
 
 
 async def refusal(call: Any) -> tuple[grpc.StatusCode, str]:
@@ -757,3 +770,37 @@ async def test_the_server_refuses_shared_memory_with_several_workers(
     settings = ServerSettings(shared_memory=True, workers="2", device="cpu")
     assert await serve(settings) == 1
     assert ONE_PROCESS in caplog.text
+
+
+async def test_both_faces_share_the_callers_regions(
+    plane: Dataplane,
+    regions: Regions,
+    shm: Callable[[int], Shm],
+    reference: ort.InferenceSession,
+) -> None:
+    """A region registered through sluice.v1's RegisterRegion is the one Triton's calls list
+    and a ModelInfer reads, and a Predict reads one registered through Triton's."""
+    a, b = shm(X.nbytes), shm(X.nbytes)
+    a.array(np.float32, X.shape)[:] = X
+    b.array(np.float32, X.shape)[:] = X
+    label = truth(reference)[0]
+    async with both_faces(plane, regions) as (kserve, v1):
+        await v1.RegisterRegion(
+            pb.RegisterRegionRequest(name="in", key=a.key, offset=0, byte_size=X.nbytes)
+        )
+        await kserve.SystemSharedMemoryRegister(register("other", b.key, X.nbytes))
+        assert await status(kserve) == {
+            "in": ("in", a.key, 0, X.nbytes),
+            "other": ("other", b.key, 0, X.nbytes),
+        }
+        listed = await v1.RegionStatus(pb.RegionStatusRequest())
+        assert sorted(r.name for r in listed.regions) == ["in", "other"]
+        infer = await kserve.ModelInfer(Infer.FromString(request(shared_input())))
+        got = np.frombuffer(infer.raw_output_contents[0], np.int64)
+        np.testing.assert_array_equal(got, label)
+        tensor = pb.Tensor(name="input", datatype="FP32", shape=X.shape)
+        tensor.shared_memory.CopyFrom(pb.SharedMemoryRef(region="other", byte_size=X.nbytes))
+        predicted = await v1.Predict(pb.PredictRequest(inputs=[tensor], outputs=["label"]))
+        np.testing.assert_array_equal(codec.decode_all(predicted.outputs)["label"], label)
+        await v1.UnregisterRegion(pb.UnregisterRegionRequest())
+        assert await status(kserve) == {}
