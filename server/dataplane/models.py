@@ -34,6 +34,12 @@ def holds_nonfinite(array: np.ndarray) -> bool:
     per element (150 KB for a 602 KB image, on every call)."""
     if array.dtype.kind != "f" or array.size == 0:
         return False
+    if array.dtype == np.float16:
+        # numpy reduces FP16 an element at a time (1.2 ms for a 150,528-value image, where
+        # FP32 takes 17 us): its bits tell in two integer passes. NaN and infinity are the
+        # FP16s whose exponent bits are all set: read as int16, the positive ones from
+        # 0x7c00 up; as uint16, the negative ones from 0xfc00 up.
+        return bool(array.view(np.int16).max() >= 0x7C00 or array.view(np.uint16).max() >= 0xFC00)
     return not (np.isfinite(array.min()) and np.isfinite(array.max()))
 
 

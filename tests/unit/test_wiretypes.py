@@ -227,6 +227,27 @@ def test_a_cast_that_loads_keeps_nan_and_infinity_and_makes_none(
     assert holds_nonfinite(cast) == holds_nonfinite(x)
 
 
+def test_the_fp16_check_reads_bits_and_agrees_with_isfinite_on_every_value() -> None:
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    rows = np.tile(np.array([0.5, -2.0, 65504, -65504, 0], np.float16), (len(every), 1))
+    rows[:, -1] = every  # each FP16 value among the extreme finite ones
+    told = [holds_nonfinite(row) for row in rows]
+    assert told == [not bool(v) for v in np.isfinite(every)]
+    assert holds_nonfinite(np.full((4, 6), np.inf, np.float16)[:, ::2])  # not contiguous
+    assert holds_nonfinite(np.array(np.nan, np.float16))  # a scalar
+
+
+def test_the_fp16_check_of_an_image_makes_no_temporary() -> None:
+    image = np.ones((1, 3, 224, 224), np.float16)
+    tracemalloc.start()
+    try:
+        assert not holds_nonfinite(image)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4096  # no temporary: a mask would be 150 KB
+
+
 # The model: its check, and the cast on the way to ONNX Runtime.
 
 
