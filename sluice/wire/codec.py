@@ -15,6 +15,7 @@ the outputs a request places there (output_memory) are written into them once.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol, cast
@@ -588,6 +589,16 @@ def placed(memory: Memory | None, refs: Mapping[str, Ref]) -> dict[str, Placed]:
     if memory is None:
         names = ", ".join(repr(n) for n in refs)
         raise Unshared(f"output_memory names shared memory for output {names}")
+    # Two outputs written over each other would leave the caller one of them, unsaid.
+    spans = sorted(
+        (r.region, r.offset, r.offset + r.byte_size, n) for n, r in refs.items() if r.byte_size
+    )
+    for (region, _, end, name), (other, start, _, then) in itertools.pairwise(spans):
+        if region == other and start < end:
+            raise TensorError(
+                f"output_memory of outputs {name!r} and {then!r} overlap in region {region!r}; "
+                "give each its own bytes"
+            )
     views: dict[str, Placed] = {}
     for name, ref in refs.items():
         try:

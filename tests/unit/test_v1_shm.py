@@ -185,6 +185,13 @@ def test_bad_output_memory_is_refused_naming_the_output(regions: Regions, region
     assert str(error).startswith("output_memory of output 'y': Unable to find")
     body = request([codec.encode("x", X)], {"y": codec.Ref("r", 1 << 16, 48)})
     assert "output_memory of output 'y': Invalid offset" in str(refused(body, regions))
+    overlap = {"a": codec.Ref("r", 0, 48), "b": codec.Ref("r", 40, 8), "c": codec.Ref("q", 0, 8)}
+    error = refused(request([codec.encode("x", X)], overlap), regions)
+    assert type(error) is InvalidInput
+    assert "output_memory of outputs 'a' and 'b' overlap in region 'r'" in str(error)
+    apart = {"a": codec.Ref("r", 0, 48), "b": codec.Ref("r", 48, 8)}
+    with regions.lease("") as lease:
+        assert list(SHARED.decode(request([codec.encode("x", X)], apart), lease).options.memory)
     # An output the call does not return, and one too small: refused, nothing written.
     for memory, words in (
         ({"w": codec.Ref("r", 0, 48), "y": codec.Ref("r", 64, 48)}, "names output 'w', which"),
