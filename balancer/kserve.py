@@ -2,8 +2,9 @@
 Protocol of Triton and MLServer). ModelInfer takes Predict's way (BalancerService.forward
 with method "ModelInfer": routing by the model it names, affinity, limits, retries and
 trailers alike), carried on the servers' PredictStreams. ModelReady and ModelMetadata ask a
-usable backend that serves the model; the server calls answer for the balancer itself. The
-repository calls are each server's own, not the balancer's: they answer UNIMPLEMENTED."""
+usable backend that serves the model; the server calls answer for the balancer itself, and so
+do the system shared memory calls (the regions are the balancer's: sluice.balancer.regions).
+The repository calls are each server's own, not the balancer's: they answer UNIMPLEMENTED."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class KServeFacade:
             "ModelMetadata": self.model_metadata,
             INFER: self.model_infer,
         }
-        return {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()}
+        handlers = {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()}
+        return {**handlers, **self.service.memory.kserve_methods()}
 
     async def model_infer(self, body: bytes, context: Context) -> bytes:
         return await self.service.unary(body, context, INFER)

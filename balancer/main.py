@@ -15,15 +15,17 @@ import functools
 import logging
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from sluice.balancer.discovery import Discovery
 from sluice.balancer.kserve import SERVICE as KSERVE
 from sluice.balancer.kserve import KServeFacade
 from sluice.balancer.membership import Membership, upstreams
 from sluice.balancer.metrics import RoutingCollector
+from sluice.balancer.regions import regions_of, sweep
 from sluice.balancer.service import SERVICE, BalancerService
 from sluice.balancer.settings import BalancerSettings
+from sluice.core.shm import Regions
 from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Pool
 from sluice.runtime import door, program
@@ -49,6 +51,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
     )
     budget = RetryBudget(settings.retry_ratio, settings.retry_min_per_s)
     tenants = door.load(settings.tenants) if settings.tenants else None
+    regions = regions_of(settings)
     service = BalancerService(
         pool,
         budget,
@@ -57,6 +60,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         fanout_rows=settings.fanout_rows,
         tenants=tenants,
         max_message_bytes=settings.max_message_bytes,
+        regions=regions,
     )
     readiness = Readiness(pool.serving)
     membership = Membership(
@@ -89,11 +93,21 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
             background=[
                 functools.partial(discovery.watch, settings.refresh_s, membership.apply, known),
                 membership.tick,
+                *([functools.partial(sweep, regions)] if regions is not None else []),
             ],
-            closing=[membership.close],
+            closing=[membership.close, *([_closer(regions)] if regions is not None else [])],
         ),
         argv,
     )
+
+
+def _closer(regions: Regions) -> Callable[[], Awaitable[None]]:
+    """The regions let go once no call is left."""
+
+    async def close() -> None:
+        regions.close()
+
+    return close
 
 
 def banner(node_id: str, backends: int) -> str:

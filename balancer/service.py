@@ -5,7 +5,9 @@ backend the pool chooses among those that serve the model. The attempt loop (ret
 retry budget and the caller's deadline, what counts against a backend) is the shared call
 planner, sluice.routing.planner, called from one place (`_call`); tracing hangs on it as
 observers (sluice.runtime.spans). KServe v2 ModelInfer bodies take the same way
-(`forward(..., method=INFER)`; the facade is sluice.balancer.kserve)."""
+(`forward(..., method=INFER)`; the facade is sluice.balancer.kserve). A body that names shared
+memory regions its caller registered here goes with their bytes in it, and its answer's
+outputs are written into them (sluice.balancer.regions)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from sluice.balancer import fanout
+from sluice.balancer.regions import Placing, SharedMemory
 from sluice.balancer.upstream import Upstream
 from sluice.core.calls import check_request_id, stream_timeout
 from sluice.core.errors import (
@@ -37,6 +40,7 @@ from sluice.core.keys import (
     affinity_key,
 )
 from sluice.core.limits import too_large
+from sluice.core.shm import Regions
 from sluice.core.stats import ServingStats, health_fields
 from sluice.core.tenants import HEADER, Account, Tenants
 from sluice.core.versions import version_key
@@ -111,8 +115,11 @@ class BalancerService:
         fanout_rows: int = 0,
         tenants: Tenants | None = None,
         max_message_bytes: int = 0,
+        regions: Regions | None = None,
     ) -> None:
         self.tenants = tenants  # None: auth off
+        # The regions callers register here (--shared-memory; None: off, and refused).
+        self.memory = SharedMemory(regions, self.gate)
         # The largest reply its listener sends (--max-message-bytes; 0: none): a larger one
         # is answered RESOURCE_EXHAUSTED for its call alone, where grpc would end a stream,
         # and every call on it, for it, and fail a unary call in its own words.
@@ -135,6 +142,7 @@ class BalancerService:
             "PredictStream": grpc.stream_stream_rpc_method_handler(self.predict_stream),
             "Health": grpc.unary_unary_rpc_method_handler(self.health),
             "Metadata": grpc.unary_unary_rpc_method_handler(self.metadata),
+            **self.memory.v1_methods(),
         }
 
     def _deadline(self, remaining: float | None) -> float | None:
@@ -240,8 +248,11 @@ class BalancerService:
                 self.tenants.enter(account)
             except SluiceError as exc:
                 return self._turned_away(started, account, exc)
+        tenant = account.tenant.name if account is not None else ""
         try:
-            reply = await self._forward(started, body, metadata, deadline, stream, method, sized)
+            reply = await self._placed(
+                started, body, metadata, deadline, stream, method, sized, tenant
+            )
         except BaseException:
             if account is not None:
                 Tenants.settle(account, True, "CANCELLED", "")
@@ -261,6 +272,33 @@ class BalancerService:
             trailers[RETRY_AFTER_HEADER] = str(math.ceil(exc.retry_after_s * 1000))
         return Reply(Code[exc.status], str(exc), trailers=trailers)
 
+    async def _placed(
+        self,
+        started: float,
+        body: bytes,
+        metadata: Mapping[str, str],
+        deadline: float | None,
+        stream: bool,
+        method: str,
+        sized: Sized | None,
+        tenant: str,
+    ) -> Reply:
+        """`forward` past the door: a body that names `tenant`'s shared memory regions goes
+        with their bytes in it, its lease held until the call ends, however it ends."""
+        try:
+            placing = self.memory.prepare(body, KINDS[method], tenant)
+        except SluiceError as exc:  # as the server would refuse it
+            self.stats.end(started, exc.status, exc.reason)
+            return Reply(Code[exc.status], str(exc))
+        if placing is None:
+            return await self._forward(started, body, metadata, deadline, stream, method, sized)
+        try:
+            return await self._forward(
+                started, placing.body, metadata, deadline, stream, method, sized, placing
+            )
+        finally:
+            placing.release()
+
     async def _forward(
         self,
         started: float,
@@ -270,8 +308,10 @@ class BalancerService:
         stream: bool,
         method: str,
         sized: Sized | None,
+        placing: Placing | None = None,
     ) -> Reply:
-        """`forward` past the door."""
+        """`forward` past the door and the regions (`placing`: the call's, whose outputs
+        are written from the answer returned, once, whatever the attempts)."""
         forwarded = {k: metadata[k] for k in FORWARDED if k in metadata}
         kind = KINDS[method]
         # One read of the body: its model, its id (out of the affinity key, so identical
@@ -309,6 +349,8 @@ class BalancerService:
                 traced.failed(exc)
             self.stats.end(started, "CANCELLED")
             raise
+        if placing is not None and reply.code == 0:
+            reply = _answered(placing, reply)
         if sized is not None and reply.code == 0:
             reply = self._capped(reply, sized(reply))
         code = reply.code
@@ -553,6 +595,14 @@ class BalancerService:
         if self.tenants is not None:
             response.tenants.extend(door.statuses(self.tenants, account))
         return response.SerializeToString()
+
+
+def _answered(placing: Placing, reply: Reply) -> Reply:
+    """The caller's answer to a call that placed outputs in its regions, written there."""
+    try:
+        return Reply(0, body=placing.answer(reply.body), trailers=reply.trailers)
+    except SluiceError as exc:
+        return Reply(Code[exc.status], str(exc), trailers=reply.trailers)
 
 
 def served(backends: Iterable[Backend], default: str) -> list[pb.ModelStatus]:

@@ -148,6 +148,12 @@ class BalancerSettings(ProgramSettings):
             raise ValueError("--outlier-factor must be 0 (off) or more than 1")
         if not 0.01 <= self.models_refresh_s <= 3600:
             raise ValueError("--models-refresh-s must be between 0.01 and 3600 seconds")
+        if self.shared_memory and self.workers > 1:
+            raise ValueError(
+                "--shared-memory needs --workers 1: each process would keep its own regions, "
+                "and a call may reach another process than the one its regions were "
+                "registered on"
+            )
 
     def processes(self) -> int:
         return self.workers
