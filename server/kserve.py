@@ -378,10 +378,10 @@ class _Place(NamedTuple):
     byte_size: int
 
 
-Tensor = kpb.ModelInferRequest.InferInputTensor | kpb.ModelInferRequest.InferRequestedOutputTensor
+_Tensor = kpb.ModelInferRequest.InferInputTensor | kpb.ModelInferRequest.InferRequestedOutputTensor
 
 
-def _place(tensor: Tensor, lease: Lease | None) -> _Place | None:
+def _place(tensor: _Tensor, lease: Lease | None) -> _Place | None:
     """Where a tensor's parameters place it in shared memory; None: nowhere. Refused where
     the node takes none (no `lease`)."""
     parameters = tensor.parameters
