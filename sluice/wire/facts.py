@@ -203,6 +203,10 @@ def _first(body: bytes, start: int, end: int, shape: int, budget: int) -> tuple[
     return None, budget
 
 
+_SHARED_TAG = peek.tag(TENSOR_SHARED_MEMORY)
+_SCAN_MOST = 4 << 10  # bytes of an input scanned for that tag before its fields are walked
+
+
 def uses_regions(body: bytes) -> bool:
     """Whether a PredictRequest body names shared memory: outputs to write into regions
     (output_memory), or an input whose bytes lie in one (Tensor.shared_memory). Its answer
@@ -210,15 +214,19 @@ def uses_regions(body: bytes) -> bool:
     One walk of the top-level fields and of each input's (a raw_data is stepped over, not
     read). A body this walk cannot read is taken to use them: the decode judges it."""
     budget = peek.MAX_FIELDS
+    walk = peek.walk  # on every call of a node that takes shared memory: no wrapper
     try:
-        for number, wire, a, b in peek.fields(body, 0, len(body), budget):
+        for _, number, wire, a, b in walk(body, 0, len(body), budget):
             budget -= 1
             if wire != 2:
                 continue  # another wire type is an unknown field to the parser, not these
             if number == PREDICT_OUTPUT_MEMORY:
                 return True
-            if number == PREDICT_INPUTS:
-                for inner, kind, _, _ in peek.fields(body, a, b, budget):
+            # A small input without the tag's byte anywhere in it has no such field: no
+            # walk (a scan of a large one's bytes would cost more than its walk).
+            small = b - a <= _SCAN_MOST
+            if number == PREDICT_INPUTS and not (small and body.find(_SHARED_TAG, a, b) < 0):
+                for _, inner, kind, _, _ in walk(body, a, b, budget):
                     budget -= 1
                     if inner == TENSOR_SHARED_MEMORY and kind == 2:
                         return True

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sluice.client import SluiceClient
 from sluice.client import shm as client_shm
@@ -232,6 +234,23 @@ def test_the_route_says_which_bodies_name_regions() -> None:
     odd = plain + b"\x0a\x02\x60\x01"
     assert not pb.PredictRequest.FromString(odd).inputs[1].HasField("shared_memory")
     assert not facts.uses_regions(odd)
+
+
+@given(
+    raw=st.binary(max_size=3 * facts._SCAN_MOST),
+    shared=st.booleans(),
+    memory=st.booleans(),
+)
+def test_whether_a_body_names_regions_is_the_parsers_answer(
+    raw: bytes, shared: bool, memory: bool
+) -> None:
+    tensor = pb.Tensor(name="x", datatype="UINT8", shape=[len(raw)], raw_data=raw)
+    if shared:
+        tensor.shared_memory.region = "r"
+    body = request([tensor], {"y": codec.Ref("r", 0, 8)} if memory else None)
+    parsed = pb.PredictRequest.FromString(body)
+    want = bool(parsed.output_memory) or parsed.inputs[0].HasField("shared_memory")
+    assert facts.uses_regions(body) is want
 
 
 # The region calls.
