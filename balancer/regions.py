@@ -155,10 +155,10 @@ class _Infer(Placing):
         return response.SerializeToString()
 
 
-Tensor = kpb.ModelInferRequest.InferInputTensor | kpb.ModelInferRequest.InferRequestedOutputTensor
+_Tensor = kpb.ModelInferRequest.InferInputTensor | kpb.ModelInferRequest.InferRequestedOutputTensor
 
 
-def _triton_ref(tensor: Tensor, label: str, on: bool) -> codec.Ref | None:
+def _triton_ref(tensor: _Tensor, label: str, on: bool) -> codec.Ref | None:
     """The region a KServe tensor's parameters place it in (None: none), read, checked and
     refused as the server reads them (Triton's words), and those parameters taken off it:
     the server gets its bytes instead. `on`: the balancer takes shared memory."""

@@ -79,7 +79,9 @@ class Server:
         request = pb.PredictRequest.FromString(body)
         assert not request.output_memory
         x = codec.decode_all(request.inputs)["x"]  # no region named: it would refuse
-        answer = codec.encode_predict_response("m", "1", outputs_of(x), request.typed_outputs)
+        outputs = outputs_of(x)
+        asked = {n: outputs[n] for n in request.outputs or outputs}
+        answer = codec.encode_predict_response("m", "1", asked, request.typed_outputs)
         return Reply(0, body=answer, trailers={"x-node-id": self.address})
 
     async def unary(
@@ -145,6 +147,7 @@ async def rig(
     tenants: bool = False,
     max_regions: int = 64,
     max_bytes: int = 1 << 20,
+    fanout_rows: int = 0,
 ) -> AsyncIterator[Rig]:
     pool = Pool()
     pool.set_addresses(f"s{i}:1" for i in range(servers))
@@ -159,6 +162,7 @@ async def rig(
         node_id="b",
         tenants=Tenants(parse(TENANTS)) if tenants else None,
         regions=regions,
+        fanout_rows=fanout_rows,
     )
     server = grpc.aio.server()
     server.add_generic_rpc_handlers(
@@ -372,6 +376,23 @@ async def test_a_predict_stream_message_takes_regions_too(tmp_path: Path) -> Non
         )
 
 
+async def test_a_call_split_over_servers_is_answered_in_regions_whole(tmp_path: Path) -> None:
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    async with rig(tmp_path, servers=3, fanout_rows=4) as r:
+        await register(r.v1, "in", r.object("in", x.tobytes()), x.nbytes)
+        await register(r.v1, "out", r.object("out", bytes(x.nbytes)), x.nbytes)
+        request = pb.PredictRequest(
+            inputs=[shared("x", "in", x)],
+            outputs=["y"],  # a row-wise output: the answers to the chunks merge
+            output_memory={"y": ref("out", 0, x.nbytes)},
+        )
+        (y,) = (await r.v1.Predict(request)).outputs
+        assert y.shared_memory == ref("out", 0, x.nbytes)
+        got = np.frombuffer(r.read("out", x.nbytes), np.float32).reshape(10, 4)
+        np.testing.assert_array_equal(got, x * 2)
+        assert sorted(len(s.bodies) for s in r.servers) == [1, 1, 1]  # three chunks
+
+
 # The region calls.
 
 
@@ -558,6 +579,14 @@ RANGE = "Invalid offset + byte size for shared memory region: 'in'"
             pb.PredictRequest(inputs=[codec.encode("x", X)], output_memory={"z": ref("out")}),
             grpc.StatusCode.INVALID_ARGUMENT,
             "output_memory names output 'z', which this call does not return (it returns 'y', 'n')",
+        ),
+        (
+            pb.PredictRequest(
+                inputs=[codec.encode("x", X)],
+                output_memory={"y": ref("out", 0, 40), "n": ref("out", 32, 8)},
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "output_memory of outputs 'y' and 'n' overlap in region 'out'; give each its own bytes",
         ),
         (
             pb.PredictRequest(inputs=[codec.encode("x", X)], output_memory={"y": ref("nope")}),
