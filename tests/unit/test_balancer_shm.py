@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tracemalloc
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Pool
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
-from sluice.wire import codec
+from sluice.wire import codec, facts
 from sluice.wire.mux import Reply
 
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
@@ -391,6 +392,41 @@ async def test_a_call_split_over_servers_is_answered_in_regions_whole(tmp_path: 
         got = np.frombuffer(r.read("out", x.nbytes), np.float32).reshape(10, 4)
         np.testing.assert_array_equal(got, x * 2)
         assert sorted(len(s.bodies) for s in r.servers) == [1, 1, 1]  # three chunks
+
+
+def test_a_regions_bytes_are_copied_once_straight_into_the_body(tmp_path: Path) -> None:
+    image = np.random.default_rng(3).random((1, 3, 224, 224), np.float32)
+    (tmp_path / "obj").write_bytes(image.tobytes())
+    regions = Regions(root=tmp_path)
+    regions.register("", "in", "/obj", 0, image.nbytes)
+    memory = balancer_regions.SharedMemory(regions, gate=None)  # type: ignore[arg-type]
+    placed = {"shared_memory_region": Parameter(string_param="in")}
+    placed["shared_memory_byte_size"] = Parameter(int64_param=image.nbytes)
+    bodies = [
+        (facts.PREDICT, pb.PredictRequest(inputs=[shared("x", "in", image)])),
+        (
+            facts.MODEL_INFER,
+            kpb.ModelInferRequest(
+                inputs=[Input(name="x", datatype="FP32", shape=image.shape, parameters=placed)]
+            ),
+        ),
+    ]
+    try:
+        for kind, request in bodies:
+            body = request.SerializeToString()
+            tracemalloc.start()
+            try:
+                placing = memory.prepare(body, kind, "")
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            assert placing is not None
+            assert image.tobytes() in placing.body
+            placing.release()
+            # The body is the one block of its size this made: no copy on the way.
+            assert image.nbytes < peak < 1.05 * image.nbytes, kind.message
+    finally:
+        regions.close()
 
 
 # The region calls.
