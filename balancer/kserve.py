@@ -26,6 +26,7 @@ SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 MODEL_READY = f"/{SERVICE}/ModelReady"
 MODEL_METADATA = f"/{SERVICE}/ModelMetadata"
 NAME = "sluice-balancer"
+SYSTEM_SHARED_MEMORY = "system_shared_memory"  # Triton's extension, served with --shared-memory
 M = TypeVar("M", bound=Message)
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
 
@@ -72,7 +73,11 @@ class KServeFacade:
     async def server_metadata(self, body: bytes, context: Context) -> bytes:
         await self.service.gate(context, door.TENANT)
         await _parse(kpb.ServerMetadataRequest, body, context)
-        return kpb.ServerMetadataResponse(name=NAME, version=self.version).SerializeToString()
+        extensions = [SYSTEM_SHARED_MEMORY] if self.service.memory.regions is not None else []
+        response = kpb.ServerMetadataResponse(
+            name=NAME, version=self.version, extensions=extensions
+        )
+        return response.SerializeToString()
 
     async def model_ready(self, body: bytes, context: Context) -> bytes:
         _, headers = await self.service.gate(context, door.OPEN)

@@ -464,6 +464,8 @@ async def test_regions_are_registered_listed_and_let_go_on_both_faces(tmp_path: 
         assert list(listed.regions) == ["b"]
         await r.v1.UnregisterRegion(pb.UnregisterRegionRequest())  # all of them
         assert not (await r.v1.RegionStatus(pb.RegionStatusRequest())).regions
+        metadata = await r.kserve.ServerMetadata(kpb.ServerMetadataRequest())
+        assert list(metadata.extensions) == ["system_shared_memory"]  # what Triton's clients ask
         # Registering with the balancer never reaches a server.
         assert [s.unary_calls for s in r.servers] == [[]] and r.bodies() == []
 
@@ -770,6 +772,7 @@ async def test_with_shared_memory_off_its_calls_and_bodies_are_refused(tmp_path:
                 f"{what}; {NO_SHARED_MEMORY}",
             )
         assert "start sluice-balancer with --shared-memory" in OFF + NO_SHARED_MEMORY
+        assert not (await r.kserve.ServerMetadata(kpb.ServerMetadataRequest())).extensions
         assert r.bodies() == []
         # What names no region goes on as before.
         response = await r.v1.Predict(pb.PredictRequest(inputs=[codec.encode("x", X)]))
