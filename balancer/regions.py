@@ -24,7 +24,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from sluice.core.datatypes import DATATYPES
-from sluice.core.errors import InvalidInput, SluiceError, Unimplemented
+from sluice.core.errors import InvalidInput, RegionNotFound, SluiceError, Unimplemented
 from sluice.core.shm import Lease, Regions
 from sluice.core.tenants import Account
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
@@ -43,6 +43,8 @@ NO_SHARED_MEMORY = (
     "Sluice does not serve shared memory here: start sluice-balancer with --shared-memory "
     "(for callers on its host), or send the values in the request"
 )
+# Triton's answer where it has no GPU; Sluice maps no CUDA memory of other processes.
+NO_CUDA = "GPUs not supported: Sluice takes system shared memory only"
 SWEEP_S = 2.0  # how often regions whose object its caller unlinked are let go
 # Triton's parameters of a tensor in shared memory (an input's bytes, an output's place).
 REGION = "shared_memory_region"
@@ -225,12 +227,16 @@ class SharedMemory:
         )
 
     def kserve_methods(self) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]:
-        """inference.GRPCInferenceService's system shared memory calls by method name."""
+        """inference.GRPCInferenceService's shared memory calls by method name: the system
+        ones, and the CUDA ones as the server answers them (Triton's without GPUs)."""
         return _handlers(
             {
                 "SystemSharedMemoryRegister": self.system_register,
                 "SystemSharedMemoryStatus": self.system_status,
                 "SystemSharedMemoryUnregister": self.system_unregister,
+                "CudaSharedMemoryStatus": self.cuda_status,
+                "CudaSharedMemoryRegister": self.cuda_register,
+                "CudaSharedMemoryUnregister": self.cuda_unregister,
             }
         )
 
@@ -242,11 +248,16 @@ class SharedMemory:
         act: Callable[[Regions, str, M], Message],
     ) -> bytes:
         """A region call: its caller's tenant ("" with tenants off), `act` on its request."""
+        return await self._answer(
+            context, lambda tenant: act(self._on(), tenant, parsed(kind, body))
+        )
+
+    async def _answer(self, context: Context, act: Callable[[str], Message]) -> bytes:
+        """A shared memory call past the door, `act` given its caller's tenant ("" with
+        tenants off); a SluiceError is its status."""
         account, _ = await self.gate(context, door.TENANT)
-        tenant = account.tenant.name if account is not None else ""
         try:
-            regions = self._on()
-            return act(regions, tenant, parsed(kind, body)).SerializeToString()
+            return act(account.tenant.name if account is not None else "").SerializeToString()
         except SluiceError as exc:
             await context.abort(status_of(exc), str(exc))
 
@@ -306,6 +317,33 @@ class SharedMemory:
             return kpb.SystemSharedMemoryUnregisterResponse()
 
         return await self._serve(context, kpb.SystemSharedMemoryUnregisterRequest, body, act)
+
+    # CUDA shared memory, as the server answers it: none is ever registered.
+
+    async def cuda_status(self, body: bytes, context: Context) -> bytes:
+        def act(tenant: str) -> Message:
+            request = parsed(kpb.CudaSharedMemoryStatusRequest, body)
+            if request.name:
+                raise RegionNotFound(f"Unable to find cuda shared memory region: {request.name!r}")
+            return kpb.CudaSharedMemoryStatusResponse()
+
+        return await self._answer(context, act)
+
+    async def cuda_register(self, body: bytes, context: Context) -> bytes:
+        def act(tenant: str) -> Message:
+            request = parsed(kpb.CudaSharedMemoryRegisterRequest, body)
+            raise InvalidInput(
+                f"failed to register CUDA shared memory region: {request.name[:256]!r}, {NO_CUDA}"
+            )
+
+        return await self._answer(context, act)
+
+    async def cuda_unregister(self, body: bytes, context: Context) -> bytes:
+        def act(tenant: str) -> Message:
+            parsed(kpb.CudaSharedMemoryUnregisterRequest, body)  # none is there to unregister
+            return kpb.CudaSharedMemoryUnregisterResponse()
+
+        return await self._answer(context, act)
 
     # The calls that name regions.
 

@@ -2,9 +2,9 @@
 caller's host, in front of a real sluice-server that takes none: a grpc.aio client with the
 generated stubs registers POSIX shared memory objects in /dev/shm with the balancer, and
 Predict (sluice.v1) and ModelInfer (KServe) with their input and outputs in them answer as
-ONNX Runtime does, on the digits model and on a 1x3x224x224 image (a 602 KB input). A
-balancer without the flag refuses the region calls naming it. Every object is unlinked,
-whatever happens."""
+ONNX Runtime does, on the digits model and on a 1x3x224x224 image (a 602 KB input); Triton's
+own client finds what it finds at a server with --shared-memory. A balancer without the
+flag refuses the region calls naming it. Every object is unlinked, whatever happens."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -26,7 +27,9 @@ from sluice.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import SAMPLES
+from tests.e2e import test_tritonclient_shm_e2e as at_a_server
 from tests.e2e.harness import BIN, Process, running, server_argv
+from tests.e2e.test_tritonclient_e2e import tritonclient_python
 
 pytestmark = pytest.mark.e2e
 
@@ -215,6 +218,17 @@ async def test_a_602_kb_image_answers_in_regions_as_onnxruntime(
         want = {"output": output}
         assert_same(await predict_in_regions(balancer.address, "pool", image, want), want)
         assert_same(await infer_in_regions(balancer.address, "pool", image, want), want)
+
+
+def test_tritons_own_client_finds_what_it_finds_at_a_server(
+    balancer: Process, reference: ort.InferenceSession, tmp_path: Path
+) -> None:
+    """tritonclient and its shared memory utilities, unmodified, through the balancer: the
+    same checks as at a server with --shared-memory (regions, an inference in them, Triton's
+    refusals, unregistering, the sweep of an object its caller unlinked)."""
+    at_a_server.test_tritonclient_shared_memory(
+        balancer, tritonclient_python(), reference, tmp_path
+    )
 
 
 async def test_a_region_the_caller_never_registered_is_refused(balancer: Process) -> None:

@@ -464,6 +464,21 @@ async def test_regions_are_registered_listed_and_let_go_on_both_faces(tmp_path: 
         assert list(listed.regions) == ["b"]
         await r.v1.UnregisterRegion(pb.UnregisterRegionRequest())  # all of them
         assert not (await r.v1.RegionStatus(pb.RegionStatusRequest())).regions
+        # CUDA shared memory, as the server answers it (Triton's without GPUs).
+        assert not (
+            await r.kserve.CudaSharedMemoryStatus(kpb.CudaSharedMemoryStatusRequest())
+        ).regions
+        assert await status_of(
+            r.kserve.CudaSharedMemoryStatus(kpb.CudaSharedMemoryStatusRequest(name="g"))
+        ) == (grpc.StatusCode.NOT_FOUND, "Unable to find cuda shared memory region: 'g'")
+        assert await status_of(
+            r.kserve.CudaSharedMemoryRegister(kpb.CudaSharedMemoryRegisterRequest(name="g"))
+        ) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "failed to register CUDA shared memory region: 'g', GPUs not supported: Sluice "
+            "takes system shared memory only",
+        )
+        await r.kserve.CudaSharedMemoryUnregister(kpb.CudaSharedMemoryUnregisterRequest(name="g"))
         metadata = await r.kserve.ServerMetadata(kpb.ServerMetadataRequest())
         assert list(metadata.extensions) == ["system_shared_memory"]  # what Triton's clients ask
         # Registering with the balancer never reaches a server.
