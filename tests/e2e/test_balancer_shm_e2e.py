@@ -22,6 +22,8 @@ import pytest
 
 from perf import make_pool
 from sluice import models
+from sluice.client import SluiceClient
+from sluice.client import shm as client_shm
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from sluice.v1 import inference_pb2 as pb
@@ -218,6 +220,21 @@ async def test_a_602_kb_image_answers_in_regions_as_onnxruntime(
         want = {"output": output}
         assert_same(await predict_in_regions(balancer.address, "pool", image, want), want)
         assert_same(await infer_in_regions(balancer.address, "pool", image, want), want)
+
+
+def test_the_sluice_client_with_shared_memory_answers_through_the_balancer(
+    balancer: Process,
+) -> None:
+    mine = f"{client_shm.PREFIX}{os.getpid()}"
+    with (
+        SluiceClient(balancer.address) as plain,
+        SluiceClient(balancer.address, shared_memory=True) as client,
+    ):
+        for rows in (1, 1, 5):  # the first answer of a shape sizes its outputs' room
+            want = plain.predict({"input": DIGITS[:rows]}, model="digits")
+            got = client.predict({"input": DIGITS[:rows]}, model="digits")
+            assert_same(got, want)
+    assert not [n for n in os.listdir(SHM) if n.startswith(mine)]  # its objects are gone
 
 
 def test_tritons_own_client_finds_what_it_finds_at_a_server(
