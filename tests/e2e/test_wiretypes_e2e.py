@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from sluice import models
+from sluice.core.datatypes import DATATYPES
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from sluice.v1 import inference_pb2 as pb
@@ -25,9 +26,8 @@ pytestmark = pytest.mark.e2e
 
 WIDTH = 4
 BY_255 = "0.00392156862745098"  # 1/255, as written in a config
-NAMES = {np.dtype(np.uint8): "UINT8", np.dtype(np.int8): "INT8", np.dtype(np.float16): "FP16"}
-NAMES |= {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}
-DTYPES = {name: dtype for dtype, name in NAMES.items()}
+DTYPES = {n: DATATYPES[n].dtype for n in ("UINT8", "INT8", "FP16", "FP32", "INT64")}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def config(accepts: dict[str, str]) -> str:
