@@ -58,7 +58,10 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
         return 1
     defaults = settings.model_settings()
     # --model entries: loaded, checked and warmed up once, like a repository's versions.
-    served = [await load_model(name, "1", Path(path), defaults) for name, path in settings.models()]
+    served = [
+        await load_model(name, "1", Path(path), settings.model_settings(name))
+        for name, path in settings.models()
+    ]
     default = settings.default_model or (served[0].name if served else "")
     try:
         models = Models(served, default=default)
