@@ -101,6 +101,9 @@ MODEL_INFER = Kind(
 )
 # KServe v2's raw tensor bytes, read and written by hand (sluice.server.kserve).
 INFER_RAW_INPUTS = _Infer.RAW_INPUT_CONTENTS_FIELD_NUMBER
+# The request's tensors, whose parameters may place them in shared memory.
+INFER_INPUTS = _Infer.INPUTS_FIELD_NUMBER
+INFER_OUTPUTS = _Infer.OUTPUTS_FIELD_NUMBER
 INFER_RESPONSE_RAW_OUTPUTS = kpb.ModelInferResponse.RAW_OUTPUT_CONTENTS_FIELD_NUMBER
 METADATA = Kind(
     pb.MetadataRequest.DESCRIPTOR.full_name,
