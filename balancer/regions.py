@@ -50,7 +50,6 @@ SWEEP_S = 2.0  # how often regions whose object its caller unlinked are let go
 REGION = "shared_memory_region"
 OFFSET = "shared_memory_offset"
 BYTE_SIZE = "shared_memory_byte_size"
-_NAMES_A_REGION = REGION.encode()  # a body that names one holds this key's bytes
 _RAW_INPUT = peek.tag(facts.INFER_RAW_INPUTS)
 # Appended to a written PredictRequest: protobuf merges a message's fields in order.
 _TYPED_OUTPUTS = pb.PredictRequest(typed_outputs=True).SerializeToString()
@@ -365,7 +364,7 @@ class SharedMemory:
                 ):
                     return self._placing(_predict, request, tenant)
                 return None
-            if _NAMES_A_REGION not in body:
+            if not facts.infer_uses_regions(body):
                 return None
             infer = kpb.ModelInferRequest.FromString(body)
         except DecodeError:
