@@ -21,12 +21,12 @@ from sluice.routing.pool import Want
 from sluice.runtime import door
 from sluice.runtime.process import package_version
 from sluice.runtime.status import grpc_code
+from sluice.wire.regions import SYSTEM_SHARED_MEMORY
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 MODEL_READY = f"/{SERVICE}/ModelReady"
 MODEL_METADATA = f"/{SERVICE}/ModelMetadata"
 NAME = "sluice-balancer"
-SYSTEM_SHARED_MEMORY = "system_shared_memory"  # Triton's extension, served with --shared-memory
 M = TypeVar("M", bound=Message)
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
 

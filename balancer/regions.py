@@ -23,6 +23,7 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from sluice.balancer.settings import BalancerSettings
 from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import InvalidInput, RegionNotFound, SluiceError, Unimplemented
 from sluice.core.shm import Lease, Regions
@@ -33,18 +34,14 @@ from sluice.runtime.settings import ProgramSettings
 from sluice.runtime.status import status_of
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec, facts, peek
+from sluice.wire.regions import NO_CUDA, off, unserved
 
 log = logging.getLogger("sluice.balancer")
 
 # The servers' words, naming this program: its region calls refused (UNIMPLEMENTED), and a
 # body that names a region (INVALID_ARGUMENT, after what names it).
-OFF = "shared memory is off; start sluice-balancer with --shared-memory (for callers on its host)"
-NO_SHARED_MEMORY = (
-    "Sluice does not serve shared memory here: start sluice-balancer with --shared-memory "
-    "(for callers on its host), or send the values in the request"
-)
-# Triton's answer where it has no GPU; Sluice maps no CUDA memory of other processes.
-NO_CUDA = "GPUs not supported: Sluice takes system shared memory only"
+OFF = off(BalancerSettings.PROG)
+NO_SHARED_MEMORY = unserved(BalancerSettings.PROG)
 SWEEP_S = 2.0  # how often regions whose object its caller unlinked are let go
 # Triton's parameters of a tensor in shared memory (an input's bytes, an output's place).
 REGION = "shared_memory_region"

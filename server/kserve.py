@@ -30,16 +30,17 @@ from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Asked, Request
 from sluice.server.dataplane.repository import LoadReport
+from sluice.server.regions import OFF
 from sluice.server.service import Call, InferenceService, Method, tenant_of
-from sluice.server.v1 import parse
+from sluice.server.v1 import NO_SHARED_MEMORY, parse
 from sluice.wire import codec, facts, peek
+from sluice.wire.regions import NO_CUDA, SYSTEM_SHARED_MEMORY
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 INFER = "ModelInfer"  # the method name, also a PredictStream message's `method`
 # Triton's name for ONNX models run by ONNX Runtime: clients and dashboards match on it.
 PLATFORM = "onnxruntime_onnx"
 REPOSITORY = "model_repository"  # the extension's name in ServerMetadata
-SYSTEM_SHARED_MEMORY = "system_shared_memory"  # and Triton's shared memory extension's
 # Who may call what with auth on (others: any tenant): probes need no key; loading and
 # unloading models is an admin's.
 ACCESS = {
@@ -53,11 +54,6 @@ ACCESS = {
 REPOSITORY_OFF = (
     "the repository API is off; start sluice-server with --model-repository DIR --repository-api"
 )
-SHARED_MEMORY_OFF = (
-    "shared memory is off; start sluice-server with --shared-memory (for callers on its host)"
-)
-# Triton's answer where it has no GPU; Sluice maps no CUDA memory of other processes.
-NO_CUDA = "GPUs not supported: Sluice takes system shared memory only"
 READY = "READY"
 # RepositoryModelLoad's answer has no fields: these trailers say which versions serve after
 # it and which it refused (their reasons: RepositoryIndex and the server's log).
@@ -78,10 +74,6 @@ _RAW_INPUT = facts.INFER_RAW_INPUTS
 FRAMED_FROM = 4 << 10
 # ModelInferResponse's raw_output_contents tag (length-delimited).
 _RAW_OUTPUT_TAG = peek.tag(facts.INFER_RESPONSE_RAW_OUTPUTS)
-_NO_SHARED_MEMORY = (
-    "Sluice does not serve shared memory here: start sluice-server with --shared-memory "
-    "(for callers on its host), or send the values in the request"
-)
 _NO_VALUES = np.empty(0, np.uint8)  # an output in shared memory: its raw entry, empty
 
 
@@ -373,7 +365,7 @@ def _place(tensor: _Tensor, lease: Lease | None) -> _Place | None:
     region = parameters.get(_REGION)
     if region is not None:
         if lease is None:
-            raise InvalidInput(f"{label} names a shared memory region; {_NO_SHARED_MEMORY}")
+            raise InvalidInput(f"{label} names a shared memory region; {NO_SHARED_MEMORY}")
         if region.WhichOneof("parameter_choice") != "string_param":
             raise InvalidInput(
                 f"invalid value type for '{_REGION}' parameter for {label}, expected string_param"
@@ -617,7 +609,7 @@ class KServeService:
 
     def _regions(self) -> Regions:
         if self.service.regions is None:
-            raise Unimplemented(SHARED_MEMORY_OFF)
+            raise Unimplemented(OFF)
         return self.service.regions
 
     async def system_shared_memory_status(self, body: bytes, call: Call) -> bytes:

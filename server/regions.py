@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from sluice.core.errors import Unimplemented
 from sluice.core.shm import Regions
+from sluice.server.settings import ServerSettings
 from sluice.server.v1 import parse
 from sluice.v1 import inference_pb2 as pb
+from sluice.wire.regions import off
 
-OFF = "shared memory is off; start sluice-server with --shared-memory (for callers on its host)"
+OFF = off(ServerSettings.PROG)  # both faces' region calls, refused
 # The empty replies, serialized once.
 REGISTERED = pb.RegisterRegionResponse().SerializeToString()
 UNREGISTERED = pb.UnregisterRegionResponse().SerializeToString()

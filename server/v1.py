@@ -20,8 +20,10 @@ from sluice.server.dataplane.batcher import Arrays
 from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Asked, Request
+from sluice.server.settings import ServerSettings
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec, facts, peek
+from sluice.wire.regions import unserved
 
 M = TypeVar("M", bound=Message)
 
@@ -39,11 +41,8 @@ def parse(kind: type[M], body: bytes) -> M:
 # image's parse and raw_data copies cost 1.1 ms a call in fresh memory; below it the full
 # parser is the faster (8.8 us against 10.2 for the digits model's 300 bytes).
 WIRE_READ_FROM = 16 << 10
-# A body naming shared memory where the node takes none (the KServe face's words).
-NO_SHARED_MEMORY = (
-    "Sluice does not serve shared memory here: start sluice-server with --shared-memory "
-    "(for callers on its host), or send the values in the request"
-)
+# After what names shared memory in a body (both faces), where the node takes none.
+NO_SHARED_MEMORY = unserved(ServerSettings.PROG)
 
 
 class Options(NamedTuple):

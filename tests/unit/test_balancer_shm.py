@@ -786,7 +786,14 @@ async def test_with_shared_memory_off_its_calls_and_bodies_are_refused(tmp_path:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{what}; {NO_SHARED_MEMORY}",
             )
-        assert "start sluice-balancer with --shared-memory" in OFF + NO_SHARED_MEMORY
+        assert OFF == (
+            "shared memory is off; start sluice-balancer with --shared-memory (for callers on "
+            "its host)"
+        )
+        assert NO_SHARED_MEMORY == (
+            "Sluice does not serve shared memory here: start sluice-balancer with "
+            "--shared-memory (for callers on its host), or send the values in the request"
+        )
         assert not (await r.kserve.ServerMetadata(kpb.ServerMetadataRequest())).extensions
         assert r.bodies() == []
         # What names no region goes on as before.

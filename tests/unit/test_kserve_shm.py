@@ -31,19 +31,15 @@ from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Dataplane
-from sluice.server.kserve import (
-    KSERVE,
-    SHARED_MEMORY_OFF,
-    SYSTEM_SHARED_MEMORY,
-    KServeService,
-    KServeV2,
-)
+from sluice.server.kserve import KSERVE, KServeService, KServeV2
 from sluice.server.main import ONE_PROCESS, serve
+from sluice.server.regions import OFF
 from sluice.server.service import InferenceService
 from sluice.server.settings import ServerSettings
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec
+from sluice.wire.regions import SYSTEM_SHARED_MEMORY
 from tests.conftest import SAMPLES
 from tests.unit.test_dataplane import Gated
 
@@ -721,7 +717,11 @@ async def test_shared_memory_off(plane: Dataplane, shm: Callable[[int], Shm]) ->
             stub.SystemSharedMemoryStatus(kpb.SystemSharedMemoryStatusRequest()),
             stub.SystemSharedMemoryUnregister(kpb.SystemSharedMemoryUnregisterRequest()),
         ):
-            assert await refusal(call) == (grpc.StatusCode.UNIMPLEMENTED, SHARED_MEMORY_OFF)
+            assert await refusal(call) == (grpc.StatusCode.UNIMPLEMENTED, OFF)
+        assert OFF == (
+            "shared memory is off; start sluice-server with --shared-memory (for callers on its "
+            "host)"
+        )
         for body in (
             request(shared_input()),
             request(
