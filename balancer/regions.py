@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError, Message
 
 from sluice.balancer.settings import BalancerSettings
 from sluice.core.datatypes import DATATYPES
-from sluice.core.errors import InvalidInput, RegionNotFound, SluiceError, Unimplemented
+from sluice.core.errors import InvalidInput, SluiceError
 from sluice.core.shm import Lease, Regions
 from sluice.core.tenants import Account
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
@@ -34,13 +34,12 @@ from sluice.runtime.settings import ProgramSettings
 from sluice.runtime.status import status_of
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec, facts, peek
-from sluice.wire.regions import NO_CUDA, off, unserved
+from sluice.wire.regions import KSERVE_CALLS, V1_CALLS, RegionCall, RegionCalls, unserved
 
 log = logging.getLogger("sluice.balancer")
 
-# The servers' words, naming this program: its region calls refused (UNIMPLEMENTED), and a
-# body that names a region (INVALID_ARGUMENT, after what names it).
-OFF = off(BalancerSettings.PROG)
+# After what names a region in a body (INVALID_ARGUMENT), the servers' words naming this
+# program.
 NO_SHARED_MEMORY = unserved(BalancerSettings.PROG)
 SWEEP_S = 2.0  # how often regions whose object its caller unlinked are let go
 # Triton's parameters of a tensor in shared memory (an input's bytes, an output's place).
@@ -56,15 +55,6 @@ R = TypeVar("R", pb.PredictRequest, kpb.ModelInferRequest)
 Context = grpc.aio.ServicerContext[bytes, bytes]
 Gate = Callable[[Context, str], Awaitable[tuple[Account | None, dict[str, str]]]]
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
-
-
-def parsed(kind: type[M], body: bytes) -> M:
-    try:
-        return kind.FromString(body)
-    except DecodeError as exc:
-        raise InvalidInput(
-            f"request body is not a valid {kind.DESCRIPTOR.full_name} message: {exc}"
-        ) from None
 
 
 class Placing(ABC):
@@ -198,148 +188,45 @@ def _triton_ref(tensor: _Tensor, label: str, on: bool) -> codec.Ref | None:
 
 class SharedMemory:
     """The balancer's regions (None: --shared-memory is off, and every use of them is
-    refused with OFF), the region calls of both faces, and the calls that name regions.
+    refused), the region calls of both faces, and the calls that name regions.
     `gate`: the balancer's door for a control call (its tenant)."""
 
     def __init__(self, regions: Regions | None, gate: Gate) -> None:
         self.regions = regions
+        self.calls = RegionCalls(regions, BalancerSettings.PROG)
         self.gate = gate
-
-    def _on(self) -> Regions:
-        if self.regions is None:
-            raise Unimplemented(OFF)
-        return self.regions
 
     # The region calls.
 
     def v1_methods(self) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]:
         """sluice.v1.Inference's region calls by method name."""
-        return _handlers(
-            {
-                "RegisterRegion": self.register_region,
-                "RegionStatus": self.region_status,
-                "UnregisterRegion": self.unregister_region,
-            }
-        )
+        return self._handlers(V1_CALLS)
 
     def kserve_methods(self) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]:
         """inference.GRPCInferenceService's shared memory calls by method name: the system
         ones, and the CUDA ones as the server answers them (Triton's without GPUs)."""
-        return _handlers(
-            {
-                "SystemSharedMemoryRegister": self.system_register,
-                "SystemSharedMemoryStatus": self.system_status,
-                "SystemSharedMemoryUnregister": self.system_unregister,
-                "CudaSharedMemoryStatus": self.cuda_status,
-                "CudaSharedMemoryRegister": self.cuda_register,
-                "CudaSharedMemoryUnregister": self.cuda_unregister,
-            }
-        )
+        return self._handlers(KSERVE_CALLS)
 
-    async def _serve(
-        self,
-        context: Context,
-        kind: type[M],
-        body: bytes,
-        act: Callable[[Regions, str, M], Message],
-    ) -> bytes:
-        """A region call: its caller's tenant ("" with tenants off), `act` on its request."""
-        return await self._answer(
-            context, lambda tenant: act(self._on(), tenant, parsed(kind, body))
-        )
+    def _handlers(
+        self, calls: Mapping[str, RegionCall]
+    ) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]:
+        return {
+            name: grpc.unary_unary_rpc_method_handler(self._handler(fn))
+            for name, fn in calls.items()
+        }
 
-    async def _answer(self, context: Context, act: Callable[[str], Message]) -> bytes:
-        """A shared memory call past the door, `act` given its caller's tenant ("" with
-        tenants off); a SluiceError is its status."""
-        account, _ = await self.gate(context, door.TENANT)
-        try:
-            return act(account.tenant.name if account is not None else "").SerializeToString()
-        except SluiceError as exc:
-            await context.abort(status_of(exc), str(exc))
+    def _handler(self, fn: RegionCall) -> Handler:
+        """A region call past the door, on its caller's tenant's regions ("" with tenants
+        off); a SluiceError is its status."""
 
-    async def register_region(self, body: bytes, context: Context) -> bytes:
-        def act(regions: Regions, tenant: str, r: pb.RegisterRegionRequest) -> Message:
-            regions.register(tenant, r.name, r.key, r.offset, r.byte_size)
-            return pb.RegisterRegionResponse()
+        async def answer(body: bytes, context: Context) -> bytes:
+            account, _ = await self.gate(context, door.TENANT)
+            try:
+                return fn(self.calls, account.tenant.name if account is not None else "", body)
+            except SluiceError as exc:
+                await context.abort(status_of(exc), str(exc))
 
-        return await self._serve(context, pb.RegisterRegionRequest, body, act)
-
-    async def region_status(self, body: bytes, context: Context) -> bytes:
-        def act(regions: Regions, tenant: str, r: pb.RegionStatusRequest) -> Message:
-            return pb.RegionStatusResponse(
-                regions=[
-                    pb.RegisterRegionRequest(
-                        name=i.name, key=i.key, offset=i.offset, byte_size=i.byte_size
-                    )
-                    for i in regions.status(tenant, r.name)
-                ]
-            )
-
-        return await self._serve(context, pb.RegionStatusRequest, body, act)
-
-    async def unregister_region(self, body: bytes, context: Context) -> bytes:
-        def act(regions: Regions, tenant: str, r: pb.UnregisterRegionRequest) -> Message:
-            regions.unregister(tenant, r.name)
-            return pb.UnregisterRegionResponse()
-
-        return await self._serve(context, pb.UnregisterRegionRequest, body, act)
-
-    async def system_register(self, body: bytes, context: Context) -> bytes:
-        def act(regions: Regions, tenant: str, r: kpb.SystemSharedMemoryRegisterRequest) -> Message:
-            regions.register(tenant, r.name, r.key, r.offset, r.byte_size)
-            return kpb.SystemSharedMemoryRegisterResponse()
-
-        return await self._serve(context, kpb.SystemSharedMemoryRegisterRequest, body, act)
-
-    async def system_status(self, body: bytes, context: Context) -> bytes:
-        status = kpb.SystemSharedMemoryStatusResponse.RegionStatus
-
-        def act(regions: Regions, tenant: str, r: kpb.SystemSharedMemoryStatusRequest) -> Message:
-            found = regions.status(tenant, r.name)
-            return kpb.SystemSharedMemoryStatusResponse(
-                regions={
-                    i.name: status(name=i.name, key=i.key, offset=i.offset, byte_size=i.byte_size)
-                    for i in found
-                }
-            )
-
-        return await self._serve(context, kpb.SystemSharedMemoryStatusRequest, body, act)
-
-    async def system_unregister(self, body: bytes, context: Context) -> bytes:
-        def act(
-            regions: Regions, tenant: str, r: kpb.SystemSharedMemoryUnregisterRequest
-        ) -> Message:
-            regions.unregister(tenant, r.name)
-            return kpb.SystemSharedMemoryUnregisterResponse()
-
-        return await self._serve(context, kpb.SystemSharedMemoryUnregisterRequest, body, act)
-
-    # CUDA shared memory, as the server answers it: none is ever registered.
-
-    async def cuda_status(self, body: bytes, context: Context) -> bytes:
-        def act(tenant: str) -> Message:
-            request = parsed(kpb.CudaSharedMemoryStatusRequest, body)
-            if request.name:
-                raise RegionNotFound(f"Unable to find cuda shared memory region: {request.name!r}")
-            return kpb.CudaSharedMemoryStatusResponse()
-
-        return await self._answer(context, act)
-
-    async def cuda_register(self, body: bytes, context: Context) -> bytes:
-        def act(tenant: str) -> Message:
-            request = parsed(kpb.CudaSharedMemoryRegisterRequest, body)
-            raise InvalidInput(
-                f"failed to register CUDA shared memory region: {request.name[:256]!r}, {NO_CUDA}"
-            )
-
-        return await self._answer(context, act)
-
-    async def cuda_unregister(self, body: bytes, context: Context) -> bytes:
-        def act(tenant: str) -> Message:
-            parsed(kpb.CudaSharedMemoryUnregisterRequest, body)  # none is there to unregister
-            return kpb.CudaSharedMemoryUnregisterResponse()
-
-        return await self._answer(context, act)
+        return answer
 
     # The calls that name regions.
 
@@ -473,10 +360,6 @@ def _infer_body(
     for entry in entries:
         parts += (_RAW_INPUT, peek.varint(len(entry)), entry)
     return b"".join(parts), places
-
-
-def _handlers(methods: Mapping[str, Handler]) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]:
-    return {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()}
 
 
 def regions_of(settings: ProgramSettings) -> Regions | None:

@@ -20,8 +20,8 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from sluice.core.datatypes import DATATYPES, DataType
-from sluice.core.errors import InvalidInput, ModelNotFound, RegionNotFound, Unimplemented
-from sluice.core.shm import Lease, Regions
+from sluice.core.errors import InvalidInput, ModelNotFound, Unimplemented
+from sluice.core.shm import Lease
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.runtime.door import ADMIN, OPEN, TENANT
 from sluice.runtime.process import package_version
@@ -30,11 +30,10 @@ from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Asked, Request
 from sluice.server.dataplane.repository import LoadReport
-from sluice.server.regions import OFF
-from sluice.server.service import Call, InferenceService, Method, tenant_of
+from sluice.server.service import Call, InferenceService, Method
 from sluice.server.v1 import NO_SHARED_MEMORY, parse
 from sluice.wire import codec, facts, peek
-from sluice.wire.regions import NO_CUDA, SYSTEM_SHARED_MEMORY
+from sluice.wire.regions import KSERVE_CALLS, SYSTEM_SHARED_MEMORY
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 INFER = "ModelInfer"  # the method name, also a PredictStream message's `method`
@@ -506,12 +505,7 @@ class KServeService:
             "RepositoryIndex": self.repository_index,
             "RepositoryModelLoad": self.repository_load,
             "RepositoryModelUnload": self.repository_unload,
-            "SystemSharedMemoryStatus": self.system_shared_memory_status,
-            "SystemSharedMemoryRegister": self.system_shared_memory_register,
-            "SystemSharedMemoryUnregister": self.system_shared_memory_unregister,
-            "CudaSharedMemoryStatus": self.cuda_shared_memory_status,
-            "CudaSharedMemoryRegister": self.cuda_shared_memory_register,
-            "CudaSharedMemoryUnregister": self.cuda_shared_memory_unregister,
+            **{name: self.service.region_call(fn) for name, fn in KSERVE_CALLS.items()},
         }
         return {
             name: grpc.unary_unary_rpc_method_handler(
@@ -606,55 +600,6 @@ class KServeService:
         _no_parameters("RepositoryModelUnload", asked)
         await repository.unload(request.model_name)
         return kpb.RepositoryModelUnloadResponse().SerializeToString()
-
-    def _regions(self) -> Regions:
-        if self.service.regions is None:
-            raise Unimplemented(OFF)
-        return self.service.regions
-
-    async def system_shared_memory_status(self, body: bytes, call: Call) -> bytes:
-        regions = self._regions()
-        request = parse(kpb.SystemSharedMemoryStatusRequest, body)
-        response = kpb.SystemSharedMemoryStatusResponse()
-        for info in regions.status(tenant_of(call), request.name):
-            response.regions[info.name].CopyFrom(
-                kpb.SystemSharedMemoryStatusResponse.RegionStatus(
-                    name=info.name, key=info.key, offset=info.offset, byte_size=info.byte_size
-                )
-            )
-        return response.SerializeToString()
-
-    async def system_shared_memory_register(self, body: bytes, call: Call) -> bytes:
-        regions = self._regions()
-        request = parse(kpb.SystemSharedMemoryRegisterRequest, body)
-        regions.register(
-            tenant_of(call), request.name, request.key, request.offset, request.byte_size
-        )
-        return kpb.SystemSharedMemoryRegisterResponse().SerializeToString()
-
-    async def system_shared_memory_unregister(self, body: bytes, call: Call) -> bytes:
-        regions = self._regions()
-        request = parse(kpb.SystemSharedMemoryUnregisterRequest, body)
-        regions.unregister(tenant_of(call), request.name)
-        return kpb.SystemSharedMemoryUnregisterResponse().SerializeToString()
-
-    # CUDA shared memory, as Triton without GPUs answers it: none is ever registered.
-
-    async def cuda_shared_memory_status(self, body: bytes, call: Call) -> bytes:
-        request = parse(kpb.CudaSharedMemoryStatusRequest, body)
-        if request.name:
-            raise RegionNotFound(f"Unable to find cuda shared memory region: {request.name!r}")
-        return kpb.CudaSharedMemoryStatusResponse().SerializeToString()
-
-    async def cuda_shared_memory_register(self, body: bytes, call: Call) -> bytes:
-        request = parse(kpb.CudaSharedMemoryRegisterRequest, body)
-        raise InvalidInput(
-            f"failed to register CUDA shared memory region: {request.name[:256]!r}, {NO_CUDA}"
-        )
-
-    async def cuda_shared_memory_unregister(self, body: bytes, call: Call) -> bytes:
-        parse(kpb.CudaSharedMemoryUnregisterRequest, body)  # none is there to unregister
-        return kpb.CudaSharedMemoryUnregisterResponse().SerializeToString()
 
 
 def _no_parameters(method: str, parameters: Iterable[str]) -> None:

@@ -40,10 +40,11 @@ from sluice.runtime.status import status_of
 from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Dataplane, WireProtocol
-from sluice.server.regions import RegionCalls
+from sluice.server.settings import ServerSettings
 from sluice.server.v1 import SluiceV1, model_info, model_statuses, parse
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import stream
+from sluice.wire.regions import V1_CALLS, RegionCall, RegionCalls
 
 log = logging.getLogger("sluice.service")
 
@@ -97,6 +98,8 @@ class InferenceService:
     ) -> None:
         self.plane = plane
         self.regions = regions  # None: no shared memory (--shared-memory off)
+        # Both faces' region calls (off: refused naming the flag).
+        self.region_calls = RegionCalls(regions, ServerSettings.PROG)
         self.v1 = SluiceV1(shared_memory=regions is not None)
         # --max-message-bytes, said in Health: a balancer refuses a larger request itself
         # rather than send it on the stream it shares, which grpc here would end for it.
@@ -120,9 +123,7 @@ class InferenceService:
             "Predict": self.predict,
             "Health": self.health,
             "Metadata": self.metadata,
-            "RegisterRegion": self.register_region,
-            "RegionStatus": self.region_status,
-            "UnregisterRegion": self.unregister_region,
+            **{name: self.region_call(fn) for name, fn in V1_CALLS.items()},
         }
         handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {
             name: grpc.unary_unary_rpc_method_handler(
@@ -343,16 +344,13 @@ class InferenceService:
     async def predict(self, body: bytes, call: Call) -> bytes:
         return await self.infer(body, self.v1, call)
 
-    # sluice.v1's shared memory regions, each caller's tenant's own.
+    def region_call(self, fn: RegionCall) -> Method:
+        """A shared memory region call of either face, on its caller's tenant's regions."""
 
-    async def register_region(self, body: bytes, call: Call) -> bytes:
-        return RegionCalls(self.regions, tenant_of(call)).register(body)
+        async def method(body: bytes, call: Call) -> bytes:
+            return fn(self.region_calls, tenant_of(call), body)
 
-    async def region_status(self, body: bytes, call: Call) -> bytes:
-        return RegionCalls(self.regions, tenant_of(call)).status(body)
-
-    async def unregister_region(self, body: bytes, call: Call) -> bytes:
-        return RegionCalls(self.regions, tenant_of(call)).unregister(body)
+        return method
 
     async def infer(self, body: bytes, protocol: WireProtocol[Any], call: Call) -> bytes:
         """One inference call of any protocol, its trailers added to `call`; with shared

@@ -22,7 +22,7 @@ import pytest
 from sluice.balancer import regions as balancer_regions
 from sluice.balancer.kserve import SERVICE as KSERVE
 from sluice.balancer.kserve import KServeFacade
-from sluice.balancer.regions import NO_SHARED_MEMORY, OFF
+from sluice.balancer.regions import NO_SHARED_MEMORY
 from sluice.balancer.service import INFER, SERVICE, BalancerService
 from sluice.balancer.settings import BalancerSettings
 from sluice.core.errors import Code
@@ -46,6 +46,7 @@ keys = ["{digest(KEY_A)}"]
 keys = ["{digest(KEY_B)}"]
 """
 X = np.arange(12, dtype=np.float32).reshape(3, 4)
+OFF = "shared memory is off; start sluice-balancer with --shared-memory (for callers on its host)"
 Input = kpb.ModelInferRequest.InferInputTensor
 Output = kpb.ModelInferRequest.InferRequestedOutputTensor
 Parameter = kpb.InferParameter
@@ -786,10 +787,6 @@ async def test_with_shared_memory_off_its_calls_and_bodies_are_refused(tmp_path:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{what}; {NO_SHARED_MEMORY}",
             )
-        assert OFF == (
-            "shared memory is off; start sluice-balancer with --shared-memory (for callers on "
-            "its host)"
-        )
         assert NO_SHARED_MEMORY == (
             "Sluice does not serve shared memory here: start sluice-balancer with "
             "--shared-memory (for callers on its host), or send the values in the request"

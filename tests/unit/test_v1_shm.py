@@ -30,10 +30,10 @@ from sluice.core.errors import (
 from sluice.core.shm import Regions
 from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.modelsettings import WireType
-from sluice.server.regions import OFF, RegionCalls
 from sluice.server.v1 import NO_SHARED_MEMORY, V1, WIRE_READ_FROM, SluiceV1, _specs
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec, facts
+from sluice.wire.regions import RegionCalls
 
 SHARED = SluiceV1(shared_memory=True)
 X = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -262,40 +262,47 @@ def test_whether_a_body_names_regions_is_the_parsers_answer(
 def test_the_region_calls_register_report_and_unregister(regions: Regions) -> None:
     segment = client_shm.Segment(8192)
     try:
-        calls = RegionCalls(regions, "")
+        calls = RegionCalls(regions, "sluice-server")
         register = pb.RegisterRegionRequest(name="a", key=segment.key, offset=0, byte_size=4096)
-        assert calls.register(register.SerializeToString()) == b""
+        assert calls.register("", register.SerializeToString()) == b""
         with pytest.raises(AlreadyExists):
-            calls.register(register.SerializeToString())
-        status = pb.RegionStatusResponse.FromString(calls.status(b""))
+            calls.register("", register.SerializeToString())
+        status = pb.RegionStatusResponse.FromString(calls.status("", b""))
         assert list(status.regions) == [register]
         named = pb.RegionStatusRequest(name="a").SerializeToString()
-        assert pb.RegionStatusResponse.FromString(calls.status(named)).regions[0] == register
-        assert RegionCalls(regions, "other").status(b"") == b""  # another tenant's: none
+        assert pb.RegionStatusResponse.FromString(calls.status("", named)).regions[0] == register
+        assert calls.status("other", b"") == b""  # another tenant's: none
         with pytest.raises(RegionNotFound):
-            RegionCalls(regions, "other").status(named)
+            calls.status("other", named)
         unregister = pb.UnregisterRegionRequest(name="a").SerializeToString()
-        assert calls.unregister(unregister) == b""
-        assert calls.unregister(unregister) == b""  # one never registered: no error
+        assert calls.unregister("", unregister) == b""
+        assert calls.unregister("", unregister) == b""  # one never registered: no error
         assert len(regions) == 0
         with pytest.raises(InvalidInput, match=r"not a valid sluice\.v1\.RegisterRegionRequest"):
-            calls.register(b"\xff")
+            calls.register("", b"\xff")
         small = Regions(max_regions=1)
-        RegionCalls(small, "").register(register.SerializeToString())
+        RegionCalls(small, "sluice-server").register("", register.SerializeToString())
         with pytest.raises(QuotaExceeded):
-            RegionCalls(small, "").register(register.SerializeToString().replace(b"a", b"b", 1))
+            RegionCalls(small, "sluice-server").register(
+                "", register.SerializeToString().replace(b"a", b"b", 1)
+            )
         small.close()
     finally:
         segment.close()
 
 
 def test_the_region_calls_with_shared_memory_off_name_the_flag() -> None:
-    calls = RegionCalls(None, "")
+    calls = RegionCalls(None, "sluice-server")
     for call in (calls.register, calls.status, calls.unregister):
         with pytest.raises(Unimplemented) as caught:
-            call(b"")
-        assert str(caught.value) == OFF
-    assert "--shared-memory" in OFF
+            call("", b"")
+        assert str(caught.value) == (
+            "shared memory is off; start sluice-server with --shared-memory (for callers on its "
+            "host)"
+        )
+    # Off, the call is refused before its body is read.
+    with pytest.raises(Unimplemented):
+        calls.register("", b"\xff")
 
 
 def test_metadata_shows_the_wire_types_an_input_accepts() -> None:
