@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
 from sluice.balancer.settings import BalancerSettings
-from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import InvalidInput, SluiceError
 from sluice.core.shm import Lease, Regions
 from sluice.core.tenants import Account
@@ -33,7 +31,7 @@ from sluice.runtime import door
 from sluice.runtime.settings import ProgramSettings
 from sluice.runtime.status import status_of
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import codec, facts, peek
+from sluice.wire import codec, facts, peek, regions
 from sluice.wire.regions import KSERVE_CALLS, V1_CALLS, RegionCall, RegionCalls, unserved
 
 log = logging.getLogger("sluice.balancer")
@@ -42,10 +40,6 @@ log = logging.getLogger("sluice.balancer")
 # program.
 NO_SHARED_MEMORY = unserved(BalancerSettings.PROG)
 SWEEP_S = 2.0  # how often regions whose object its caller unlinked are let go
-# Triton's parameters of a tensor in shared memory (an input's bytes, an output's place).
-REGION = "shared_memory_region"
-OFFSET = "shared_memory_offset"
-BYTE_SIZE = "shared_memory_byte_size"
 _RAW_INPUT = peek.tag(facts.INFER_RAW_INPUTS)
 # Appended to a written PredictRequest: protobuf merges a message's fields in order.
 _TYPED_OUTPUTS = pb.PredictRequest(typed_outputs=True).SerializeToString()
@@ -119,71 +113,18 @@ class _Infer(Placing):
                 "need their raw bytes"
             )
         at = {t.name: i for i, t in enumerate(response.outputs)}
-        for name, (_, view) in self.places.items():  # all checked before any is written
+        for name, placed in self.places.items():  # all checked before any is written
             if name not in at:
                 raise SluiceError(f"the server's answer lacks output {name!r}")
-            if len(raw[at[name]]) > len(view):
-                raise InvalidInput(
-                    f"shared memory size specified with the request for output '{name}' "
-                    f"({len(view)} bytes) should be at least {len(raw[at[name]])} bytes to "
-                    "hold the results"
-                )
+            regions.check_room(name, placed, len(raw[at[name]]))
         for name, (ref, view) in self.places.items():
             i = at[name]
             size = len(raw[i])
             view[:size] = raw[i]
-            # The server's answer for an output in a region (Triton's empty entry; where
-            # it went and the bytes it took in its parameters).
-            params = response.outputs[i].parameters
-            params[REGION].string_param = ref.region
-            params[BYTE_SIZE].int64_param = size
-            if ref.offset:
-                params[OFFSET].int64_param = ref.offset
+            # The server's answer for an output in a region.
+            regions.written(response.outputs[i].parameters, ref, size)
             raw[i] = b""
         return response.SerializeToString()
-
-
-_Tensor = kpb.ModelInferRequest.InferInputTensor | kpb.ModelInferRequest.InferRequestedOutputTensor
-
-
-def _triton_ref(tensor: _Tensor, label: str, on: bool) -> codec.Ref | None:
-    """The region a KServe tensor's parameters place it in (None: none), read, checked and
-    refused as the server reads them (Triton's words), and those parameters taken off it:
-    the server gets its bytes instead. `on`: the balancer takes shared memory."""
-    params = tensor.parameters
-    if not params:
-        return None
-    region = params.get(REGION)
-    if region is not None:
-        if not on:
-            raise InvalidInput(f"{label} names a shared memory region; {NO_SHARED_MEMORY}")
-        if region.WhichOneof("parameter_choice") != "string_param":
-            raise InvalidInput(
-                f"invalid value type for '{REGION}' parameter for {label}, expected string_param"
-            )
-    values: dict[str, int] = {}
-    for key in (OFFSET, BYTE_SIZE):
-        value = params.get(key)
-        if value is None:
-            continue
-        if region is None:
-            raise InvalidInput(
-                f"'{key}' can not be specified without '{REGION}' parameter for {label}"
-            )
-        if value.WhichOneof("parameter_choice") != "int64_param":
-            raise InvalidInput(
-                f"invalid value type for '{key}' parameter for {label}, expected int64_param"
-            )
-        values[key] = value.int64_param
-    if region is None:
-        return None
-    if BYTE_SIZE not in values:
-        raise InvalidInput(
-            f"'{BYTE_SIZE}' must be specified along with '{REGION}' parameter for {label}"
-        )
-    for key in (REGION, OFFSET, BYTE_SIZE):
-        params.pop(key, None)
-    return codec.Ref(region.string_param, values.get(OFFSET, 0), values[BYTE_SIZE])
 
 
 class SharedMemory:
@@ -254,7 +195,7 @@ class SharedMemory:
         except DecodeError:
             return None
         named = [t.parameters for t in infer.inputs] + [t.parameters for t in infer.outputs]
-        if any(REGION in p for p in named):
+        if any(regions.REGION in p for p in named):
             return self._placing(_infer, infer, tenant)
         return None
 
@@ -273,16 +214,9 @@ class SharedMemory:
 
 
 def _predict(request: pb.PredictRequest, lease: Lease | None) -> Placing:
-    try:
-        # A view of the region per input in it: written into the body once.
-        inputs = codec.decode_all(request.inputs, lease)
-        refs = {n: codec.ref_of(r) for n, r in request.output_memory.items()}
-        places = codec.placed(lease, refs)
-    except codec.Unshared as exc:
-        raise InvalidInput(f"{exc}; {NO_SHARED_MEMORY}") from None
-    except codec.TensorError as exc:
-        raise InvalidInput(str(exc)) from None
-    assert lease is not None  # without one a region is Unshared
+    # A view of the region per input in it: written into the body once.
+    inputs, places = regions.predict_tensors(request, lease, NO_SHARED_MEMORY)
+    assert lease is not None  # without one a region is refused
     body = codec.encode_predict(inputs, request.outputs, request.model, request.version)
     if request.typed_outputs:
         body += _TYPED_OUTPUTS
@@ -302,11 +236,9 @@ def _infer_body(
     (protobuf writes the rest; the entries, its last field, are framed here so that each is
     copied once, into the body), and the views its outputs are to be written into. No
     `lease`: shared memory is off, and a region named is refused."""
-    model = f" for model '{request.model_name}'" if request.model_name else ""
-    labels = [f"input {t.name!r}" if t.name else "an input with no name" for t in request.inputs]
     refs = [
-        _triton_ref(t, label, lease is not None)
-        for t, label in zip(request.inputs, labels, strict=True)
+        regions.triton_ref(t.parameters, regions.input_label(t), lease, NO_SHARED_MEMORY)
+        for t in request.inputs
     ]
     given = list(request.raw_input_contents)
     plain = refs.count(None)
@@ -319,47 +251,31 @@ def _infer_body(
         )
     entries: list[bytes | memoryview] = []
     rest = iter(given)
-    for tensor, label, ref in zip(request.inputs, labels, refs, strict=True):
+    for tensor, ref in zip(request.inputs, refs, strict=True):
         if ref is None:
             entries.append(next(rest))
             continue
-        assert lease is not None  # _triton_ref refused a region without one
-        if tensor.HasField("contents"):
-            raise InvalidInput(
-                f"unexpected 'content' provided when using shared memory for {label}{model}"
-            )
-        dt = DATATYPES.get(tensor.datatype)
-        if dt is None:
-            raise InvalidInput(
-                f"{label} has unknown datatype {tensor.datatype!r}; "
-                f"expected one of {', '.join(DATATYPES)}"
-            )
-        shape = tuple(tensor.shape)
-        if any(d < 0 for d in shape):
-            raise InvalidInput(f"{label} has a negative dimension in shape {list(shape)}")
-        view = lease.input(*ref)  # the region's bytes, copied once: into the body
-        count = math.prod(shape)
-        expected = count * dt.dtype.itemsize
-        if ref.byte_size != expected:
-            raise InvalidInput(
-                f"input byte size mismatch for {label}{model}. Expected {expected}, got "
-                f"{ref.byte_size} ('{BYTE_SIZE}'; {dt.name} shape {list(shape)} is {count} x "
-                f"{dt.dtype.itemsize} bytes)"
-            )
-        entries.append(view)
+        assert lease is not None  # triton_ref refused a region without one
+        # The region's bytes, copied once: into the body.
+        entries.append(regions.triton_input(tensor, request.model_name, ref, lease)[0])
+        _unplaced(tensor.parameters)
     places: dict[str, codec.Placed] = {}
     for output in request.outputs:
-        ref = _triton_ref(output, f"output {output.name!r}", lease is not None)
-        if ref is not None:
-            assert lease is not None
-            # Taken now: an unknown region, a range past its end or one another call writes
-            # into is refused before any server is asked.
-            places[output.name] = codec.Placed(ref, lease.output(*ref))
+        placed = regions.triton_output(output, lease, NO_SHARED_MEMORY)
+        if placed is not None:
+            _unplaced(output.parameters)
+            places[output.name] = placed
     del request.raw_input_contents[:]
     parts: list[bytes | memoryview] = [request.SerializeToString(deterministic=True)]
     for entry in entries:
         parts += (_RAW_INPUT, peek.varint(len(entry)), entry)
     return b"".join(parts), places
+
+
+def _unplaced(parameters: MutableMapping[str, kpb.InferParameter]) -> None:
+    """A tensor's placement taken off it: the server gets (or answers) its bytes instead."""
+    for key in (regions.REGION, regions.OFFSET, regions.BYTE_SIZE):
+        parameters.pop(key, None)
 
 
 def regions_of(settings: ProgramSettings) -> Regions | None:

@@ -11,9 +11,8 @@ the answer carrying no values (an empty raw entry, as Triton answers)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -32,7 +31,7 @@ from sluice.server.dataplane.plane import Asked, Request
 from sluice.server.dataplane.repository import LoadReport
 from sluice.server.service import Call, InferenceService, Method
 from sluice.server.v1 import NO_SHARED_MEMORY, parse
-from sluice.wire import codec, facts, peek
+from sluice.wire import codec, facts, peek, regions
 from sluice.wire.regions import KSERVE_CALLS, SYSTEM_SHARED_MEMORY
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -62,10 +61,6 @@ REFUSED_TRAILER = "x-refused-versions"
 # KServe's typed fields are sluice.v1's, renamed: int_data is int_contents, and so on.
 _CONTENTS = sorted({d.typed_field.replace("_data", "_contents") for d in DATATYPES.values()})
 _ALL_CONTENTS = [*_CONTENTS, "bytes_contents"]
-# A tensor's parameters that place it in a shared memory region (Triton's names).
-_REGION = "shared_memory_region"
-_BYTE_SIZE = "shared_memory_byte_size"
-_OFFSET = "shared_memory_offset"
 _RAW_INPUT = facts.INFER_RAW_INPUTS
 # Answers whose raw outputs reach this size are framed by hand (encode): below it the
 # framing's Python costs more than protobuf's copies save (0.4 us a call for 12 bytes; even
@@ -76,15 +71,9 @@ _RAW_OUTPUT_TAG = peek.tag(facts.INFER_RESPONSE_RAW_OUTPUTS)
 _NO_VALUES = np.empty(0, np.uint8)  # an output in shared memory: its raw entry, empty
 
 
-class Placed(NamedTuple):
-    """A requested output's place in a shared memory region: the bytes it may fill."""
-
-    region: str
-    offset: int
-    view: memoryview  # writable, through the call's lease
-
-
-Placements = Mapping[str, Placed] | None  # by output name; None: no output in shared memory
+# By output name, each output's place in a region and the view it is written into (through
+# the call's lease); None: no output in shared memory.
+Placements = Mapping[str, codec.Placed] | None
 
 
 def _contents_field(dt: DataType) -> str | None:
@@ -118,7 +107,10 @@ class KServeV2:
         request, raw = read_infer(body)
         model = request.model_name
         # Request-level parameters (Triton's priority, sequence ids, ...) change nothing here.
-        places = [_place(t, lease) for t in request.inputs]
+        places = [
+            regions.triton_ref(t.parameters, regions.input_label(t), lease, NO_SHARED_MEMORY)
+            for t in request.inputs
+        ]
         # As in Triton, the raw entries are those of the inputs not in shared memory.
         unplaced = places.count(None)
         if raw and len(raw) != unplaced:
@@ -132,12 +124,16 @@ class KServeV2:
             if tensor.name in inputs:
                 raise InvalidInput(f"input {tensor.name!r} appears more than once")
             if place is not None:
-                inputs[tensor.name] = _shared(tensor, model, place, lease)
+                assert lease is not None  # triton_ref refused a region without one
+                # A view of the region's bytes (no copy, unless they are not aligned).
+                view, dt, shape = regions.triton_input(tensor, model, place, lease)
+                where = f"shared memory region '{place.region}' holds"
+                inputs[tensor.name] = _array(regions.input_label(tensor), view, dt, shape, where)
             else:
                 inputs[tensor.name] = _decode(tensor, raw[at] if raw else None)
                 at += 1
         outputs = []
-        placements: dict[str, Placed] = {}
+        placements: dict[str, codec.Placed] = {}
         for output in request.outputs:
             outputs.append(output.name)
             if not output.parameters:
@@ -148,13 +144,9 @@ class KServeV2:
                     f"{label} asks for classification, which Sluice does not serve; "
                     "ask for the output itself and take the top classes from it"
                 )
-            place = _place(output, lease)
-            if place is not None:
-                assert lease is not None  # _place refused a region without one
-                # Taken now: an unknown region, a range past its end or one another call
-                # writes into is refused before the model runs.
-                view = lease.output(place.region, place.offset, place.byte_size)
-                placements[output.name] = Placed(place.region, place.offset, view)
+            placed = regions.triton_output(output, lease, NO_SHARED_MEMORY)
+            if placed is not None:
+                placements[output.name] = placed
         return Request(inputs, outputs, placements or None, lease)
 
     def encode(self, model: Model, request: Request[Placements], outputs: Arrays) -> bytes:
@@ -234,10 +226,10 @@ def _decode(
 ) -> np.ndarray:
     """One input's array, from its raw bytes (`raw`, when the request uses them) or its
     typed contents. The checks against the model come later (Model.check)."""
-    label = _input_label(tensor)
-    dt = _datatype(label, tensor)
+    label = regions.input_label(tensor)
+    dt = regions.input_datatype(label, tensor)
     shape = tuple(tensor.shape)
-    count = _count(label, shape)
+    count = regions.element_count(label, shape)
     # Only a request that fills `contents` pays for looking into it (a raw one does not).
     contents = tensor.contents if tensor.HasField("contents") else None
     present = (
@@ -276,45 +268,6 @@ def _decode(
         raise InvalidInput(str(exc)) from None
 
 
-def _count(label: str, shape: tuple[int, ...]) -> int:
-    """The element count of a shape, refused when no array could have it (sluice.v1's
-    bounds, sluice.wire.codec)."""
-    if len(shape) > facts.MAX_RANK:
-        raise InvalidInput(
-            f"{label} has {len(shape)} dimensions; at most {facts.MAX_RANK} are allowed"
-        )
-    if any(d < 0 for d in shape):
-        raise InvalidInput(f"{label} has a negative dimension in shape {list(shape)}")
-    count = math.prod(shape)
-    # An empty shape is judged by its other dimensions.
-    if count > codec.MAX_ELEMENTS or (
-        not count and math.prod(d for d in shape if d) > codec.MAX_ELEMENTS
-    ):
-        raise InvalidInput(
-            f"{label} has shape {list(shape)}, over {codec.MAX_ELEMENTS} elements; "
-            "no message can carry it"
-        )
-    return count
-
-
-def _input_label(tensor: kpb.ModelInferRequest.InferInputTensor) -> str:
-    return f"input {tensor.name!r}" if tensor.name else "an input with no name"
-
-
-def _datatype(label: str, tensor: kpb.ModelInferRequest.InferInputTensor) -> DataType:
-    if tensor.datatype == "BYTES":
-        raise InvalidInput(
-            f"{label} is BYTES, which Sluice does not serve: its models take numeric tensors"
-        )
-    dt = DATATYPES.get(tensor.datatype)
-    if dt is None:
-        raise InvalidInput(
-            f"{label} has unknown datatype {tensor.datatype!r}; "
-            f"expected one of {', '.join(DATATYPES)}"
-        )
-    return dt
-
-
 def _raw(
     label: str, raw: bytes | memoryview, dt: DataType, shape: tuple[int, ...], count: int
 ) -> np.ndarray:
@@ -339,114 +292,19 @@ def _array(
     return array.reshape(shape)
 
 
-# Shared memory: Triton's parameters, checks and words.
-
-
-class _Place(NamedTuple):
-    region: str
-    offset: int
-    byte_size: int
-
-
-_Tensor = kpb.ModelInferRequest.InferInputTensor | kpb.ModelInferRequest.InferRequestedOutputTensor
-
-
-def _place(tensor: _Tensor, lease: Lease | None) -> _Place | None:
-    """Where a tensor's parameters place it in shared memory; None: nowhere. Refused where
-    the node takes none (no `lease`)."""
-    parameters = tensor.parameters
-    if not parameters:
-        return None
-    if isinstance(tensor, kpb.ModelInferRequest.InferInputTensor):
-        label = _input_label(tensor)
-    else:
-        label = f"output {tensor.name!r}"
-    region = parameters.get(_REGION)
-    if region is not None:
-        if lease is None:
-            raise InvalidInput(f"{label} names a shared memory region; {NO_SHARED_MEMORY}")
-        if region.WhichOneof("parameter_choice") != "string_param":
-            raise InvalidInput(
-                f"invalid value type for '{_REGION}' parameter for {label}, expected string_param"
-            )
-    offset = _int64(label, parameters, _OFFSET, region is not None)
-    byte_size = _int64(label, parameters, _BYTE_SIZE, region is not None)
-    if region is None:
-        return None
-    if byte_size is None:
-        raise InvalidInput(
-            f"'{_BYTE_SIZE}' must be specified along with '{_REGION}' parameter for {label}"
-        )
-    return _Place(region.string_param, offset or 0, byte_size)
-
-
-def _int64(
-    label: str, parameters: Mapping[str, kpb.InferParameter], key: str, placed: bool
-) -> int | None:
-    """An int64 placement parameter's value; None when absent."""
-    parameter = parameters.get(key)
-    if parameter is None:
-        return None
-    if not placed:
-        raise InvalidInput(
-            f"'{key}' can not be specified without '{_REGION}' parameter for {label}"
-        )
-    if parameter.WhichOneof("parameter_choice") != "int64_param":
-        raise InvalidInput(
-            f"invalid value type for '{key}' parameter for {label}, expected int64_param"
-        )
-    return int(parameter.int64_param)
-
-
-def _shared(
-    tensor: kpb.ModelInferRequest.InferInputTensor, model: str, place: _Place, lease: Lease | None
-) -> np.ndarray:
-    """An input in shared memory: a view of the region's bytes (no copy, unless they are
-    not aligned for its datatype)."""
-    assert lease is not None  # _place refused a region without one
-    label = _input_label(tensor)
-    dt = _datatype(label, tensor)
-    if tensor.HasField("contents"):
-        raise InvalidInput(
-            f"unexpected 'content' provided when using shared memory for {label}{_for_model(model)}"
-        )
-    shape = tuple(tensor.shape)
-    count = _count(label, shape)
-    view = lease.input(place.region, place.offset, place.byte_size)
-    expected = count * dt.dtype.itemsize
-    if place.byte_size != expected:
-        raise InvalidInput(
-            f"input byte size mismatch for {label}{_for_model(model)}. Expected {expected}, "
-            f"got {place.byte_size} ('{_BYTE_SIZE}'; {dt.name} shape {list(shape)} is "
-            f"{count} x {dt.dtype.itemsize} bytes)"
-        )
-    return _array(label, view, dt, shape, f"shared memory region '{place.region}' holds")
-
-
-def _for_model(model: str) -> str:
-    return f" for model '{model}'" if model else ""
-
-
 def _write(
     tensor: kpb.ModelInferResponse.InferOutputTensor,
-    placed: Placed,
+    placed: codec.Placed,
     array: np.ndarray,
     dt: DataType,
 ) -> None:
     """An output into its region (the one copy of its bytes), and the parameters that say
     where it went and how many bytes it took."""
     size = array.size * dt.dtype.itemsize
-    if size > len(placed.view):
-        raise InvalidInput(
-            f"shared memory size specified with the request for output '{tensor.name}' "
-            f"({len(placed.view)} bytes) should be at least {size} bytes to hold the results"
-        )
+    regions.check_room(tensor.name, placed, size)
     if size:
         np.copyto(np.frombuffer(placed.view, dt.dtype, array.size).reshape(array.shape), array)
-    tensor.parameters[_REGION].string_param = placed.region
-    tensor.parameters[_BYTE_SIZE].int64_param = size
-    if placed.offset:
-        tensor.parameters[_OFFSET].int64_param = placed.offset
+    regions.written(tensor.parameters, placed.ref, size)
 
 
 # The servicer.

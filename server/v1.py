@@ -23,7 +23,7 @@ from sluice.server.dataplane.plane import Asked, Request
 from sluice.server.settings import ServerSettings
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec, facts, peek
-from sluice.wire.regions import unserved
+from sluice.wire.regions import predict_tensors, unserved
 
 M = TypeVar("M", bound=Message)
 
@@ -80,14 +80,7 @@ class SluiceV1:
                 inputs, outputs, typed = read
                 return Request(inputs, outputs, Options(typed, {}), lease)
         request = parse(pb.PredictRequest, body)
-        refs = {name: codec.ref_of(ref) for name, ref in request.output_memory.items()}
-        try:
-            inputs = codec.decode_all(request.inputs, lease)
-            memory = codec.placed(lease, refs)  # a bad region refuses it before the model runs
-        except codec.Unshared as exc:
-            raise InvalidInput(f"{exc}; {NO_SHARED_MEMORY}") from None
-        except codec.TensorError as exc:
-            raise InvalidInput(str(exc)) from None
+        inputs, memory = predict_tensors(request, lease, NO_SHARED_MEMORY)
         return Request(inputs, request.outputs, Options(request.typed_outputs, memory), lease)
 
     def encode(self, model: Model, request: Request[Options], outputs: Arrays) -> bytes:

@@ -1,27 +1,40 @@
 """Shared memory on the wire, as both programs answer it (each takes the regions of callers
 on its host, sluice.core.shm, with --shared-memory): the region calls of sluice.v1
 (RegisterRegion, RegionStatus, UnregisterRegion) and of KServe (Triton's SystemSharedMemory*,
-and its CudaSharedMemory* as Triton without GPUs answers them) for one caller's tenant, and
-the words that refuse shared memory where a program takes none, naming that program
-(sluice-server, sluice-balancer) to start with the flag."""
+and its CudaSharedMemory* as Triton without GPUs answers them) for one caller's tenant; the
+tensors a call places in regions, read and checked (for KServe, Triton's parameters, checks
+and words) and, for KServe, an output's place written into its answer; and the words that
+refuse shared memory where a program takes none, naming that program (sluice-server,
+sluice-balancer) to start with the flag."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import TypeVar
 
+import numpy as np
 from google.protobuf.message import DecodeError, Message
 
+from sluice.core.datatypes import DATATYPES, DataType
 from sluice.core.errors import InvalidInput, RegionNotFound, Unimplemented
-from sluice.core.shm import Regions
+from sluice.core.shm import Lease, Regions
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.v1 import inference_pb2 as pb
+from sluice.wire import codec, facts
 
 M = TypeVar("M", bound=Message)
+Input = kpb.ModelInferRequest.InferInputTensor
+Output = kpb.ModelInferRequest.InferRequestedOutputTensor
+Parameters = Mapping[str, kpb.InferParameter]
 
 SYSTEM_SHARED_MEMORY = "system_shared_memory"  # the extension's name in ServerMetadata
 # Triton's answer where it has no GPU; Sluice maps no CUDA memory of other processes.
 NO_CUDA = "GPUs not supported: Sluice takes system shared memory only"
+# Triton's parameters of a tensor in shared memory (an input's bytes, an output's place).
+REGION = facts.INFER_REGION_KEY.decode()
+OFFSET = "shared_memory_offset"
+BYTE_SIZE = "shared_memory_byte_size"
 
 
 def off(program: str) -> str:
@@ -161,3 +174,158 @@ KSERVE_CALLS: dict[str, RegionCall] = {
     "CudaSharedMemoryRegister": RegionCalls.cuda_register,
     "CudaSharedMemoryUnregister": RegionCalls.cuda_unregister,
 }
+
+
+# A Predict's tensors in regions (sluice.v1).
+
+
+def predict_tensors(
+    request: pb.PredictRequest, lease: Lease | None, unserved: str
+) -> tuple[dict[str, np.ndarray], dict[str, codec.Placed]]:
+    """A PredictRequest's inputs (those in regions: views of them, through the call's
+    `lease`) and the views its output_memory outputs are to be written into, taken now: a
+    bad region refuses the call before any model runs. No `lease`: shared memory is off,
+    and a region named is refused, `unserved` after what names it."""
+    refs = {name: codec.ref_of(ref) for name, ref in request.output_memory.items()}
+    try:
+        return codec.decode_all(request.inputs, lease), codec.placed(lease, refs)
+    except codec.Unshared as exc:
+        raise InvalidInput(f"{exc}; {unserved}") from None
+    except codec.TensorError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+# KServe's tensors in regions: Triton's parameters, checks and words.
+
+
+def input_label(tensor: Input) -> str:
+    return f"input {tensor.name!r}" if tensor.name else "an input with no name"
+
+
+def input_datatype(label: str, tensor: Input) -> DataType:
+    """A KServe input's datatype, refused unless Sluice serves it."""
+    if tensor.datatype == "BYTES":
+        raise InvalidInput(
+            f"{label} is BYTES, which Sluice does not serve: its models take numeric tensors"
+        )
+    dt = DATATYPES.get(tensor.datatype)
+    if dt is None:
+        raise InvalidInput(
+            f"{label} has unknown datatype {tensor.datatype!r}; "
+            f"expected one of {', '.join(DATATYPES)}"
+        )
+    return dt
+
+
+def element_count(label: str, shape: tuple[int, ...]) -> int:
+    """The element count of a shape, refused when no array could have it (sluice.v1's
+    bounds, sluice.wire.codec)."""
+    if len(shape) > facts.MAX_RANK:
+        raise InvalidInput(
+            f"{label} has {len(shape)} dimensions; at most {facts.MAX_RANK} are allowed"
+        )
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"{label} has a negative dimension in shape {list(shape)}")
+    count = math.prod(shape)
+    # An empty shape is judged by its other dimensions.
+    if count > codec.MAX_ELEMENTS or (
+        not count and math.prod(d for d in shape if d) > codec.MAX_ELEMENTS
+    ):
+        raise InvalidInput(
+            f"{label} has shape {list(shape)}, over {codec.MAX_ELEMENTS} elements; "
+            "no message can carry it"
+        )
+    return count
+
+
+def triton_ref(
+    parameters: Parameters, label: str, lease: Lease | None, unserved: str
+) -> codec.Ref | None:
+    """Where a KServe tensor's parameters place it in a region; None: nowhere. Refused
+    where the program takes no shared memory (no `lease`), `unserved` after what names it."""
+    if not parameters:
+        return None
+    region = parameters.get(REGION)
+    if region is not None:
+        if lease is None:
+            raise InvalidInput(f"{label} names a shared memory region; {unserved}")
+        if region.WhichOneof("parameter_choice") != "string_param":
+            raise InvalidInput(
+                f"invalid value type for '{REGION}' parameter for {label}, expected string_param"
+            )
+    offset = _int64(label, parameters, OFFSET, region is not None)
+    byte_size = _int64(label, parameters, BYTE_SIZE, region is not None)
+    if region is None:
+        return None
+    if byte_size is None:
+        raise InvalidInput(
+            f"'{BYTE_SIZE}' must be specified along with '{REGION}' parameter for {label}"
+        )
+    return codec.Ref(region.string_param, offset or 0, byte_size)
+
+
+def _int64(label: str, parameters: Parameters, key: str, placed: bool) -> int | None:
+    """An int64 placement parameter's value; None when absent."""
+    parameter = parameters.get(key)
+    if parameter is None:
+        return None
+    if not placed:
+        raise InvalidInput(f"'{key}' can not be specified without '{REGION}' parameter for {label}")
+    if parameter.WhichOneof("parameter_choice") != "int64_param":
+        raise InvalidInput(
+            f"invalid value type for '{key}' parameter for {label}, expected int64_param"
+        )
+    return int(parameter.int64_param)
+
+
+def triton_input(
+    tensor: Input, model: str, ref: codec.Ref, lease: Lease
+) -> tuple[memoryview, DataType, tuple[int, ...]]:
+    """An input in a region (`ref`, read through the call's `lease`): its bytes there, its
+    datatype and its shape, checked as Triton checks them (no contents beside; the byte size
+    its shape's). `model`: the request's model_name, named in the refusals."""
+    label = input_label(tensor)
+    dt = input_datatype(label, tensor)
+    where = f"{label} for model '{model}'" if model else label
+    if tensor.HasField("contents"):
+        raise InvalidInput(f"unexpected 'content' provided when using shared memory for {where}")
+    shape = tuple(tensor.shape)
+    count = element_count(label, shape)
+    view = lease.input(*ref)
+    expected = count * dt.dtype.itemsize
+    if ref.byte_size != expected:
+        raise InvalidInput(
+            f"input byte size mismatch for {where}. Expected {expected}, got {ref.byte_size} "
+            f"('{BYTE_SIZE}'; {dt.name} shape {list(shape)} is {count} x {dt.dtype.itemsize} "
+            "bytes)"
+        )
+    return view, dt, shape
+
+
+def triton_output(output: Output, lease: Lease | None, unserved: str) -> codec.Placed | None:
+    """The view a requested output is to be written into (None: its parameters place it
+    nowhere), taken now: an unknown region, a range past its end or one another call writes
+    into is refused before the call goes on. No `lease`: as `triton_ref`."""
+    ref = triton_ref(output.parameters, f"output {output.name!r}", lease, unserved)
+    if ref is None:
+        return None
+    assert lease is not None  # triton_ref refused a region without one
+    return codec.Placed(ref, lease.output(*ref))
+
+
+def check_room(name: str, placed: codec.Placed, size: int) -> None:
+    """Refused unless an output of `size` bytes fits where its request placed it."""
+    if size > len(placed.view):
+        raise InvalidInput(
+            f"shared memory size specified with the request for output '{name}' "
+            f"({len(placed.view)} bytes) should be at least {size} bytes to hold the results"
+        )
+
+
+def written(parameters: MutableMapping[str, kpb.InferParameter], ref: codec.Ref, size: int) -> None:
+    """An answer's output tensor written into its region, as Triton answers it: its
+    parameters say where it went and how many bytes it took (its raw entry, empty)."""
+    parameters[REGION].string_param = ref.region
+    parameters[BYTE_SIZE].int64_param = size
+    if ref.offset:
+        parameters[OFFSET].int64_param = ref.offset

@@ -705,6 +705,21 @@ def kserve_input(params: dict[str, Parameter], **kw: object) -> kpb.ModelInferRe
             ),
             "unexpected 'content' provided when using shared memory for input 'x' for model 'm'",
         ),
+        # The server's checks of a datatype and a shape, in its words, before any is asked.
+        (
+            kpb.ModelInferRequest(
+                inputs=[Input(name="x", datatype="BYTES", shape=[1], parameters=triton("in", 8))]
+            ),
+            "input 'x' is BYTES, which Sluice does not serve: its models take numeric tensors",
+        ),
+        (
+            kpb.ModelInferRequest(
+                inputs=[
+                    Input(name="x", datatype="FP32", shape=[1] * 65, parameters=triton("in", 4))
+                ]
+            ),
+            "input 'x' has 65 dimensions; at most 64 are allowed",
+        ),
         (
             kpb.ModelInferRequest(
                 inputs=[
