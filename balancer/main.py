@@ -22,7 +22,6 @@ from sluice.balancer.kserve import SERVICE as KSERVE
 from sluice.balancer.kserve import KServeFacade
 from sluice.balancer.membership import Membership, upstreams
 from sluice.balancer.metrics import RoutingCollector
-from sluice.balancer.regions import regions_of, sweep
 from sluice.balancer.service import SERVICE, BalancerService
 from sluice.balancer.settings import BalancerSettings
 from sluice.core.shm import Regions
@@ -30,6 +29,7 @@ from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Pool
 from sluice.runtime import door, program
 from sluice.runtime.health import Readiness
+from sluice.runtime.regions import regions_of, sweep
 from sluice.runtime.supervise import SLOT_ENV
 from sluice.runtime.workers import Workers
 
@@ -93,7 +93,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
             background=[
                 functools.partial(discovery.watch, settings.refresh_s, membership.apply, known),
                 membership.tick,
-                *([functools.partial(sweep, regions)] if regions is not None else []),
+                *([functools.partial(sweep, regions, log)] if regions is not None else []),
             ],
             closing=[membership.close, *([_closer(regions)] if regions is not None else [])],
         ),

@@ -13,8 +13,6 @@ balancer takes them with one process only (--workers 1)."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import TypeVar
@@ -28,18 +26,14 @@ from sluice.core.shm import Lease, Regions
 from sluice.core.tenants import Account
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.runtime import door
-from sluice.runtime.settings import ProgramSettings
 from sluice.runtime.status import status_of
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec, facts, peek, regions
 from sluice.wire.regions import KSERVE_CALLS, V1_CALLS, RegionCall, RegionCalls, unserved
 
-log = logging.getLogger("sluice.balancer")
-
 # After what names a region in a body (INVALID_ARGUMENT), the servers' words naming this
 # program.
 NO_SHARED_MEMORY = unserved(BalancerSettings.PROG)
-SWEEP_S = 2.0  # how often regions whose object its caller unlinked are let go
 _RAW_INPUT = peek.tag(facts.INFER_RAW_INPUTS)
 # Appended to a written PredictRequest: protobuf merges a message's fields in order.
 _TYPED_OUTPUTS = pb.PredictRequest(typed_outputs=True).SerializeToString()
@@ -276,21 +270,3 @@ def _unplaced(parameters: MutableMapping[str, kpb.InferParameter]) -> None:
     """A tensor's placement taken off it: the server gets (or answers) its bytes instead."""
     for key in (regions.REGION, regions.OFFSET, regions.BYTE_SIZE):
         parameters.pop(key, None)
-
-
-def regions_of(settings: ProgramSettings) -> Regions | None:
-    """The regions --shared-memory and its bounds ask for (None: off)."""
-    if not settings.shared_memory:
-        return None
-    return Regions(
-        max_regions=settings.shared_memory_regions, max_bytes=settings.shared_memory_bytes
-    )
-
-
-async def sweep(regions: Regions, every_s: float = SWEEP_S) -> None:
-    """Let go of the regions whose object its caller unlinked (done with it, or gone),
-    every `every_s`, until cancelled."""
-    while True:
-        await asyncio.sleep(every_s)
-        for name in regions.sweep():
-            log.info("shared memory region %r let go: its object was unlinked", name)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from sluice.routing.breaker import BreakerSettings
 from sluice.routing.pool import OutlierSettings
 from sluice.runtime import config
+from sluice.runtime.regions import ONE_PROCESS
 from sluice.runtime.settings import ProgramSettings
 
 
@@ -149,11 +150,7 @@ class BalancerSettings(ProgramSettings):
         if not 0.01 <= self.models_refresh_s <= 3600:
             raise ValueError("--models-refresh-s must be between 0.01 and 3600 seconds")
         if self.shared_memory and self.workers > 1:
-            raise ValueError(
-                "--shared-memory needs --workers 1: each process would keep its own regions, "
-                "and a call may reach another process than the one its regions were "
-                "registered on"
-            )
+            raise ValueError(ONE_PROCESS)
 
     def processes(self) -> int:
         return self.workers

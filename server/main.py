@@ -15,7 +15,6 @@ if __name__ == "__main__":
             raise
         raise SystemExit(str(exc)) from None
 
-import asyncio
 import contextlib
 import functools
 import logging
@@ -24,9 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sluice.core.errors import SluiceError
-from sluice.core.shm import Regions
 from sluice.runtime import door, program
 from sluice.runtime.health import Readiness
+from sluice.runtime.regions import ONE_PROCESS, regions_of, sweep
 from sluice.runtime.workers import Workers
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import CUDA, choose_providers
@@ -44,11 +43,6 @@ log = logging.getLogger("sluice.server")
 
 
 WORKERS = Workers("sluice.server.main", "SLUICE_SERVER_WORKER", "SLUICE_SERVER_WORKERS", "worker")
-SWEEP_S = 2.0  # how often regions whose objects their callers unlinked are let go
-ONE_PROCESS = (
-    "--shared-memory needs --workers 1: each process would keep its own regions, and a "
-    "call may reach another process than the one its regions were registered on"
-)
 
 
 async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
@@ -81,7 +75,7 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
         await repository.poll()  # what is there at start serves from the first call
     plane = Dataplane(models, LRUCache(settings.cache_entries, settings.cache_bytes))
     tenants = door.load(settings.tenants) if settings.tenants else None
-    regions = shared_regions(settings)
+    regions = regions_of(settings)
     service = InferenceService(
         plane,
         node_id=settings.node_id,
@@ -107,7 +101,7 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
 
     background = [repository.run] if repository is not None else []
     if regions is not None:
-        background.append(functools.partial(sweep, regions))
+        background.append(functools.partial(sweep, regions, log))
 
     def banner() -> str:
         # Each model's own settings (a config's override the flags' defaults), and the node's
@@ -140,24 +134,6 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
         ),
         argv,
     )
-
-
-def shared_regions(settings: ServerSettings) -> Regions | None:
-    """The registry of the regions callers register (None: --shared-memory is off)."""
-    if not settings.shared_memory:
-        return None
-    return Regions(
-        max_regions=settings.shared_memory_regions, max_bytes=settings.shared_memory_bytes
-    )
-
-
-async def sweep(regions: Regions) -> None:
-    """Let go of the regions whose objects their callers unlinked, every SWEEP_S."""
-    while True:
-        await asyncio.sleep(SWEEP_S)
-        swept = regions.sweep()
-        if swept:
-            log.info("shared memory regions unlinked by their callers, let go: %s", swept)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

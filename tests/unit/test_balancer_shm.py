@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import tracemalloc
 from collections.abc import AsyncIterator, Mapping
@@ -32,6 +33,7 @@ from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Pool
+from sluice.runtime.regions import sweep
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec, facts
@@ -884,14 +886,19 @@ async def test_a_region_let_go_under_a_call_is_read_and_written_to_its_end(tmp_p
         )
 
 
-async def test_a_region_whose_object_is_unlinked_is_swept(tmp_path: Path) -> None:
+async def test_a_region_whose_object_is_unlinked_is_swept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     regions = Regions(root=tmp_path)
     (tmp_path / "obj").write_bytes(bytes(8))
     regions.register("", "r", "/obj", 0, 8)
-    sweeping = asyncio.create_task(balancer_regions.sweep(regions, every_s=0.01))
+    log = logging.getLogger("sluice.balancer")
+    sweeping = asyncio.create_task(sweep(regions, log, every_s=0.01))
     try:
-        (tmp_path / "obj").unlink()
-        await wait_until(lambda: not len(regions))
+        with caplog.at_level(logging.INFO, log.name):
+            (tmp_path / "obj").unlink()
+            await wait_until(lambda: not len(regions))
+        assert "shared memory region 'r' let go: its object was unlinked" in caplog.text
     finally:
         sweeping.cancel()
         regions.close()

@@ -26,13 +26,14 @@ from sluice.core.tenants import digest
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.kserve.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
 from sluice.runtime import door
+from sluice.runtime.regions import ONE_PROCESS
 from sluice.server.dataplane.batcher import Batcher
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Dataplane
 from sluice.server.kserve import KSERVE, KServeService, KServeV2
-from sluice.server.main import ONE_PROCESS, serve
+from sluice.server.main import serve
 from sluice.server.service import InferenceService
 from sluice.server.settings import ServerSettings
 from sluice.v1 import inference_pb2 as pb
