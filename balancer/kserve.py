@@ -12,16 +12,16 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 
 from sluice.balancer.service import INFER, BalancerService, Context
-from sluice.core.errors import Code
+from sluice.core.errors import Code, InvalidInput
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.routing.pool import Want
 from sluice.runtime import door
 from sluice.runtime.process import package_version
 from sluice.runtime.status import grpc_code
-from sluice.wire.regions import SYSTEM_SHARED_MEMORY
+from sluice.wire.regions import SYSTEM_SHARED_MEMORY, parse
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 MODEL_READY = f"/{SERVICE}/ModelReady"
@@ -33,12 +33,9 @@ Handler = Callable[[bytes, Context], Awaitable[bytes]]
 
 async def _parse(kind: type[M], body: bytes, context: Context) -> M:
     try:
-        return kind.FromString(body)
-    except DecodeError as exc:
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"request body is not a valid {kind.DESCRIPTOR.full_name} message: {exc}",
-        )
+        return parse(kind, body)
+    except InvalidInput as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
 class KServeFacade:

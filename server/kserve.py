@@ -30,9 +30,9 @@ from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Asked, Request
 from sluice.server.dataplane.repository import LoadReport
 from sluice.server.service import Call, InferenceService, Method
-from sluice.server.v1 import NO_SHARED_MEMORY, parse
+from sluice.server.v1 import NO_SHARED_MEMORY
 from sluice.wire import codec, facts, peek, regions
-from sluice.wire.regions import KSERVE_CALLS, SYSTEM_SHARED_MEMORY
+from sluice.wire.regions import KSERVE_CALLS, SYSTEM_SHARED_MEMORY, parse
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 INFER = "ModelInfer"  # the method name, also a PredictStream message's `method`

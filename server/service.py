@@ -41,10 +41,10 @@ from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Dataplane, WireProtocol
 from sluice.server.settings import ServerSettings
-from sluice.server.v1 import SluiceV1, model_info, model_statuses, parse
+from sluice.server.v1 import SluiceV1, model_info, model_statuses
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import stream
-from sluice.wire.regions import V1_CALLS, RegionCall, RegionCalls
+from sluice.wire.regions import V1_CALLS, RegionCall, RegionCalls, parse
 
 log = logging.getLogger("sluice.service")
 

@@ -5,7 +5,8 @@ and its CudaSharedMemory* as Triton without GPUs answers them) for one caller's 
 tensors a call places in regions, read and checked (for KServe, Triton's parameters, checks
 and words) and, for KServe, an output's place written into its answer; and the words that
 refuse shared memory where a program takes none, naming that program (sluice-server,
-sluice-balancer) to start with the flag."""
+sluice-balancer) to start with the flag. Its `parse` refuses a body that does not parse in
+both programs' words, for their other calls too."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def unserved(program: str) -> str:
 
 
 def parse(kind: type[M], body: bytes) -> M:
-    """A request body as `kind`, refused (INVALID_ARGUMENT) in the parser's words."""
+    """A request body as `kind` (any call's), refused (INVALID_ARGUMENT) in the parser's
+    words."""
     try:
         return kind.FromString(body)
     except DecodeError as exc:
