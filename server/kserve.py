@@ -138,11 +138,10 @@ class KServeV2:
             outputs.append(output.name)
             if not output.parameters:
                 continue
-            label = f"output {output.name!r}"
             if "classification" in output.parameters:
                 raise InvalidInput(
-                    f"{label} asks for classification, which Sluice does not serve; "
-                    "ask for the output itself and take the top classes from it"
+                    f"{regions.output_label(output)} asks for classification, which Sluice "
+                    "does not serve; ask for the output itself and take the top classes from it"
                 )
             placed = regions.triton_output(output, lease, NO_SHARED_MEMORY)
             if placed is not None:

@@ -204,6 +204,10 @@ def input_label(tensor: Input) -> str:
     return f"input {tensor.name!r}" if tensor.name else "an input with no name"
 
 
+def output_label(output: Output) -> str:
+    return f"output {output.name!r}"
+
+
 def input_datatype(label: str, tensor: Input) -> DataType:
     """A KServe input's datatype, refused unless Sluice serves it."""
     if tensor.datatype == "BYTES":
@@ -308,7 +312,7 @@ def triton_output(output: Output, lease: Lease | None, unserved: str) -> codec.P
     """The view a requested output is to be written into (None: its parameters place it
     nowhere), taken now: an unknown region, a range past its end or one another call writes
     into is refused before the call goes on. No `lease`: as `triton_ref`."""
-    ref = triton_ref(output.parameters, f"output {output.name!r}", lease, unserved)
+    ref = triton_ref(output.parameters, output_label(output), lease, unserved)
     if ref is None:
         return None
     assert lease is not None  # triton_ref refused a region without one
