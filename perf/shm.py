@@ -219,8 +219,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"`{result['command']}` at {ctx['commit']}, {ctx['started']}, {ctx['cpus']} CPUs, "
         f"load average {ctx['loadavg_before'][0]:.2f} before and {ctx['loadavg_after'][0]:.2f} "
         f"after; {result['rounds']} rotating rounds, medians; squeezenet on "
-        f"{result['squeezenet_threads']} intra-op thread(s), spinning off."
-        + (f" {ctx['note']}" if ctx["note"] else ""),
+        f"{result['squeezenet_threads']} intra-op thread(s) (--threads "
+        f"{result['threads_asked']}), spinning off." + (f" {ctx['note']}" if ctx["note"] else ""),
         "",
         "| row | p50 ms | p99 ms | CPU/call ms | faults/call | client CPU/call ms "
         "| model ms/call | answers |",
@@ -319,8 +319,9 @@ class Started:
         return usage([pid, *children(pid)])
 
 
-def start(stack: ExitStack, squeeze: Path) -> tuple[Started, int]:
-    """Every process, stopped when `stack` closes; and the squeezenet's threads."""
+def start(stack: ExitStack, squeeze: Path, threads: str) -> tuple[Started, int]:
+    """Every process, stopped when `stack` closes; and the squeezenet's intra-op threads
+    (`threads`: a number, or auto for the first server's choice)."""
     procs: dict[str, Process] = {}
     metrics: dict[str, int] = {}
     models_of = ("--model", f"digits={models.DIGITS}", "--model", f"squeezenet={squeeze}")
@@ -334,19 +335,20 @@ def start(stack: ExitStack, squeeze: Path) -> tuple[Started, int]:
         )
         return stack.enter_context(running(argv, start_s=60.0))
 
-    procs["server"] = server("server", "--shared-memory")
+    chosen = () if threads == "auto" else ("--intra-op-threads", threads)
+    procs["server"] = server("server", "--shared-memory", *chosen)
     # The others run the threads it chose, so the one lever apart is what each compares.
-    threads = served_threads(procs["server"].log(), squeeze)
-    pinned = ("--intra-op-threads", str(threads))
+    count = int(threads) if chosen else served_threads(procs["server"].log(), squeeze)
+    pinned = ("--intra-op-threads", str(count))
     procs["plain"] = server("plain", *pinned)
     procs["arena"] = server("arena", "--shared-memory", "--ort-arena", "on", *pinned)
-    floor = module_argv("perf.echo_server", "--model", str(squeeze), "--threads", str(threads))
+    floor = module_argv("perf.echo_server", "--model", str(squeeze), "--threads", str(count))
     procs["floor"] = stack.enter_context(running(floor))
     procs["echo"] = stack.enter_context(running(module_argv("perf.echo_server")))
     balancer = [str(BIN / "sluice-balancer"), "--port", "0", "--workers", "1"]
     balancer += ["--shared-memory", "--backend", procs["plain"].address]
     procs["balancer"] = stack.enter_context(running(balancer))
-    return Started(procs, metrics), threads
+    return Started(procs, metrics), count
 
 
 def answers_equal(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool:
@@ -412,6 +414,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ort-seconds", type=float, default=1.5, help="ONNX Runtime alone, per thread count"
     )
+    parser.add_argument(
+        "--threads",
+        default="auto",
+        help="the squeezenet's intra-op threads on every server: N, or auto (the first "
+        "server's own choice, which the others then run)",
+    )
     parser.add_argument("--note", default="", help="context for the report (the machine's load)")
     parser.add_argument("--out", default="", help="write the figures as JSON here")
     return parser
@@ -421,6 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
+    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
+        raise SystemExit(f"--threads must be a number of threads or auto, not {args.threads!r}")
     seconds, warmup = duration(args.duration), duration(args.warmup)
     ctx = context(args.note)
     squeeze = make_squeezenet.cached(IMAGE[2])
@@ -432,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PLAN}
     ort_runs: dict[str, list[dict[str, float]]] = {f"{t}t": [] for t in ORT_THREADS}
     with ExitStack() as stack:
-        started, threads = start(stack, squeeze)
+        started, threads = start(stack, squeeze, args.threads)
         # The bytes answer of each target and model, that target's other answers' reference.
         references = {}
         for config in PLAN.values():
@@ -466,6 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rounds": args.rounds,
         "models": {"squeezenet": str(squeeze), "digits": str(models.DIGITS)},
         "squeezenet_threads": threads,
+        "threads_asked": args.threads,
         "echo_floor": "this process's own loop: SluiceClient, a 1x64 FP32 (digits-size) body",
         "ort_alone": ort_figures,
         "ort_alone_rounds": ort_runs,

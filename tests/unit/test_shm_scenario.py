@@ -154,6 +154,7 @@ def test_the_table_shows_every_row_goal_and_check() -> None:
         },
         "rounds": 1,
         "squeezenet_threads": 2,
+        "threads_asked": "auto",
         "ort_alone": ORT,
         "sweeps": figures,
         "goals": shm.goals(figures, ORT),
@@ -163,6 +164,7 @@ def test_the_table_shows_every_row_goal_and_check() -> None:
     for config in shm.PLAN.values():
         assert f"| {config.label} |" in text
     assert "load average 1.50 before and 2.25 after" in text
+    assert "2 intra-op thread(s) (--threads auto)" in text
     assert "| balancer 1.000, plain 1.000 |" in text  # both processes of a balancer row
     assert "| image, bytes, --ort-arena on |" in text and "DIFFER" in text
     # 5.0 against 2.0 + 1.0 + 0.1: missed by 1.9 ms
@@ -184,6 +186,9 @@ def test_the_answers_and_the_metrics_read() -> None:
     assert shm.model_seconds_in(text) == (0.26, 52.0)
 
 
-def test_no_rounds_is_refused_before_anything_starts() -> None:
+def test_bad_arguments_are_refused_before_anything_starts() -> None:
     with pytest.raises(SystemExit, match="--rounds"):
         shm.main(["--rounds", "0"])
+    for threads in ("0", "two"):
+        with pytest.raises(SystemExit, match="--threads must be a number of threads or auto"):
+            shm.main(["--threads", threads])
