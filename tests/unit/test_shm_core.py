@@ -1,14 +1,19 @@
 """sluice.core.shm: the shared memory region registry, on real objects in /dev/shm (each test
-in its own directory there, removed after it), and its leases' views."""
+in its own directory there, removed after it), and its leases' views; each test in both modes
+(mapped, and copy: whose views are buffers of the server's own) where it holds in both."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import itertools
 import mmap
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import uuid
@@ -58,9 +63,15 @@ def root() -> Iterator[Path]:
         yield path
 
 
+@pytest.fixture(params=[False, True], ids=["mapped", "copy"])
+def copy(request: pytest.FixtureRequest) -> bool:
+    """The registry's mode: copy=True maps no object."""
+    return bool(request.param)
+
+
 @pytest.fixture
-def regions(root: Path) -> Iterator[Regions]:
-    regions = Regions(root=root, require_tmpfs=True)
+def regions(root: Path, copy: bool) -> Iterator[Regions]:
+    regions = Regions(root=root, require_tmpfs=True, copy=copy)
     yield regions
     regions.close()
 
@@ -90,6 +101,22 @@ def mapped(path: Path) -> bool:
     )
 
 
+def held(path: Path) -> bool:
+    """Whether this process has the object at `path` open or mapped (unlinked ones too): a
+    registry holds an fd to each region's object in both modes, and its mapping in one."""
+    fds = Path("/proc/self/fd")
+    links: list[str] = []
+    for fd in os.listdir(fds):
+        with contextlib.suppress(OSError):  # the listing's own fd is gone by now
+            links.append(os.readlink(fds / fd))
+    return mapped(path) or f"{path}" in links or f"{path} (deleted)" in links
+
+
+def address(view: memoryview) -> int:
+    """Where a view's bytes are in memory."""
+    return int(np.frombuffer(view, np.uint8).ctypes.data)
+
+
 def error(fn: Callable[..., object], *args: object) -> SluiceError:
     with pytest.raises(SluiceError) as caught:
         fn(*args)
@@ -111,11 +138,11 @@ def test_register_status_and_unregister(root: Path, regions: Regions) -> None:
     regions.unregister("", "nobody registered this")  # no error, as in Triton
     regions.unregister("")
     assert regions.status("") == [] and len(regions) == 0
-    assert not mapped(root / b[1:])
+    assert not held(root / b[1:])
 
 
-def test_the_default_root_is_dev_shm_and_must_be_tmpfs() -> None:
-    regions = Regions()
+def test_the_default_root_is_dev_shm_and_must_be_tmpfs(copy: bool) -> None:
+    regions = Regions(copy=copy)
     assert regions.root == SHM_ROOT and regions.require_tmpfs
     key = f"/sluice-test-{uuid.uuid4().hex}"
     path = SHM_ROOT / key[1:]
@@ -200,7 +227,7 @@ def test_a_directory_or_fifo_is_refused(root: Path, regions: Regions) -> None:
     assert len(regions) == 0
 
 
-def test_a_hard_link_to_a_file_off_tmpfs_is_refused(tmp_path: Path) -> None:
+def test_a_hard_link_to_a_file_off_tmpfs_is_refused(tmp_path: Path, copy: bool) -> None:
     """Where /dev/shm is a plain directory on a disk, a hard link there reaches any file."""
     if os.stat(tmp_path).st_dev in shm._tmpfs_devices():
         pytest.skip("the temporary directory is on a tmpfs")
@@ -209,13 +236,13 @@ def test_a_hard_link_to_a_file_off_tmpfs_is_refused(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_bytes(b"not for callers")
     os.link(secret, root / "link")
-    regions = Regions(root=root, require_tmpfs=True)
+    regions = Regions(root=root, require_tmpfs=True, copy=copy)
     err = error(regions.register, "", "x", "/link", 0, 4)
     assert isinstance(err, InvalidInput)
     assert "shared memory key '/link' is not shared memory" in str(err)
     assert "is not a tmpfs" in str(err)
     # A test's root elsewhere takes it (the same filesystem as the root: no tmpfs asked).
-    plain = Regions(root=root)
+    plain = Regions(root=root, copy=copy)
     plain.register("", "x", "/link", 0, 4)
     plain.close()
 
@@ -233,9 +260,9 @@ def test_a_hard_link_to_a_file_off_tmpfs_is_refused(tmp_path: Path) -> None:
     ],
 )
 def test_bad_offsets_and_sizes_are_refused(
-    root: Path, offset: int, byte_size: int, says: str
+    root: Path, copy: bool, offset: int, byte_size: int, says: str
 ) -> None:
-    regions = Regions(root=root, max_bytes=2**70)
+    regions = Regions(root=root, max_bytes=2**70, copy=copy)
     key = make(root, 100)
     err = error(regions.register, "", "x", key, offset, byte_size)
     assert isinstance(err, InvalidInput)
@@ -262,8 +289,8 @@ def test_a_name_taken_is_refused(root: Path, regions: Regions) -> None:
     assert regions.status("", "x") == [RegionInfo("x", first, 0, 8)]
 
 
-def test_a_tenant_has_at_most_max_regions(root: Path) -> None:
-    regions = Regions(root=root, max_regions=2)
+def test_a_tenant_has_at_most_max_regions(root: Path, copy: bool) -> None:
+    regions = Regions(root=root, max_regions=2, copy=copy)
     key = make(root, 8)
     regions.register("a", "1", key, 0, 8)
     regions.register("a", "2", key, 0, 8)
@@ -279,8 +306,8 @@ def test_a_tenant_has_at_most_max_regions(root: Path) -> None:
     regions.close()
 
 
-def test_a_tenant_has_at_most_max_bytes(root: Path) -> None:
-    regions = Regions(root=root, max_bytes=100)
+def test_a_tenant_has_at_most_max_bytes(root: Path, copy: bool) -> None:
+    regions = Regions(root=root, max_bytes=100, copy=copy)
     key = make(root, 100)
     regions.register("", "60", key, 0, 60)
     err = error(regions.register, "", "41", key, 0, 41)
@@ -341,13 +368,16 @@ def test_views_read_and_write_the_object(root: Path, regions: Regions) -> None:
     with pytest.raises(TypeError):
         view[0] = 1
     out = lease.output("x", 0, 4)
-    assert not out.readonly
+    assert not out.readonly and bytes(out) == bytes(range(3, 7))  # the object's bytes
     out[:] = b"WXYZ"
-    assert contents(root, key)[PAGE + 3 : PAGE + 7] == b"WXYZ"
-    assert bytes(lease.input("x", 0, 4)) == b"WXYZ"  # the same bytes: in place
+    written = contents(root, key)[PAGE + 3 : PAGE + 7]
+    assert written == (b"\x03\x04\x05\x06" if regions.copy else b"WXYZ")  # in place, or later
+    assert bytes(lease.input("x", 0, 4)) == b"WXYZ"  # a call reads what it wrote
     assert len(lease.input("x", 100, 0)) == 0  # an empty tensor at the end
+    assert len(lease.output("x", 100, 0)) == 0
     del view, out
     lease.release()
+    assert contents(root, key)[PAGE + 3 : PAGE + 7] == b"WXYZ"
 
 
 def test_lease_errors(root: Path, regions: Regions) -> None:
@@ -395,14 +425,15 @@ def test_unregistering_under_a_live_lease_waits_for_its_release(
     assert isinstance(error(regions.status, "", "x"), RegionNotFound)
     with regions.lease("") as other:
         assert str(error(other.input, "x", 0, 1)) == "Unable to find shared memory region: 'x'"
-    assert bytes(view) == b"livelive"  # still mapped under the running call
-    assert mapped(path)
+    assert bytes(view) == b"livelive"  # still mapped (or read) under the running call
+    assert held(path)
     del view
     lease.release()
-    assert not mapped(path)
+    assert not held(path)
     lease.release()  # idempotent
 
 
+@pytest.mark.parametrize("copy", [False], ids=["mapped"])
 def test_a_view_kept_past_release_keeps_the_mapping_until_dropped(
     root: Path, regions: Regions
 ) -> None:
@@ -417,6 +448,192 @@ def test_a_view_kept_past_release_keeps_the_mapping_until_dropped(
     del array
     gc.collect()
     assert not mapped(path)
+
+
+@pytest.mark.parametrize("copy", [True], ids=["copy"])
+def test_a_view_kept_past_release_is_never_handed_to_another_call(
+    root: Path, regions: Regions
+) -> None:
+    """Copy mode: a buffer a caller's array still uses is left to it, not pooled."""
+    key = make(root, 64, b"kept")
+    regions.register("", "x", key, 0, 64)
+    with regions.lease("") as lease:
+        array = np.frombuffer(lease.output("x", 0, 16), np.uint8)
+    array[:] = 1  # its own memory: no fault, and no longer the object's
+    assert contents(root, key) == b"kept" * 16
+    with regions.lease("") as other:
+        view = other.input("x", 0, 16)
+        assert bytes(view) == b"kept" * 4
+        assert address(view) != array.ctypes.data
+        del view
+    assert bytes(array) == b"\x01" * 16
+
+
+@pytest.mark.parametrize("copy", [True], ids=["copy"])
+def test_copy_mode_maps_no_object(root: Path, regions: Regions) -> None:
+    key = make(root, 3 * PAGE, b"xyz")
+    path = root / key[1:]
+    regions.register("", "x", key, PAGE + 5, PAGE)
+    assert held(path) and not mapped(path)
+    with regions.lease("") as lease:
+        view = lease.input("x", 1, 600)
+        out = lease.output("x", 700, 100)
+        assert bytes(view) == contents(root, key)[PAGE + 6 : PAGE + 606]
+        assert not mapped(path)
+        assert address(view) % 64 == 0 and address(out) % 64 == 0  # as ONNX Runtime likes
+        del view, out
+    assert held(path) and not mapped(path)
+
+
+@pytest.mark.parametrize("copy", [True], ids=["copy"])
+def test_copy_mode_reuses_its_buffers(root: Path, regions: Regions) -> None:
+    key = make(root, 3 * PAGE, b"abc")
+    regions.register("", "x", key, 0, 3 * PAGE)
+    seen: set[int] = set()
+    for _ in range(3):  # a steady call: one buffer, its pages faulted once
+        with regions.lease("") as lease:
+            view = lease.input("x", 0, 2 * mmap.PAGESIZE + 1)
+            seen.add(address(view))
+            del view
+    assert len(seen) == 1
+    with regions.lease("") as lease:  # a near size (the same pages) shares it
+        out = lease.output("x", 1, 3 * mmap.PAGESIZE - 1)
+        assert address(out) in seen
+        del out
+
+
+@pytest.mark.parametrize("copy", [True], ids=["copy"])
+def test_copy_mode_pools_a_bounded_number_of_buffers(
+    root: Path, regions: Regions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    size = mmap.PAGESIZE
+    regions.register("", "x", make(root, 8 * size), 0, 8 * size)
+    with regions.lease("") as lease:
+        for _ in range(shm.POOL_PER_SIZE + 2):  # views dropped at once, buffers held
+            lease.input("x", 0, size)
+        lease.input("x", 0, 2 * size)
+    assert {n: len(kept) for n, kept in regions._pool.items()} == {
+        size: shm.POOL_PER_SIZE,
+        2 * size: 1,
+    }
+    assert regions._pooled == (shm.POOL_PER_SIZE + 2) * size
+    regions.close()
+    assert not regions._pool and regions._pooled == 0
+    monkeypatch.setattr(shm, "POOL_BYTES", 3 * size)
+    regions.register("", "x", make(root, 8 * size), 0, 8 * size)
+    with regions.lease("") as lease:
+        for _ in range(3):
+            lease.input("x", 0, size)
+        lease.input("x", 0, 2 * size)  # past the bytes kept in all
+    assert {n: len(kept) for n, kept in regions._pool.items()} == {size: 3}
+    assert regions._pooled == 3 * size
+
+
+def test_a_call_sees_only_its_own_object_through_a_reused_buffer(
+    root: Path, regions: Regions
+) -> None:
+    """A buffer another call wrote (another tenant's) shows nothing of it, and an output a
+    call leaves unwritten leaves the object as it was."""
+    a, b = make(root, 4000, b"A"), make(root, 4000, b"b")
+    regions.register("t1", "x", a, 0, 4000)
+    regions.register("t2", "x", b, 0, 4000)
+    with regions.lease("t1") as lease:
+        out = lease.output("x", 0, 4000)
+        out[:] = b"\xff" * 4000
+        first = address(out)
+        del out
+    with regions.lease("t2") as lease:
+        out = lease.output("x", 0, 4000)
+        assert bytes(out) == b"b" * 4000
+        assert address(out) == first or not regions.copy  # reused, in copy mode
+        del out
+        assert bytes(lease.input("x", 0, 4000)) == b"b" * 4000
+    assert contents(root, a) == b"\xff" * 4000 and contents(root, b) == b"b" * 4000
+
+
+def test_an_output_lands_though_its_region_was_unregistered(root: Path, regions: Regions) -> None:
+    key = make(root, 64)
+    regions.register("", "x", key, 0, 64)
+    lease = regions.lease("")
+    out = lease.output("x", 8, 8)
+    regions.unregister("", "x")  # the call goes on, as it does with its mapping
+    out[:] = b"finished"
+    del out
+    lease.release()
+    assert contents(root, key) == bytes(8) + b"finished" + bytes(48)
+    assert not held(root / key[1:])
+
+
+def test_a_view_refused_leaves_no_claim(root: Path, regions: Regions) -> None:
+    key = make(root, 2 * PAGE)
+    regions.register("", "x", key, 0, 2 * PAGE)
+    with regions.lease("") as warm:  # a buffer pooled, for the view refused to take
+        warm.input("x", 0, 2 * PAGE)
+    os.truncate(root / key[1:], PAGE)
+    first = regions.lease("")
+    assert isinstance(error(first.output, "x", 0, 2 * PAGE), InvalidInput)
+    assert regions._pooled == (2 * PAGE if regions.copy else 0)  # nor keeps its buffer
+    os.truncate(root / key[1:], 2 * PAGE)
+    with regions.lease("") as second:
+        second.output("x", 0, 2 * PAGE)  # no RegionBusy: the refused view claimed nothing
+    first.release()
+
+
+@pytest.mark.parametrize("copy", [True], ids=["copy"])
+def test_a_lease_released_during_a_copy_gives_no_view(
+    root: Path, regions: Regions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    regions.register("", "x", make(root, 64), 0, 64)
+    lease = regions.lease("")
+    read = shm._read
+
+    def released_meanwhile(copy: shm._Copy, earlier: list[shm._Copy]) -> None:
+        lease.release()  # as another thread might, while this one reads
+        read(copy, earlier)
+
+    monkeypatch.setattr(shm, "_read", released_meanwhile)
+    assert "after its release" in str(error(lease.output, "x", 0, 64))
+    assert regions._pooled == mmap.PAGESIZE  # its buffer back in the pool
+    monkeypatch.undo()
+    with regions.lease("") as other:
+        other.output("x", 0, 64)  # the range is free
+
+
+@pytest.mark.parametrize("copy", [True], ids=["copy"])
+def test_no_memory_for_a_copy_is_an_error(
+    root: Path, regions: Regions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    regions.register("", "x", make(root, 64), 0, 64)
+
+    def no_memory(*args: object) -> mmap.mmap:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    with regions.lease("") as lease:
+        monkeypatch.setattr(mmap, "mmap", no_memory)
+        err = error(lease.output, "x", 0, 64)
+        monkeypatch.undo()
+        assert status_of(err).name == "INTERNAL"
+        assert str(err) == (
+            "shared memory region 'x': no memory for a copy of 64 bytes: Cannot allocate memory"
+        )
+        with regions.lease("") as other:
+            other.output("x", 0, 64)  # the refused view claimed nothing
+
+
+def test_a_call_reads_what_it_wrote_through_any_region_of_the_object(
+    root: Path, regions: Regions
+) -> None:
+    key = make(root, 200, b".")
+    regions.register("", "a", key, 0, 100)
+    regions.register("", "b", key, 50, 150)
+    with regions.lease("") as lease:
+        lease.output("a", 60, 10)[:] = b"0123456789"
+        assert bytes(lease.input("b", 5, 20)) == b"....." + b"0123456789" + b"....."
+        later = lease.output("a", 65, 10)  # over the first one's end: it starts with it
+        assert bytes(later) == b"56789....."
+        later[5:] = b"abcde"
+        del later
+    assert contents(root, key)[55:80] == b"....." + b"0123456789" + b"abcde" + b"....."
 
 
 def test_overlapping_writes_of_two_calls(root: Path, regions: Regions) -> None:
@@ -456,11 +673,11 @@ def test_sweep_unregisters_unlinked_objects(root: Path, regions: Regions) -> Non
     (root / leased[1:]).unlink()
     assert sorted(regions.sweep()) == ["gone", "leased"]
     assert [r.name for r in regions.status("")] == ["kept"] and regions.status("t") == []
-    assert not mapped(root / gone[1:])
-    assert bytes(view) == b"l" * 8 and mapped(root / leased[1:])
+    assert not held(root / gone[1:])
+    assert bytes(view) == b"l" * 8 and held(root / leased[1:])
     del view
     lease.release()
-    assert not mapped(root / leased[1:])
+    assert not held(root / leased[1:])
     assert regions.sweep() == []
 
 
@@ -472,9 +689,9 @@ def test_close_unregisters_everything(root: Path, regions: Regions) -> None:
     lease.input("x", 0, 8)
     regions.close()
     assert len(regions) == 0
-    assert mapped(root / keys[0][1:]) and not mapped(root / keys[1][1:])
+    assert held(root / keys[0][1:]) and not held(root / keys[1][1:])
     lease.release()
-    assert not mapped(root / keys[0][1:])
+    assert not held(root / keys[0][1:])
 
 
 def test_a_lease_released_on_another_thread(root: Path, regions: Regions) -> None:
@@ -487,11 +704,11 @@ def test_a_lease_released_on_another_thread(root: Path, regions: Regions) -> Non
     thread.start()
     thread.join(60)
     assert not thread.is_alive()
-    assert not mapped(root / key[1:])
+    assert not held(root / key[1:])
 
 
-def test_threads_register_lease_and_unregister_at_once(root: Path) -> None:
-    regions = Regions(root=root, max_regions=1000)
+def test_threads_register_lease_and_unregister_at_once(root: Path, copy: bool) -> None:
+    regions = Regions(root=root, max_regions=1000, copy=copy)
     keys = [make(root, 64) for _ in range(4)]
     failures: list[BaseException] = []
 
@@ -526,6 +743,7 @@ ranges = st.one_of(
 )
 
 
+@pytest.mark.parametrize("copy", [False, True], ids=["mapped", "copy"])
 @settings(max_examples=200, deadline=None)
 @given(
     region_offset=st.integers(0, 2 * PAGE + 1),
@@ -534,7 +752,7 @@ ranges = st.one_of(
     data=st.data(),
 )
 def test_views_lie_inside_the_region(
-    region_offset: int, region_size: int, slack: int, data: st.DataObject
+    copy: bool, region_offset: int, region_size: int, slack: int, data: st.DataObject
 ) -> None:
     offset = data.draw(st.one_of(st.integers(0, region_size), ranges), "offset")
     room = region_size - offset if 0 <= offset <= region_size else 0
@@ -542,8 +760,9 @@ def test_views_lie_inside_the_region(
     size = region_offset + region_size + slack
     with shm_dir() as root:
         key = make(root, size)
-        regions = Regions(root=root)
+        regions = Regions(root=root, copy=copy)
         regions.register("", "r", key, region_offset, region_size)
+        expected = bytes(size)
         with regions.lease("") as lease:
             try:
                 out = lease.output("r", offset, byte_size)
@@ -559,6 +778,119 @@ def test_views_lie_inside_the_region(
                 del out
                 at = region_offset + offset
                 expected = bytes(at) + b"\xab" * byte_size + bytes(size - at - byte_size)
-                assert contents(root, key) == expected
                 assert bytes(lease.input("r", offset, byte_size)) == b"\xab" * byte_size
+        assert contents(root, key) == expected  # with os.pread, after the release
         regions.close()
+
+
+# A child that takes views of an object, waits while the test truncates the object to 0, then
+# reads every byte of its input view, writes its output view and takes one more input view.
+TRUNCATED = """
+import sys
+from pathlib import Path
+from sluice.core.errors import InvalidInput
+from sluice.core.shm import Regions
+
+root, key, mode, page = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+regions = Regions(root=root, require_tmpfs=True, copy=mode == "copy")
+regions.register("", "x", key, page, 2 * page)
+lease = regions.lease("")
+view = lease.input("x", 0, page)
+out = lease.output("x", page, page)
+print("ready", flush=True)
+sys.stdin.readline()
+print(sum(view), flush=True)
+out[:] = b"\\x07" * page
+try:
+    lease.input("x", 0, page)
+except InvalidInput as exc:
+    print(exc, flush=True)
+lease.release()
+regions.close()
+"""
+
+
+def truncated_under(root: Path, key: str, mode: str) -> subprocess.CompletedProcess[str]:
+    """TRUNCATED run in `mode`, the object `key` truncated to 0 under its views."""
+    args = [sys.executable, "-c", TRUNCATED, str(root), key, mode, str(PAGE)]
+    child = subprocess.Popen(
+        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        ready = child.stdout.readline()
+        if ready == "ready\n":
+            fd = os.open(root / key[1:], os.O_RDWR)
+            try:
+                os.ftruncate(fd, 0)
+            finally:
+                os.close(fd)
+        out, err = child.communicate("go\n", timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert ready == "ready\n", err
+    return subprocess.CompletedProcess(args, child.returncode, out, err)
+
+
+def test_a_caller_truncating_its_object_cannot_crash_copy_mode(root: Path) -> None:
+    key = make(root, 3 * PAGE, b"\x01")
+    done = truncated_under(root, key, "copy")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        str(PAGE),  # every byte read: the ones the view held when taken
+        f"shared memory region 'x': its object '{key}' is 0 bytes now, short of the "
+        f"{2 * PAGE} this call uses (truncated since it was registered)",
+    ]
+    # The output went where it was bound: the caller's object grew back to hold it.
+    assert contents(root, key) == bytes(2 * PAGE) + b"\x07" * PAGE
+
+
+def test_a_caller_truncating_its_object_crashes_mapped_mode(root: Path) -> None:
+    """Why copy mode exists: the mapped server takes SIGBUS reading what was truncated."""
+    done = truncated_under(root, make(root, 3 * PAGE, b"\x01"), "mapped")
+    assert done.returncode == -signal.SIGBUS, done.stderr
+    assert done.stdout == ""
+
+
+# A child that cannot write past `page` + 100 in any file: its output's write-back fails.
+UNWRITABLE = """
+import resource, signal, sys
+from pathlib import Path
+from sluice.core.errors import SluiceError
+from sluice.core.shm import Regions
+
+root, key, page = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+regions = Regions(root=root, require_tmpfs=True, copy=True)
+regions.register("", "x", key, page, page)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not a signal, past the limit
+hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+resource.setrlimit(resource.RLIMIT_FSIZE, (page + 100, hard))
+lease = regions.lease("")
+lease.output("x", 0, page)[:] = b"\\x07" * page
+try:
+    lease.release()
+except SluiceError as exc:
+    print(exc.status, exc, flush=True)
+resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+with regions.lease("") as again:  # the range is free again: that lease was let go
+    again.output("x", 0, page)[:] = b"\\x08" * page
+regions.close()
+"""
+
+
+def test_an_output_that_cannot_be_written_fails_the_release(root: Path) -> None:
+    key = make(root, 2 * PAGE)
+    done = subprocess.run(
+        [sys.executable, "-c", UNWRITABLE, str(root), key, str(PAGE)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"INTERNAL shared memory region 'x': the call's output of {PAGE} bytes at offset 0 "
+        f"could not be written to '{key}' (its first 100 were): File too large"
+    ]
+    assert contents(root, key) == bytes(PAGE) + b"\x08" * PAGE
