@@ -182,17 +182,17 @@ KSERVE_CALLS: dict[str, RegionCall] = {
 
 
 def predict_tensors(
-    request: pb.PredictRequest, lease: Lease | None, unserved: str
+    request: pb.PredictRequest, lease: Lease | None, refusal: str
 ) -> tuple[dict[str, np.ndarray], dict[str, codec.Placed]]:
     """A PredictRequest's inputs (those in regions: views of them, through the call's
     `lease`) and the views its output_memory outputs are to be written into, taken now: a
     bad region refuses the call before any model runs. No `lease`: shared memory is off,
-    and a region named is refused, `unserved` after what names it."""
+    and a region named is refused, `refusal` after what names it."""
     refs = {name: codec.ref_of(ref) for name, ref in request.output_memory.items()}
     try:
         return codec.decode_all(request.inputs, lease), codec.placed(lease, refs)
     except codec.Unshared as exc:
-        raise InvalidInput(f"{exc}; {unserved}") from None
+        raise InvalidInput(f"{exc}; {refusal}") from None
     except codec.TensorError as exc:
         raise InvalidInput(str(exc)) from None
 
@@ -245,16 +245,16 @@ def element_count(label: str, shape: tuple[int, ...]) -> int:
 
 
 def triton_ref(
-    parameters: Parameters, label: str, lease: Lease | None, unserved: str
+    parameters: Parameters, label: str, lease: Lease | None, refusal: str
 ) -> codec.Ref | None:
     """Where a KServe tensor's parameters place it in a region; None: nowhere. Refused
-    where the program takes no shared memory (no `lease`), `unserved` after what names it."""
+    where the program takes no shared memory (no `lease`), `refusal` after what names it."""
     if not parameters:
         return None
     region = parameters.get(REGION)
     if region is not None:
         if lease is None:
-            raise InvalidInput(f"{label} names a shared memory region; {unserved}")
+            raise InvalidInput(f"{label} names a shared memory region; {refusal}")
         if region.WhichOneof("parameter_choice") != "string_param":
             raise InvalidInput(
                 f"invalid value type for '{REGION}' parameter for {label}, expected string_param"
@@ -308,11 +308,11 @@ def triton_input(
     return view, dt, shape
 
 
-def triton_output(output: Output, lease: Lease | None, unserved: str) -> codec.Placed | None:
+def triton_output(output: Output, lease: Lease | None, refusal: str) -> codec.Placed | None:
     """The view a requested output is to be written into (None: its parameters place it
     nowhere), taken now: an unknown region, a range past its end or one another call writes
     into is refused before the call goes on. No `lease`: as `triton_ref`."""
-    ref = triton_ref(output.parameters, output_label(output), lease, unserved)
+    ref = triton_ref(output.parameters, output_label(output), lease, refusal)
     if ref is None:
         return None
     assert lease is not None  # triton_ref refused a region without one
