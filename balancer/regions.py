@@ -61,6 +61,7 @@ class Placing(ABC):
         SluiceError (its status) when they cannot be."""
 
     def release(self) -> None:
+        self.places = {}  # its views go first, so a copying lease can reuse their buffers
         self.lease.release()
 
 

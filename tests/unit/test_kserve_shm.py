@@ -26,7 +26,7 @@ from sluice.core.tenants import digest
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.kserve.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
 from sluice.runtime import door
-from sluice.runtime.regions import ONE_PROCESS
+from sluice.runtime.regions import ONE_PROCESS, regions_of
 from sluice.server.dataplane.batcher import Batcher
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine
@@ -801,3 +801,14 @@ async def test_both_faces_share_the_callers_regions(
         np.testing.assert_array_equal(codec.decode_all(predicted.outputs)["label"], label)
         await v1.UnregisterRegion(pb.UnregisterRegionRequest())
         assert await status(kserve) == {}
+
+
+def test_regions_are_copied_where_tenants_share_the_program() -> None:
+    """Tenants on: no caller may crash the process for the others by truncating its object
+    under a call, so the registry copies views instead of mapping objects; off: one party,
+    mapped in place."""
+    assert regions_of(ServerSettings(device="cpu")) is None
+    alone = regions_of(ServerSettings(shared_memory=True, device="cpu"))
+    shared = regions_of(ServerSettings(shared_memory=True, device="cpu", tenants="t.toml"))
+    assert alone is not None and not alone.copy
+    assert shared is not None and shared.copy
