@@ -1,6 +1,7 @@
-"""The shared memory benchmark scenario's arithmetic (perf/shm.py): its plan, the figures of one
-measured loop, the medians over rounds, the goals' bounds and verdicts, and the table. Nothing
-is started and no timing is judged: the figures below are made up."""
+"""The shared memory benchmark scenario's arithmetic (perf/shm_figures.py, for perf/shm.py):
+its plan, the figures of one measured loop, the medians over rounds, the goals' bounds and
+verdicts, and the table. Nothing is started and no timing is judged: the figures below are
+made up."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from perf import shm
+from perf import shm_figures as shm
 
 PROCESSES = {"server", "plain", "balancer", "arena", "floor", "echo"}
 
@@ -186,9 +187,11 @@ def test_the_answers_and_the_metrics_read() -> None:
     assert shm.model_seconds_in(text) == (0.26, 52.0)
 
 
-def test_bad_arguments_are_refused_before_anything_starts() -> None:
+def test_bad_arguments_are_refused() -> None:
     with pytest.raises(SystemExit, match="--rounds"):
-        shm.main(["--rounds", "0"])
+        shm.check(0, "auto")
     for threads in ("0", "two"):
         with pytest.raises(SystemExit, match="--threads must be a number of threads or auto"):
-            shm.main(["--threads", threads])
+            shm.check(3, threads)
+    shm.check(1, "auto")
+    shm.check(1, "2")
