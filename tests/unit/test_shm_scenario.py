@@ -1,19 +1,32 @@
 """The shared memory benchmark scenario's arithmetic (perf/shm_figures.py, for perf/shm.py):
 its plan, the figures of one measured loop, the medians over rounds, the goals' bounds and
-verdicts, and the table. Nothing is started and no timing is judged: the figures below are
-made up."""
+verdicts, and the table; and its shared memory floor (perf/echo_server.py --model
+--shared-memory), in this process on the digits model. No process is started and no timing is
+judged: the figures below are made up."""
 
 from __future__ import annotations
 
 import mmap
 import os
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
+from perf import echo_server
 from perf import shm_figures as shm
+from sluice import AsyncSluiceClient, models
+from sluice.client.shm import signature
+from sluice.core.errors import InvalidInput
+from sluice.core.shm import Regions
+from sluice.v1 import inference_pb2 as pb
+from sluice.v1 import inference_pb2_grpc as pb_grpc
+from sluice.wire import codec
 
 PROCESSES = {"server", "plain", "balancer", "arena", "floor", "echo"}
 
@@ -195,3 +208,131 @@ def test_bad_arguments_are_refused() -> None:
             shm.check(3, threads)
     shm.check(1, "auto")
     shm.check(1, "2")
+
+
+# The shared memory floor: perf/echo_server.py --model --shared-memory, on the digits model.
+
+X = np.random.default_rng(0).standard_normal((1, 64), dtype=np.float32)
+PROBABILITIES = 10 * 4  # the digits model's (1, 10) FP32 output
+
+
+def floor_answer(regions: Regions | None) -> Any:
+    answer, _ = echo_server.model_floor(str(models.DIGITS), 1, regions)
+    return answer
+
+
+def bytes_answer(answer: Any) -> dict[str, np.ndarray]:
+    reply = pb.PredictResponse.FromString(answer(codec.encode_predict({"input": X})))
+    return codec.decode_all(reply.outputs)
+
+
+def in_region(output_bytes: int, region: str = "r") -> bytes:
+    """A Predict with X at the start of `region` and its probabilities after it."""
+    placed = pb.SharedMemoryRef(region=region, offset=X.nbytes, byte_size=output_bytes)
+    return pb.PredictRequest(
+        inputs=[codec.shared_tensor("input", X, codec.Ref(region, 0, X.nbytes))],
+        output_memory={"probabilities": placed},
+    ).SerializeToString()
+
+
+def test_the_shm_floor_reads_its_input_in_the_region_and_writes_its_output_there(
+    tmp_path: Path,
+) -> None:
+    regions = Regions(root=tmp_path)
+    try:
+        answer = floor_answer(regions)
+        expected = bytes_answer(answer)  # bytes still go the bytes way
+        obj = tmp_path / "obj"
+        obj.write_bytes(X.tobytes() + bytes(64))
+        regions.register("", "r", "/obj", 0, X.nbytes + 64)
+        reply = pb.PredictResponse.FromString(answer(in_region(64)))
+        tensors = {t.name: t for t in reply.outputs}
+        # the probabilities answered by where they are, the bytes written (40 of the 64)
+        probabilities = tensors["probabilities"]
+        assert not probabilities.raw_data
+        assert probabilities.shared_memory == pb.SharedMemoryRef(
+            region="r", offset=X.nbytes, byte_size=PROBABILITIES
+        )
+        found = obj.read_bytes()[X.nbytes : X.nbytes + PROBABILITIES]
+        assert np.array_equal(
+            np.frombuffer(found, np.float32).reshape(1, 10), expected["probabilities"]
+        )
+        assert np.array_equal(codec.decode(tensors["label"]), expected["label"])  # as bytes
+        # an output region too small: refused as the server refuses it, for the client to
+        # send that output's bytes instead
+        with pytest.raises(InvalidInput, match=codec.TOO_SMALL):
+            answer(in_region(8))
+        with pytest.raises(InvalidInput, match="'elsewhere'"):
+            answer(in_region(64, "elsewhere"))
+    finally:
+        regions.close()
+
+
+@asynccontextmanager
+async def floor(regions: Regions | None) -> AsyncIterator[str]:
+    server = grpc.aio.server()
+    methods = echo_server.handlers(str(models.DIGITS), 1, regions)
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "sluice.v1.Inference",
+                {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()},
+            )
+        ]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+async def test_a_shm_client_calls_the_shm_floor_with_its_tensors_in_its_regions() -> None:
+    regions = Regions()  # the client's objects are in /dev/shm
+    try:
+        async with floor(regions) as address:
+            async with AsyncSluiceClient(address, timeout=30.0) as plain:
+                expected = await plain.predict({"input": X})
+            async with AsyncSluiceClient(address, timeout=30.0, shared_memory=True) as client:
+                for _ in range(3):  # the first sizes the outputs, the others place them
+                    found = await client.predict({"input": X})
+                    assert shm.answers_equal(found, expected)
+                assert client._memory is not None
+                assert client._memory.learned.get(signature({"input": X}, (), "", "")) == {
+                    "label": 8,
+                    "probabilities": PROBABILITIES,
+                }
+                assert len(regions) == 1  # its arena, registered through the floor
+            assert len(regions) == 0  # and unregistered as the client closed
+    finally:
+        regions.close()
+
+
+async def test_the_region_calls_answer_each_refusals_status() -> None:
+    regions = Regions()
+    try:
+        async with floor(regions) as address, grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            missing = pb.RegisterRegionRequest(name="r", key="/sluice-no-such-object", byte_size=8)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.RegisterRegion(missing, timeout=30.0)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "Unable to open shared memory region" in (refused.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.RegionStatus(pb.RegionStatusRequest(name="r"), timeout=30.0)
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        regions.close()
+    async with floor(None) as address, grpc.aio.insecure_channel(address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await pb_grpc.InferenceStub(channel).RegionStatus(
+                pb.RegionStatusRequest(), timeout=30.0
+            )
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "--shared-memory" in (refused.value.details() or "")
+
+
+def test_the_shm_floor_needs_a_model() -> None:
+    with pytest.raises(SystemExit):
+        echo_server.main(["--shared-memory"])
