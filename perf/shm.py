@@ -11,8 +11,8 @@ Processes, all on this host (127.0.0.1):
   - balancer: sluice-balancer --shared-memory before plain (it reads the caller's regions and
     forwards their bytes);
   - arena: as server, with --ort-arena on;
-  - floor: perf/echo_server.py --model (ONNX Runtime inline in a bare grpc.aio server; bytes
-    only, it reads no regions);
+  - floor: perf/echo_server.py --model --shared-memory (ONNX Runtime inline in a bare
+    grpc.aio server, reading bytes or the caller's regions through the server's functions);
   - echo: perf/echo_server.py, the echo floor (one digits-sized reply to every call).
 The servers run the threads `server` chose, and serve their metrics, for the model's own wall
 time per call as the server ran it (sluice_model_seconds).
@@ -127,7 +127,9 @@ def start(stack: ExitStack, squeeze: Path, threads: str) -> tuple[Started, int]:
     pinned = ("--intra-op-threads", str(count))
     procs["plain"] = server("plain", *pinned)
     procs["arena"] = server("arena", "--shared-memory", "--ort-arena", "on", *pinned)
-    floor = module_argv("perf.echo_server", "--model", str(squeeze), "--threads", str(count))
+    floor = module_argv(
+        "perf.echo_server", "--model", str(squeeze), "--threads", str(count), "--shared-memory"
+    )
     procs["floor"] = stack.enter_context(running(floor))
     procs["echo"] = stack.enter_context(running(module_argv("perf.echo_server")))
     balancer = [str(BIN / "sluice-balancer"), "--port", "0", "--workers", "1"]

@@ -44,7 +44,8 @@ def test_the_plan_compares_each_shm_row_with_its_bytes_twin() -> None:
     direct, hop = shm.PLAN["digits-direct"], shm.PLAN["digits-balancer"]
     assert (direct.target, direct.model) == ("plain", hop.model)
     assert shm.MODEL_RUNS_IN["balancer"] == "plain"
-    assert not shm.PLAN["floor-bytes"].shared  # the floor reads no regions
+    # the floor reads the regions too, one process for both
+    assert shm.PLAN["floor-shm"].target == shm.PLAN["floor-bytes"].target == "floor"
     assert shm.PLAN["echo-digits"].model == "digits"  # a digits-size body
 
 
@@ -132,13 +133,20 @@ def test_the_goals_bounds_and_verdicts() -> None:
         digits_balancer=1.6,  # the hop: 0.5 ms
         image_shm=2.75,
         image_shm_balancer=3.3,
+        floor_shm=2.6,
     )
-    direct, balanced = shm.goals(figures, ORT)
+    direct, balanced, served, floor = shm.goals(figures, ORT)
     # best threads (2t: 2.0) + the tiny body's echo (0.7) + 0.1
     assert direct["limit"] == pytest.approx(2.8) and direct["measured"] == 2.75
     assert direct["result"] == "PASS" and "2t" in direct["floor"]
     # the direct figure + the hop
     assert balanced["limit"] == pytest.approx(3.25) and balanced["result"] == "MISS"
+    # the first goal's halves: served within the shm floor + 0.1 (2.75 > 2.7), the floor
+    # within the first bound
+    assert (served["measured"], served["limit"]) == (2.75, pytest.approx(2.7))
+    assert served["result"] == "MISS" and "the shm floor 2.600" in served["floor"]
+    assert (floor["measured"], floor["limit"]) == (2.6, pytest.approx(2.8))
+    assert floor["result"] == "PASS" and floor["floor"] == direct["floor"]
     # the best of the threads wherever it is
     slower = {"1t": {"p50": 1.5, "cpu_ms": 1.5}, "2t": ORT["2t"]}
     assert shm.goals(figures, slower)[0]["limit"] == pytest.approx(2.3)
@@ -146,11 +154,13 @@ def test_the_goals_bounds_and_verdicts() -> None:
 
 
 def test_the_differences_beside_the_goals() -> None:
-    figures = sweeps(image_bytes=4.0, image_shm=3.0, arena_shm=2.5, floor_bytes=3.5)
+    figures = sweeps(image_bytes=4.0, image_shm=3.0, arena_shm=2.5, floor_bytes=3.5, floor_shm=2.25)
     found = dict(shm.beside(figures))
     assert found["shm saves, direct (bytes - shm)"] == pytest.approx(1.0)
     assert found["the arena, shm (arena - server)"] == pytest.approx(-0.5)
     assert found["served shm over the floor's bytes"] == pytest.approx(-0.5)
+    assert found["served shm over the shm floor"] == pytest.approx(0.75)
+    assert found["shm saves at the floor (floor bytes - floor shm)"] == pytest.approx(1.25)
 
 
 def test_the_table_shows_every_row_goal_and_check() -> None:
