@@ -1,6 +1,7 @@
 """The server's Prometheus metrics: its serving stats (sluice.runtime.metrics), and the
 dataplane's batchers and cache, read when scraped; queue wait, model time and batch rows are
-histograms fed by the batchers' hooks, set only here (metrics on)."""
+histograms fed by the batchers' hooks, set only here (metrics on). Models with padded inputs
+also count, by model name, the positions their requests held and those their runs ran."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ class DataplaneCollector(Collector):
         self.wait = Histogram(SECONDS)
         self.run = Histogram(RUN_SECONDS)
         self.rows = Histogram(ROWS)
-        # The stats of models taken out of service, kept (not their batchers: those hold
-        # sessions): a retiring model still counts what it refuses while it finishes.
-        self.gone: list[BatcherStats] = []
+        # The stats of models taken out of service, by model name, kept (not their batchers:
+        # those hold sessions): a retiring model still counts what it refuses while it
+        # finishes.
+        self.gone: list[tuple[str, BatcherStats]] = []
         for model in models:
             self.installed(model)
         models.listeners.append(self)
@@ -43,11 +45,12 @@ class DataplaneCollector(Collector):
         model.batcher.on_run = self._ran
 
     def removed(self, model: Model) -> None:
-        self.gone.append(model.batcher.stats)
+        self.gone.append((model.name, model.batcher.stats))
 
     def collect(self) -> Iterator[Metric]:
         batchers, cache = [m.batcher for m in self.models], self.cache
-        stats = [b.stats for b in batchers] + self.gone
+        named = [(m.name, m.batcher.stats) for m in self.models] + self.gone
+        stats = [s for _, s in named]
         yield GaugeMetricFamily(
             "sluice_queue_depth",
             "requests waiting in the batcher queue",
@@ -83,3 +86,38 @@ class DataplaneCollector(Collector):
         yield GaugeMetricFamily(
             "sluice_cache_entries", "entries in the result cache", value=len(cache)
         )
+        yield from _padding(named)
+
+
+def _padding(named: list[tuple[str, BatcherStats]]) -> Iterator[Metric]:
+    """Padded positions against real ones, by model name (its versions, gone ones too), for
+    the models that ran padded requests."""
+    tokens: dict[str, list[int]] = {}
+    for name, stats in named:
+        if stats.padded_tokens:
+            counts = tokens.setdefault(name, [0, 0])
+            counts[0] += stats.real_tokens
+            counts[1] += stats.padded_tokens
+    real = CounterMetricFamily(
+        "sluice_real_tokens",
+        "positions the padded inputs of requests held (rows x their own lengths)",
+        labels=["model"],
+    )
+    padded = CounterMetricFamily(
+        "sluice_padded_tokens",
+        "positions the runs of requests with padded inputs ran, padding included "
+        "(rows x the lengths they were padded to)",
+        labels=["model"],
+    )
+    efficiency = GaugeMetricFamily(
+        "sluice_padding_efficiency",
+        "real over padded positions run (1: no padding was run)",
+        labels=["model"],
+    )
+    for name, (held, ran) in sorted(tokens.items()):
+        real.add_metric([name], held)
+        padded.add_metric([name], ran)
+        efficiency.add_metric([name], held / ran)
+    yield real
+    yield padded
+    yield efficiency

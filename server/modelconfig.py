@@ -5,7 +5,10 @@ KIND_CPU: on the CPU; all Triton's default KIND_AUTO: the server's --device),
 dynamic_batching.max_queue_delay_microseconds (the batch budget, unless 0), version_policy,
 default_model_filename, and parameters `sluice.accept.INPUT` (the compact wire types an
 FP32 or FP16 input also takes, as "UINT8*0.00392157+0", comma-separated: cast by the server
-as x * scale + offset). Other known fields (input and output dims: the ONNX file's own
+as x * scale + offset), `sluice.pad.INPUT` (the value an input is padded with, as "0", so
+requests of different lengths share batches), `sluice.buckets` (the lengths padding rounds
+up to, as "16,32,64,128") and `sluice.max_length` (the longest length taken). Other known
+fields (input and output dims: the ONNX file's own
 signature rules; other parameters) are read and logged as ignored; unknown fields are
 skipped, and named in the log.
 """
@@ -23,6 +26,9 @@ from sluice.server.dataplane.modelsettings import (
     Config,
     VersionPolicy,
     WireType,
+    check_lengths,
+    parse_buckets,
+    parse_pad,
     parse_wire_types,
 )
 from sluice.v1 import model_config_pb2 as pb
@@ -31,6 +37,11 @@ log = logging.getLogger("sluice.modelconfig")
 
 # A parameter naming the wire types an input also takes: this, then the input's name.
 ACCEPT = "sluice.accept."
+# A parameter giving the value an input is padded with: this, then the input's name.
+PAD = "sluice.pad."
+# The parameters of padded lengths: the buckets, and the longest taken.
+BUCKETS = "sluice.buckets"
+MAX_LENGTH = "sluice.max_length"
 
 # The platform and backend names Triton gives ONNX Runtime models; others cannot serve here.
 ONNX_PLATFORMS = ("", "onnxruntime_onnx")
@@ -100,7 +111,13 @@ def convert(message: pb.ModelConfig, source: str = "config.pbtxt", name: str = "
     if message.input or message.output:
         ignored.append("input/output (the ONNX file's own inputs and outputs rule)")
     accepts = _accepts(message, source)
-    others = sorted(k for k in message.parameters if not k.startswith(ACCEPT))
+    pads = _pads(message, source)
+    buckets, max_length = _lengths(message, source)
+    others = sorted(
+        k
+        for k in message.parameters
+        if not k.startswith((ACCEPT, PAD)) and k not in (BUCKETS, MAX_LENGTH)
+    )
     if others:
         ignored.append(f"parameters {', '.join(others)}")
 
@@ -155,6 +172,9 @@ def convert(message: pb.ModelConfig, source: str = "config.pbtxt", name: str = "
         policy=policy,
         default_model_filename=filename,
         accepts=accepts or None,
+        pads=pads or None,
+        buckets=buckets,
+        max_length=max_length,
     )
 
 
@@ -173,6 +193,47 @@ def _accepts(message: pb.ModelConfig, source: str) -> dict[str, tuple[WireType, 
         except ValueError as exc:
             raise LoadFailed(f"{source}: parameter {key!r} (input {name!r}): {exc}") from None
     return found
+
+
+def _pads(message: pb.ModelConfig, source: str) -> dict[str, str]:
+    """The pad values the config's `sluice.pad.INPUT` parameters give, by input name;
+    LoadFailed naming the parameter for one that is no number (its datatype is checked when
+    the model loads)."""
+    found = {}
+    for key in sorted(message.parameters):
+        if not key.startswith(PAD):
+            continue
+        name = key.removeprefix(PAD)
+        if not name:
+            raise LoadFailed(f"{source}: parameter {key!r} names no input ({PAD}INPUT)")
+        try:
+            found[name] = parse_pad(message.parameters[key].string_value)
+        except ValueError as exc:
+            raise LoadFailed(f"{source}: parameter {key!r} (input {name!r}): {exc}") from None
+    return found
+
+
+def _lengths(message: pb.ModelConfig, source: str) -> tuple[tuple[int, ...] | None, int | None]:
+    """The config's length buckets and longest length (None: not set); LoadFailed naming
+    the parameter for one that does not parse, or a longest beyond the largest bucket."""
+    buckets = max_length = None
+    if BUCKETS in message.parameters:
+        try:
+            buckets = parse_buckets(message.parameters[BUCKETS].string_value)
+        except ValueError as exc:
+            raise LoadFailed(f"{source}: parameter {BUCKETS!r}: {exc}") from None
+    if MAX_LENGTH in message.parameters:
+        written = message.parameters[MAX_LENGTH].string_value.strip()
+        if not (written.isascii() and written.isdigit() and int(written) > 0):
+            raise LoadFailed(
+                f"{source}: parameter {MAX_LENGTH!r}: {written!r} is not a positive whole number"
+            )
+        max_length = int(written)
+    try:
+        check_lengths(buckets or (), max_length or 0)
+    except ValueError as exc:
+        raise LoadFailed(f"{source}: parameter {MAX_LENGTH!r}: {exc}") from None
+    return buckets, max_length
 
 
 def read_config(path: Path) -> Config:

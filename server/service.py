@@ -37,7 +37,7 @@ from sluice.core.tenants import HEADER, INTERACTIVE, Account, Tenants
 from sluice.runtime import door, spans, tracing
 from sluice.runtime.door import OPEN, TENANT
 from sluice.runtime.status import status_of
-from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL
+from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL, bucket_label
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Dataplane, WireProtocol
 from sluice.server.settings import ServerSettings
@@ -456,6 +456,12 @@ def _batcher_stats(model: Model) -> pb.BatcherStats:
         instances=len(engine.instances),
         busy_instances=scheduler.busy,
         instance_batches=[scheduler.runs[i] for i in range(len(engine.instances))],
+        real_tokens=batcher.real_tokens,
+        padded_tokens=batcher.padded_tokens,
+        padding_efficiency=batcher.padding_efficiency,
+        buckets=model.padding.buckets.listed() if model.padding is not None else (),
+        max_length=model.padding.buckets.limit if model.padding is not None else 0,
+        bucket_batches={str(bucket_label(b)): n for b, n in batcher.by_bucket.items()},
     )
 
 

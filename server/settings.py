@@ -12,6 +12,9 @@ from sluice.server.dataplane.modelsettings import (
     WIRE_SYNTAX,
     ModelSettings,
     WireType,
+    check_lengths,
+    parse_buckets,
+    parse_pad,
     parse_wire_types,
 )
 
@@ -93,6 +96,33 @@ class ServerSettings(ProgramSettings):
             "[MODEL:]INPUT=UINT8|INT8|UINT16|FP16[*SCALE][+OFFSET] (cast once by the server "
             "as x * SCALE + OFFSET; MODEL: the NAME of a --model NAME=PATH, needed with more "
             "than one); repeat for more",
+        },
+    )
+    pad: list[str] = field(
+        default_factory=list,
+        metadata={
+            "list": True,
+            "help": "an input of a --model that may be padded, so requests of different "
+            "lengths share batches, as [MODEL:]INPUT=VALUE (VALUE: what the padding holds, "
+            "e.g. 0 for token ids and attention masks): padded along its dynamic non-batch "
+            "dimensions, named in the model (e.g. 'sequence'), to a length bucket, outputs "
+            "along them cut back to each request's length; every input along those "
+            "dimensions is marked; repeat for more",
+        },
+    )
+    buckets: str = field(
+        default="",
+        metadata={
+            "help": "the lengths padded inputs round up to, comma-separated (e.g. "
+            "16,32,64,128); default: powers of two, up to --max-length where given. A "
+            "repository model's config sets its own (parameter sluice.buckets)",
+        },
+    )
+    max_length: int = field(
+        default=0,
+        metadata={
+            "help": "the longest length a padded input takes (0: the largest of --buckets, "
+            "or any without them); longer requests are refused with INVALID_ARGUMENT",
         },
     )
     workers: str = field(
@@ -184,6 +214,11 @@ class ServerSettings(ProgramSettings):
         if not self.model and not self.model_repository:
             object.__setattr__(self, "model", [str(DIGITS)])
         self.accepts()  # refuse a malformed --accept, or one naming no --model, at start
+        self.pads()  # and a malformed --pad
+        try:
+            check_lengths(self.length_buckets(), self.max_length)
+        except ValueError as exc:
+            raise ValueError(f"--max-length {self.max_length}: {exc}") from None
 
     def processes(self) -> int:
         return int(self.workers) if self.workers.isdigit() else os.cpu_count() or 1
@@ -192,12 +227,25 @@ class ServerSettings(ProgramSettings):
         """--intra-op-threads as the engine takes it: None to choose at load."""
         return None if self.intra_op_threads == "auto" else int(self.intra_op_threads)
 
+    def length_buckets(self) -> tuple[int, ...]:
+        """--buckets as a tuple, ascending."""
+        if not self.buckets.strip():
+            return ()
+        try:
+            return parse_buckets(self.buckets)
+        except ValueError as exc:
+            raise ValueError(f"--buckets {self.buckets!r}: {exc}") from None
+
     def model_settings(self, entry: str | None = None) -> ModelSettings:
         """What every model serves with where its config sets nothing, in seconds and bytes;
         with `entry`, the NAME of a --model entry ("" for an unnamed one), what that one
-        serves with: its --accept wire types too."""
+        serves with: its --accept wire types and --pad inputs too."""
         if entry is not None:
-            return replace(self.model_settings(), accepts=self.accepts().get(entry, {}))
+            return replace(
+                self.model_settings(),
+                accepts=self.accepts().get(entry, {}),
+                pads=self.pads().get(entry, {}),
+            )
         return ModelSettings(
             device=self.device,
             intra_op_threads=self.threads(),
@@ -211,6 +259,8 @@ class ServerSettings(ProgramSettings):
             inline_max_s=self.inline_max_us / 1e6,
             spinning=self.ort_spinning,
             arena=self.ort_arena,
+            buckets=self.length_buckets(),
+            max_length=self.max_length,
         )
 
     def worker_count(self, gpu: bool) -> int:
@@ -229,24 +279,9 @@ class ServerSettings(ProgramSettings):
                 'its config.pbtxt: parameters { key: "sluice.accept.INPUT" value: '
                 '{ string_value: "UINT8*0.00392157" } }'
             )
-        entries = [name for name, _ in self.models()]
         found: dict[str, dict[str, tuple[WireType, ...]]] = {}
         for entry in self.accept:
-            target, equals, written = entry.partition("=")
-            model, colon, name = target.partition(":")
-            if not (colon and model.strip() and model.strip() in entries and name.strip()):
-                # No MODEL: the whole is the input's name (TensorFlow's hold colons: "x:0").
-                if len(entries) > 1:
-                    named = ", ".join(repr(n) for n in entries if n) or "none"
-                    raise ValueError(
-                        f"--accept {entry!r} names none of the {len(entries)} --model "
-                        f"entries (named: {named}): say which, as MODEL:INPUT=..., with "
-                        "MODEL the NAME of a --model NAME=PATH"
-                    )
-                model, name = entries[0], target
-            model, name = model.strip(), name.strip()
-            if not equals or not name:
-                raise ValueError(f"--accept takes {syntax}, not {entry!r}")
+            model, name, written = self._per_model("--accept", entry, syntax)
             if "," in written:  # SLUICE_ACCEPT's commas part entries: one type to an entry
                 raise ValueError(f"--accept {entry!r}: one wire type each; repeat it for more")
             try:
@@ -260,6 +295,50 @@ class ServerSettings(ProgramSettings):
                 raise ValueError(f"--accept gives input {name!r} {', '.join(sorted(twice))} twice")
             inputs[name] = before + wires
         return found
+
+    def pads(self) -> dict[str, dict[str, str]]:
+        """The --pad entries: by --model entry NAME ("" for an unnamed one), the pad value of
+        each input named (checked against its datatype when the model loads)."""
+        syntax = "[MODEL:]INPUT=VALUE"
+        if self.pad and not self.model:
+            raise ValueError(
+                "--pad is for --model models; a repository model names its padded inputs in "
+                'its config.pbtxt: parameters { key: "sluice.pad.INPUT" value: '
+                '{ string_value: "0" } }'
+            )
+        found: dict[str, dict[str, str]] = {}
+        for entry in self.pad:
+            model, name, written = self._per_model("--pad", entry, syntax)
+            try:
+                value = parse_pad(written)
+            except ValueError as exc:
+                raise ValueError(f"--pad {entry!r}: {exc}; it takes {syntax}") from None
+            inputs = found.setdefault(model, {})
+            if name in inputs:
+                raise ValueError(f"--pad gives input {name!r} a value twice")
+            inputs[name] = value
+        return found
+
+    def _per_model(self, flag: str, entry: str, syntax: str) -> tuple[str, str, str]:
+        """A per-input entry of `flag` as (--model entry NAME, input, what follows "="). An
+        entry without MODEL is the one --model's."""
+        entries = [name for name, _ in self.models()]
+        target, equals, written = entry.partition("=")
+        model, colon, name = target.partition(":")
+        if not (colon and model.strip() and model.strip() in entries and name.strip()):
+            # No MODEL: the whole is the input's name (TensorFlow's hold colons: "x:0").
+            if len(entries) > 1:
+                named = ", ".join(repr(n) for n in entries if n) or "none"
+                raise ValueError(
+                    f"{flag} {entry!r} names none of the {len(entries)} --model "
+                    f"entries (named: {named}): say which, as MODEL:INPUT=..., with "
+                    "MODEL the NAME of a --model NAME=PATH"
+                )
+            model, name = entries[0], target
+        model, name = model.strip(), name.strip()
+        if not equals or not name:
+            raise ValueError(f"{flag} takes {syntax}, not {entry!r}")
+        return model, name, written
 
     def models(self) -> list[tuple[str, str]]:
         """The --model entries as (name, path); an empty name: the model's own."""

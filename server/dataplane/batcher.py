@@ -9,6 +9,11 @@ compatible requests (same non-batch dimensions, datatypes and requested outputs)
 arrived within the latency budget of that oldest one, in arrival order, up to the maximum
 rows. Batches therefore grow with load and shrink to one when idle.
 
+Padded requests (sluice.server.dataplane.padding) are compatible within one length bucket,
+and a run's cost is counted in the positions it runs, padding included (rows x padded
+length): a request joins a batch only if the batch's run, longer by it, costs no more than
+running it alone would, so a padded batch is never slower than its requests one by one.
+
 Deadlines are kept at both ends of the queue: a request that cannot be answered in time,
 given the rows ahead of it and the measured drain rate, is refused at the door (see
 admission); one whose deadline would pass before its run ends is dropped when it leaves the
@@ -30,6 +35,7 @@ import numpy as np
 from sluice.core.errors import DeadlineExpired, Overloaded
 from sluice.core.tenants import PRIORITIES
 from sluice.server.dataplane.admission import Admission, Ahead
+from sluice.server.dataplane.padding import Lengths, run_lengths, tokens
 
 Arrays = dict[str, np.ndarray]
 FULL, BUDGET, DRAINED = "full", "budget", "drained"
@@ -46,7 +52,17 @@ class Trip:
     request arrived and left the queue, and the batch it ran in. Plain facts, times on the
     batcher's clock; a caller that passes none costs the batcher nothing but a None check."""
 
-    __slots__ = ("arrival", "ended", "inline", "reason", "requests", "rows", "started", "taken")
+    __slots__ = (
+        "arrival",
+        "bucket",
+        "ended",
+        "inline",
+        "reason",
+        "requests",
+        "rows",
+        "started",
+        "taken",
+    )
 
     def __init__(self) -> None:
         self.arrival = 0.0
@@ -57,12 +73,22 @@ class Trip:
         self.requests = 0  # the batch's requests (0: it ran in none, e.g. it expired)
         self.reason = ""  # why the batch closed: full, budget or drained
         self.inline = False  # the fast path: run alone on the caller's thread, unqueued
+        # The length bucket of a padded request, as a span attribute: the length (one padded
+        # dimension), or the lengths joined by "x"; None unpadded.
+        self.bucket: int | str | None = None
 
     def ran(
         self, taken: float, started: float, ended: float, rows: int, requests: int, reason: str
     ) -> None:
         self.taken, self.started, self.ended = taken, started, ended
         self.rows, self.requests, self.reason = rows, requests, reason
+
+
+def bucket_label(bucket: Lengths) -> int | str | None:
+    """A bucket as `Trip.bucket` holds it."""
+    if not bucket:
+        return None
+    return bucket[0] if len(bucket) == 1 else "x".join(map(str, bucket))
 
 
 @dataclass(eq=False)
@@ -79,10 +105,20 @@ class Pending:
     taken: bool = False  # out of the queue: in a batch, or abandoned
     trip: Trip | None = None  # the caller asked what happens to the request (tracing)
     priority: int = 0  # its class: 0 is served first (sluice.core.tenants)
+    # A padded request's lengths along the padded dimensions, and the bucket they round up
+    # to (its group's); both empty unpadded.
+    lengths: Lengths = ()
+    bucket: Lengths = ()
 
     @property
     def abandoned(self) -> bool:
         return self.future is not None and self.future.done()
+
+    @property
+    def cost(self) -> int:
+        """What its run counts as in the cost model: its rows padded to its bucket (rows
+        where nothing is padded)."""
+        return tokens(self.rows, self.bucket)
 
 
 @dataclass
@@ -96,6 +132,16 @@ class Taken:
         return sum(p.rows for p in self.batch)
 
 
+def padded_to(batch: Sequence[Pending], to_bucket: bool) -> Lengths:
+    """The lengths a batch runs at (padding.run_lengths): () where nothing is padded."""
+    return run_lengths([p.lengths for p in batch], batch[0].bucket, to_bucket)
+
+
+def cost_of(batch: Sequence[Pending], to_bucket: bool) -> int:
+    """A batch's run in the cost model's units: its rows times the lengths it runs at."""
+    return tokens(sum(p.rows for p in batch), padded_to(batch, to_bucket))
+
+
 class BatchQueue:
     """The waiting requests and the batch-forming rule; pure and synchronous.
 
@@ -103,24 +149,32 @@ class BatchQueue:
     batch): a batch is formed from the highest class that has a request waiting, so a
     flood of lower-class work delays higher-class calls by at most the runs already going.
     A full queue makes room for a higher-class request by shedding the newest request of the
-    lowest class below it."""
+    lowest class below it.
 
-    def __init__(self, *, max_rows: int, budget_s: float, max_queue: int) -> None:
+    `to_bucket`: padded batches run at their bucket's lengths (on CUDA, where each new shape
+    is a re-plan), not at the longest request's."""
+
+    def __init__(
+        self, *, max_rows: int, budget_s: float, max_queue: int, to_bucket: bool = False
+    ) -> None:
         self.max_rows = max_rows
         self.budget_s = budget_s
         self.max_queue = max_queue
+        self.to_bucket = to_bucket
         self.rows = 0  # rows waiting
         self._size = 0  # requests in the queues (abandoned ones until a batch skips them)
         self._classes: list[deque[Pending]] = [deque() for _ in PRIORITIES]
         self._rows = [0] * len(PRIORITIES)  # rows waiting by class
+        self._costs = [0] * len(PRIORITIES)  # and their cost (Pending.cost)
 
     def __len__(self) -> int:
         return self._size
 
     def ahead(self, priority: int) -> tuple[int, int]:
-        """Requests and rows that would run before a new request of `priority`."""
+        """Requests, and their cost (Pending.cost: rows where nothing is padded), that would
+        run before a new request of `priority`."""
         queues = self._classes[: priority + 1]
-        return sum(map(len, queues)), sum(self._rows[: priority + 1])
+        return sum(map(len, queues)), sum(self._costs[: priority + 1])
 
     def add(self, item: Pending) -> Pending | None:
         """Queue `item`; the request shed to make room for it, if one was (its caller must
@@ -135,6 +189,7 @@ class BatchQueue:
                 )
         self._classes[item.priority].append(item)
         self._rows[item.priority] += item.rows
+        self._costs[item.priority] += item.cost
         self.rows += item.rows
         self._size += 1
         return shed
@@ -154,15 +209,22 @@ class BatchQueue:
             item.taken = True
             self.rows -= item.rows
             self._rows[item.priority] -= item.rows
+            self._costs[item.priority] -= item.cost
 
-    def take(self, now: float, run_s: Callable[[int], float] | None = None) -> Taken | None:
+    def take(
+        self,
+        now: float,
+        run_s: Callable[[float], float] | None = None,
+        price: Callable[[float], float] | None = None,
+    ) -> Taken | None:
         """The next batch, from the most urgent class with a request waiting, with the
         requests of that class (and the ones before it) that expired on the way (or would
-        expire before a run of theirs, `run_s(rows)` seconds, could answer them); None when
-        empty."""
+        expire before a run of theirs, `run_s(cost)` seconds, could answer them); None when
+        empty. `price(cost)`: a run's seconds, by which a padded request joins a batch only
+        if that costs no more than its run alone."""
         expired: list[Pending] = []
         for cls in range(len(self._classes)):
-            taken = self._take(cls, now, run_s, expired)
+            taken = self._take(cls, now, run_s, price, expired)
             if taken is not None:
                 return taken
         return Taken([], DRAINED, expired) if expired else None
@@ -171,19 +233,21 @@ class BatchQueue:
         self,
         cls: int,
         now: float,
-        run_s: Callable[[int], float] | None,
+        run_s: Callable[[float], float] | None,
+        price: Callable[[float], float] | None,
         expired: list[Pending],
     ) -> Taken | None:
         batch: list[Pending] = []
         keep: deque[Pending] = deque()
         reason = DRAINED
         rows = 0
+        peak: Lengths = ()  # the batch's longest lengths, padded ones
         closed = False
         for item in self._classes[cls]:
             if item.abandoned or item.taken:
                 continue
             if item.deadline is not None and item.deadline <= now + (
-                run_s(item.rows) if run_s is not None else 0.0
+                run_s(item.cost) if run_s is not None else 0.0
             ):
                 expired.append(item)
                 continue
@@ -192,7 +256,7 @@ class BatchQueue:
                 continue
             if not batch:
                 batch.append(item)
-                rows = item.rows
+                rows, peak = item.rows, item.lengths
                 continue
             oldest = batch[0]
             if item.group != oldest.group:
@@ -203,14 +267,19 @@ class BatchQueue:
             elif rows + item.rows > self.max_rows:
                 reason, closed = FULL, True
                 keep.append(item)
+            elif item.bucket and price is not None and not self._pays(rows, peak, item, price):
+                keep.append(item)  # its padding would cost more than it saves: later, or alone
             else:
                 batch.append(item)
                 rows += item.rows
+                if item.bucket:
+                    peak = tuple(map(max, peak, item.lengths))
         self._size += len(keep) - len(self._classes[cls])
         self._classes[cls] = keep
         kept = sum(item.rows for item in keep)
         self.rows += kept - self._rows[cls]
         self._rows[cls] = kept
+        self._costs[cls] = sum(item.cost for item in keep)
         for item in batch:
             item.taken = True
         if not batch:
@@ -218,6 +287,16 @@ class BatchQueue:
         if rows >= self.max_rows:
             reason = FULL
         return Taken(batch, reason, expired)
+
+    def _pays(
+        self, rows: int, peak: Lengths, item: Pending, price: Callable[[float], float]
+    ) -> bool:
+        """Whether `item` joining a batch of `rows` rows whose longest lengths are `peak`
+        lengthens its run (padding.run_lengths) by no more than `item`'s run alone takes."""
+        bucket = item.bucket if self.to_bucket else None
+        before = tokens(rows, bucket or peak)
+        after = tokens(rows + item.rows, bucket or tuple(map(max, peak, item.lengths)))
+        return price(after) - price(before) <= price(tokens(item.rows, bucket or item.lengths))
 
 
 class Runner(Protocol):
@@ -240,10 +319,19 @@ class BatcherStats:
     flushes: Counter[str] = field(default_factory=Counter)  # full, budget, drained
     rejected: int = 0  # refused at the door: queue full, or no time to answer
     expired: int = 0  # deadline passed while waiting
+    # Padded requests: the positions they hold, and those their runs ran, padding included.
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    by_bucket: Counter[Lengths] = field(default_factory=Counter)  # padded batches by bucket
 
     @property
     def mean_batch(self) -> float:
         return self.requests / self.batches if self.batches else 0.0
+
+    @property
+    def padding_efficiency(self) -> float:
+        """Real positions over those run (1: no padding ran; 0 before any padded run)."""
+        return self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
 
 
 class Batcher:
@@ -264,7 +352,7 @@ class Batcher:
         self.admission = Admission(len(runners), max_rows)
         self._idle = list(runners)
         self.busy = 0  # runners with a batch
-        self._running_rows = 0
+        self._running_cost = 0  # their cost (cost_of): rows where nothing is padded
         self.runs = Counter[int]()  # batches per runner index
         self._index = {id(r): i for i, r in enumerate(runners)}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -284,20 +372,27 @@ class Batcher:
         deadline: float | None = None,
         trip: Trip | None = None,
         priority: int = 0,
+        lengths: Lengths = (),
+        bucket: Lengths = (),
     ) -> Arrays:
         """Run one request; raises Overloaded when the queue is full or the request cannot
         be answered before its deadline, DeadlineExpired when its deadline passes first.
         A `trip` is filled in with the request's queue wait and batch as they happen. The
         work ahead of it is the runs going and the queued requests of its `priority` class
-        and more urgent ones (lower numbers)."""
+        and more urgent ones (lower numbers). A padded request gives its `lengths` and their
+        `bucket` (its `group` holds the bucket too)."""
         now = self.clock()
         if trip is not None:
             trip.arrival = now
+            trip.bucket = bucket_label(bucket)
         if deadline is not None and not (self._idle and not len(self.queue)):
-            queued, queued_rows = self.queue.ahead(priority)
-            ahead = Ahead(self.busy, self._running_rows, queued, queued_rows)
+            # Admission prices work in the cost model's units: rows, padded to their bucket
+            # where padded (Pending.cost). Its batch count, those units over the rows a batch
+            # takes, then counts a run per padded request or so: their fixed costs in full.
+            queued, queued_cost = self.queue.ahead(priority)
+            ahead = Ahead(self.busy, self._running_cost, queued, queued_cost)
             try:
-                self.admission.admit(now, deadline, ahead, rows)
+                self.admission.admit(now, deadline, ahead, tokens(rows, bucket))
             except Overloaded:
                 self.stats.rejected += 1
                 raise
@@ -312,8 +407,11 @@ class Batcher:
                 if trip is not None:
                     trip.ran(now, now, ended, rows, 1, DRAINED)
                     trip.inline = True
-                self.admission.observe(took, rows)
+                ran = tokens(rows, lengths)  # alone: nothing padded
+                self.admission.observe(took, ran)
                 self._count(runner, [rows], DRAINED)
+                if bucket:
+                    self._padded(bucket, ran, ran)
                 if self.on_run is not None:
                     self.on_run(rows, took)
                 if self.on_wait is not None:
@@ -321,7 +419,17 @@ class Batcher:
                 return result
         future: asyncio.Future[Arrays] = asyncio.get_running_loop().create_future()
         item = Pending(
-            inputs, tuple(outputs), rows, group, now, deadline, future, trip=trip, priority=priority
+            inputs,
+            tuple(outputs),
+            rows,
+            group,
+            now,
+            deadline,
+            future,
+            trip=trip,
+            priority=priority,
+            lengths=lengths,
+            bucket=bucket,
         )
         try:
             shed = self.queue.add(item)
@@ -341,7 +449,8 @@ class Batcher:
             # A lone request on an idle server runs even if it may end late, as at the door.
             contended = self.busy > 0 or len(self.queue) > 1
             now = self.clock()
-            taken = self.queue.take(now, self.admission.run_s if contended else None)
+            run_s = self.admission.run_s
+            taken = self.queue.take(now, run_s if contended else None, run_s)
             if taken is None:
                 return
             if self.on_wait is not None:
@@ -357,9 +466,14 @@ class Batcher:
                 continue
             runner = self._idle.pop()  # the most recently used: its memory is warm
             self.busy += 1
-            self._running_rows += taken.rows
+            cost = cost_of(taken.batch, self.queue.to_bucket)
+            self._running_cost += cost
             self._count(runner, [p.rows for p in taken.batch], taken.reason)
-            task = asyncio.create_task(self._run(runner, taken, now))
+            first = taken.batch[0]
+            if first.bucket:
+                real = sum(tokens(p.rows, p.lengths) for p in taken.batch)
+                self._padded(first.bucket, real, cost)
+            task = asyncio.create_task(self._run(runner, taken, now, cost))
             self._tasks.add(task)  # held until done: a task nobody holds can be collected
             task.add_done_callback(self._tasks.discard)
 
@@ -370,8 +484,14 @@ class Batcher:
         self.stats.flushes[reason] += 1
         self.runs[self._index[id(runner)]] += 1
 
-    async def _run(self, runner: Runner, taken: Taken, at: float) -> None:
-        """Run a batch taken from the queue at `at`; answer each of its waiters."""
+    def _padded(self, bucket: Lengths, real: int, ran: int) -> None:
+        self.stats.real_tokens += real
+        self.stats.padded_tokens += ran
+        self.stats.by_bucket[bucket] += 1
+
+    async def _run(self, runner: Runner, taken: Taken, at: float, cost: int) -> None:
+        """Run a batch taken from the queue at `at`, of `cost` (cost_of); answer each of its
+        waiters."""
         batch, rows, reason = taken.batch, taken.rows, taken.reason
         started = self.clock()
         try:
@@ -385,7 +505,7 @@ class Batcher:
         else:
             ended = self.clock()
             took = ended - started
-            self.admission.observe(took, rows)
+            self.admission.observe(took, cost)
             if self.on_run is not None:
                 self.on_run(rows, took)
             for item, result in zip(batch, results, strict=True):
@@ -395,7 +515,7 @@ class Batcher:
                     item.future.set_result(result)
         finally:
             self.busy -= 1
-            self._running_rows -= rows
+            self._running_cost -= cost
             self._idle.append(runner)
             self._pump()
 

@@ -39,9 +39,10 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument as OrtIn
 from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import InvalidInput, ModelFailed, Unavailable
 from sluice.server.dataplane import gpu, staging
-from sluice.server.dataplane.batcher import Pending
+from sluice.server.dataplane.batcher import Pending, padded_to
 from sluice.server.dataplane.buffers import BufferPool, bucket, numpy_allocator
 from sluice.server.dataplane.modelsettings import WireType
+from sluice.server.dataplane.padding import Lengths, Padding, tokens
 
 log = logging.getLogger("sluice.engine")
 
@@ -66,13 +67,16 @@ CPU = "CPUExecutionProvider"
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A model input or output; None in `shape` is a dynamic dimension. `accepts`: the other
-    datatypes an input also takes on the wire (cast by the server: `models.Model`)."""
+    """A model input or output; None in `shape` is a dynamic dimension, and `dims` holds the
+    model's symbolic name of each dynamic one (None: static or unnamed; empty: not known).
+    `accepts`: the other datatypes an input also takes on the wire (cast by the server:
+    `models.Model`)."""
 
     name: str
     datatype: str
     shape: tuple[int | None, ...]
     accepts: tuple[WireType, ...] = ()
+    dims: tuple[str | None, ...] = ()
 
     @property
     def dtype(self) -> np.dtype[np.generic]:
@@ -90,7 +94,8 @@ def _spec(arg: ort.NodeArg) -> TensorSpec:
             f"model tensor {arg.name!r} has type {arg.type}, which Sluice cannot serve"
         )
     shape = tuple(d if isinstance(d, int) and d >= 0 else None for d in arg.shape)
-    return TensorSpec(arg.name, datatype, shape)
+    dims = tuple(d if isinstance(d, str) and d else None for d in arg.shape)
+    return TensorSpec(arg.name, datatype, shape, dims=dims)
 
 
 def choose_providers(device: str) -> list[str]:
@@ -145,7 +150,13 @@ class Instance:
     has the batch first): batches are zero-padded to the pool's power-of-two row counts. On
     CUDA a session re-plans whenever its input shape changes, so `session` runs batches of
     one row, `by_rows` the padded sizes up to the batcher's largest, and `spill` (made on
-    first need) any larger one."""
+    first need) any larger one; where inputs are padded to length buckets (`padding`, which
+    models.Model sets), `spill` makes a session for each (rows, bucket) on its first run
+    (warm-up runs the ones it knows).
+
+    Padded inputs: a batch runs at its bucket's lengths when staged, else at its longest
+    request's (a request alone at its own), and outputs along the padded dimensions are cut
+    back to each request's lengths."""
 
     def __init__(
         self,
@@ -159,14 +170,16 @@ class Instance:
         batchable: bool = False,
         inline_max_s: float = 0.0,
         row_seconds: float = math.inf,
+        position_seconds: float = 0.0,
         shrink: bool = False,
         stream: Any = None,
-        by_rows: Mapping[int, ort.InferenceSession] | None = None,
+        by_rows: Mapping[int | tuple[int, Lengths], ort.InferenceSession] | None = None,
         spill: Callable[[], ort.InferenceSession] | None = None,
     ) -> None:
         self.index = index
         self.session = session
-        self.by_rows = dict(by_rows or {})  # padded batch sizes with a session of their own
+        # Padded batch sizes with a session of their own; (rows, bucket) where lengths pad.
+        self.by_rows: dict[int | tuple[int, Lengths], ort.InferenceSession] = dict(by_rows or {})
         self._make_spill = spill
         self._spill: ort.InferenceSession | None = None
         self._spill_lock = threading.Lock()
@@ -176,6 +189,7 @@ class Instance:
         self.pad = stage_always and batchable
         self.inline_max_s = inline_max_s
         self.row_seconds = row_seconds
+        self.position_seconds = position_seconds  # what a padded position adds, past one
         self.shrink = shrink  # the CPU arena is on: give back what a large run took
         self.stream = stream  # (stream, handle): keeps a user compute stream alive with the session
         # Where the first dimension of every input and output is the batch, outputs whose
@@ -190,14 +204,20 @@ class Instance:
         self._dtypes = {s.name: s.dtype for s in output_specs}
         # Inputs sent in a compact wire type, cast as they are staged (models.Model sets it).
         self.casts: staging.Casts = {}
+        self.padding: Padding | None = None  # its padded inputs (models.Model sets it)
 
-    def _inline(self, rows: int) -> bool:
-        return self.row_seconds * rows <= self.inline_max_s
+    def _inline(self, rows: int, lengths: Lengths = ()) -> bool:
+        """Whether a run of `rows` rows, padded inputs at `lengths`, is tiny enough to run
+        inline."""
+        positions = tokens(rows, lengths) - rows
+        padded = self.position_seconds * positions if positions else 0.0
+        return self.row_seconds * rows + padded <= self.inline_max_s
 
     def run_inline(
         self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int
     ) -> dict[str, np.ndarray] | None:
-        if self.stage_always or not self._inline(rows):
+        lengths = self.padding.extent(inputs) if self.padding is not None else ()
+        if self.stage_always or not self._inline(rows, lengths):
             return None
         return self.run_sync(inputs, outputs, rows)[0]
 
@@ -205,31 +225,47 @@ class Instance:
         rows = [p.rows for p in batch]
         total = sum(rows)
         outputs = batch[0].outputs
+        # The lengths the batch runs at, and whether any request holds fewer (then padded).
+        lengths = padded_to(batch, self.stage_always) if self.padding is not None else ()
+        cut = any(p.lengths != lengths for p in batch) if lengths else False
         if len(batch) == 1 and not self.stage_always:
             inputs, buffers = dict(batch[0].inputs), list[np.ndarray]()
         else:
             padded = bucket(total) if self.pad else 0
+            pads = self.padding.fills(lengths) if self.padding is not None and cut else None
             inputs, buffers = staging.merge(
-                [p.inputs for p in batch], self.pool, padded, self.casts
+                [p.inputs for p in batch], self.pool, padded, self.casts, pads
             )
         try:
             staged = bool(buffers)
-            if self._inline(total):
-                results, out_buffers = self.run_sync(inputs, outputs, total, staged)
+            if self._inline(total, lengths):
+                results, out_buffers = self.run_sync(inputs, outputs, total, staged, lengths)
             else:
                 loop = asyncio.get_running_loop()
                 results, out_buffers = await loop.run_in_executor(
-                    self.executor, self.run_sync, inputs, outputs, total, staged
+                    self.executor, self.run_sync, inputs, outputs, total, staged, lengths
                 )
         finally:
             for buffer in buffers:
                 self.pool.give(buffer)
-        if len(batch) > 1:
+        if len(batch) > 1 or cut:
             # Outputs of a known row shape sit in pooled buffers when there are any; the rest
             # are ONNX Runtime's own arrays, which views keep alive.
             pooled = self._row_shapes if out_buffers else {}
             owned = [name for name in results if name not in pooled]
-            split = staging.split(results, rows, views=owned)
+            try:
+                split = staging.split(
+                    results,
+                    rows,
+                    views=owned,
+                    cuts=self.padding.outputs if self.padding is not None and cut else None,
+                    lengths=[p.lengths for p in batch],
+                    padded=lengths,
+                )
+            except ValueError as exc:  # the model's outputs are not what it declares
+                for buffer in out_buffers:
+                    self.pool.give(buffer)
+                raise ModelFailed(str(exc)) from None
         elif out_buffers:  # copies out of the pooled buffers, which go back now
             split = [{name: array.copy() for name, array in results.items()}]
         else:
@@ -244,12 +280,13 @@ class Instance:
         outputs: Sequence[str],
         rows: int,
         pooled_inputs: bool = False,
+        lengths: Lengths = (),
     ) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
         """Run on checked inputs of `rows` rows (staged inputs may hold padding rows after
-        them); returns the outputs, cut to `rows`, and the pooled buffers that hold them (the
-        caller copies out and gives them back). One request on the CPU goes through
-        session.run: its arrays are already in place, and IO binding's Python calls cost
-        about 30 us more than the whole run of a small model."""
+        them), padded inputs at `lengths`; returns the outputs, cut to `rows`, and the pooled
+        buffers that hold them (the caller copies out and gives them back). One request on
+        the CPU goes through session.run: its arrays are already in place, and IO binding's
+        Python calls cost about 30 us more than the whole run of a small model."""
         if not pooled_inputs and not self.stage_always:
             large = self.shrink and sum(a.nbytes for a in inputs.values()) > SHRINK_FROM
             try:
@@ -261,7 +298,7 @@ class Instance:
         bound = [np.ascontiguousarray(given) for given in inputs.values()]
         # The rows bound, padding included: batchable inputs all have them first.
         bound_rows = len(bound[0]) if self._batched else rows
-        session = self._session_for(bound_rows)
+        session = self._session_for(bound_rows, lengths)
         binding = session.io_binding()
         for name, array in zip(inputs, bound, strict=True):
             binding.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
@@ -302,8 +339,18 @@ class Instance:
                 results[name] = array[:rows] if name in self._batched else array
         return {name: results[name] for name in outputs}, pooled
 
-    def _session_for(self, rows: int) -> ort.InferenceSession:
-        """The session that runs `rows` bound rows (see the class's doc)."""
+    def _session_for(self, rows: int, lengths: Lengths = ()) -> ort.InferenceSession:
+        """The session that runs `rows` bound rows, padded inputs at `lengths` (see the
+        class's doc)."""
+        if lengths and self._make_spill is not None:
+            key = (rows, lengths)
+            shaped = self.by_rows.get(key)
+            if shaped is None:
+                with self._spill_lock:
+                    shaped = self.by_rows.get(key)
+                    if shaped is None:
+                        shaped = self.by_rows[key] = self._make_spill()
+            return shaped
         found = self.by_rows.get(rows)
         if found is not None or rows == 1 or self._make_spill is None:
             return found or self.session
@@ -328,15 +375,21 @@ PARALLEL_FROM_S = 0.001
 MAX_AUTO_THREADS = 4
 
 
-def zeros(specs: Sequence[TensorSpec], rows: int = 1) -> dict[str, np.ndarray]:
-    """Inputs of zeros that fit `specs`: dynamic dimensions are 1, a dynamic first `rows`."""
+def zeros(specs: Sequence[TensorSpec], rows: int = 1, length: int = 1) -> dict[str, np.ndarray]:
+    """Inputs of zeros that fit `specs`: dynamic dimensions are `length`, a dynamic first
+    `rows`."""
     return {
         s.name: np.zeros(
-            tuple((rows if i == 0 else 1) if d is None else d for i, d in enumerate(s.shape)),
+            tuple((rows if i == 0 else length) if d is None else d for i, d in enumerate(s.shape)),
             s.dtype,
         )
         for s in specs
     }
+
+
+# Where inputs are padded, the length of the second run at load that tells what a position
+# costs beyond the first (for the inline decision).
+MEASURED_LENGTH = 32
 
 
 def run_seconds(
@@ -387,7 +440,9 @@ class Engine:
     pageable. `stage` forces the staged path on or off (default: on with CUDA and pinned
     memory). `cuda_options`: CUDA execution provider options (e.g. prefer_nhwc=1).
     `instances` and `max_batch` are taken as they are, at least 1 (`ModelSettings` clamps
-    them)."""
+    them). `lengths`: inputs will be padded to length buckets (models.Model's padding): on
+    CUDA each (rows, bucket) shape then gets its session when it first runs (warm-up runs
+    the buckets known), not each row count at load."""
 
     def __init__(
         self,
@@ -404,6 +459,7 @@ class Engine:
         max_batch: int = 1,
         spinning: bool = False,
         arena: bool = False,
+        lengths: bool = False,
     ) -> None:
         path = Path(model_path)
         if not path.is_file():
@@ -485,9 +541,12 @@ class Engine:
         # a change for a ResNet-50 on an H200, whatever the cuDNN search mode, so batches of
         # changing sizes ran at 55 calls/s where single requests ran at 610. Each padded
         # batch size above 1 gets a session of its own, which only ever sees that shape.
-        sizes = self.warm_rows()[1:] if on_cuda else []
+        sizes = self.warm_rows()[1:] if on_cuda and not lengths else []
         inline_max_s = 0.0 if on_cuda else inline_max_s
         row_seconds = self._row_seconds(first, inline_max_s)
+        position_seconds = (
+            self._position_seconds(first, inline_max_s, row_seconds) if lengths else 0.0
+        )
         # Made only once the model is known to load: a refused one leaves no threads behind.
         self.executor = ThreadPoolExecutor(instances, thread_name_prefix="sluice-run")
         self.instances = [
@@ -501,6 +560,7 @@ class Engine:
                 batchable=self.batchable,
                 inline_max_s=inline_max_s,
                 row_seconds=row_seconds,
+                position_seconds=position_seconds,
                 shrink=arena and not on_cuda,
                 stream=stream,
                 by_rows={rows: session_on(stream) for rows in sizes},
@@ -554,6 +614,22 @@ class Engine:
             return run_seconds(session, zeros(self.inputs), budget_s=10 * inline_max_s)
         except Exception:  # the warm-up run says what is wrong, in its words
             return math.inf
+
+    def _position_seconds(
+        self, session: ort.InferenceSession, inline_max_s: float, row_seconds: float
+    ) -> float:
+        """What a position of a padded input adds to a run, past the first: a run at
+        MEASURED_LENGTH against the run of length 1 (`row_seconds`), for the inline decision
+        (infinite when nothing runs inline, or the run fails)."""
+        if not math.isfinite(row_seconds):
+            return math.inf
+        try:
+            longer = run_seconds(
+                session, zeros(self.inputs, length=MEASURED_LENGTH), budget_s=10 * inline_max_s
+            )
+        except Exception:  # the warm-up run says what is wrong, in its words
+            return math.inf
+        return max(0.0, longer - row_seconds) / (MEASURED_LENGTH - 1)
 
     @staticmethod
     def _threads(path: Path, options: ort.SessionOptions, providers: list[str]) -> int:

@@ -17,10 +17,10 @@ import numpy as np
 from sluice.core.datatypes import DATATYPES, name_of
 from sluice.core.errors import InvalidInput, LoadFailed, ModelNotFound
 from sluice.core.versions import version_key
-from sluice.server.dataplane import staging
+from sluice.server.dataplane import padding, staging
 from sluice.server.dataplane.batcher import Arrays, Batcher, Trip
 from sluice.server.dataplane.engine import Engine, TensorSpec
-from sluice.server.dataplane.modelsettings import Accepts, WireType
+from sluice.server.dataplane.modelsettings import Accepts, Pads, WireType
 
 # What a node remembers of removals, to say why a call's model or version is not loaded: the
 # latest versions removed of each model, of the latest models.
@@ -94,8 +94,10 @@ def _cast_of(spec: TensorSpec, wire: WireType) -> staging.Cast:
 
 
 class Model:
-    """A loaded model. `accepts`: the wire types its inputs also take, by input name
-    (checked here: LoadFailed for one it cannot take)."""
+    """A loaded model. `accepts`: the wire types its inputs also take, by input name; `pads`:
+    the inputs padded to share batches, with their pad values, and `buckets` and
+    `max_length` the lengths they pad to (padding.plan). Both checked here: LoadFailed for a
+    declaration the model cannot take."""
 
     def __init__(
         self,
@@ -106,6 +108,9 @@ class Model:
         version: str = "1",
         tag: str = "",
         accepts: Accepts | None = None,
+        pads: Pads | None = None,
+        buckets: tuple[int, ...] = (),
+        max_length: int = 0,
     ) -> None:
         self.name = name or engine.name
         self.version = version
@@ -114,6 +119,7 @@ class Model:
         self.batcher = batcher
         self.inputs = wire_inputs(engine.inputs, accepts or {})
         self.outputs = engine.outputs
+        self.padding = padding.plan(self.inputs, self.outputs, pads or {}, buckets, max_length)
         # By input name and the dtype sent. Where every batch is staged into pooled buffers
         # (CUDA), the instances cast as they stage; elsewhere `run` casts at once.
         self._casts: staging.Casts = {
@@ -124,6 +130,9 @@ class Model:
         self._cast_now = bool(self._casts) and not engine.staged
         for instance in engine.instances:
             instance.casts = self._casts
+            instance.padding = self.padding
+        # Padded batches are priced as the instances run them: staged ones at the bucket.
+        batcher.queue.to_bucket = engine.staged
         self._inputs_by_name = {s.name: s for s in self.inputs}
         self._output_names = [s.name for s in self.outputs]
         self._batchable = engine.batchable
@@ -151,7 +160,8 @@ class Model:
             for s in self.inputs
             if s.accepts
         )
-        return f"{batch}, {count} instance{'s' if count > 1 else ''}{wires}"
+        pads = f", {self.padding.describe()}" if self.padding is not None else ""
+        return f"{batch}, {count} instance{'s' if count > 1 else ''}{wires}{pads}"
 
     def scope(self, protocol: str) -> bytes:
         """What leads the cache key of this model's requests in wire protocol `protocol` (its
@@ -182,7 +192,13 @@ class Model:
         rows = staging.rows_of(inputs) if self._batchable else None
         # Requests that cannot share a batch get a group of their own.
         batching = self._batching and rows is not None
-        group = staging.group_key(inputs, names) if batching else object()
+        lengths: padding.Lengths = ()
+        bucket: padding.Lengths = ()
+        if self.padding is None:
+            group = staging.group_key(inputs, names) if batching else object()
+        else:
+            lengths, bucket = self.padding.measure(inputs)
+            group = self.padding.group_key(inputs, names, bucket) if batching else object()
         results = await self.batcher.submit(
             inputs,
             names,
@@ -191,6 +207,8 @@ class Model:
             deadline=deadline,
             trip=trip,
             priority=priority,
+            lengths=lengths,
+            bucket=bucket,
         )
         return results, nonfinite
 
@@ -239,6 +257,8 @@ class Model:
                 )
             if holds_nonfinite(array):
                 nonfinite.append(spec.name)
+        if self.padding is not None:  # padded inputs agree in length, within the longest
+            self.padding.measure(inputs)
         return nonfinite
 
     def cast(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:

@@ -48,6 +48,48 @@ def _number(value: float) -> str:
 # The wire types of a model's inputs, by input name.
 Accepts = Mapping[str, tuple[WireType, ...]]
 
+# The inputs a model may pad along their dynamic non-batch dimensions, by name, with the
+# value the padding holds, as written (its datatype, known at load, checks it: padding.py).
+Pads = Mapping[str, str]
+PAD_SYNTAX = "a number (whole for an integer input), inf, nan, true or false"
+
+
+def parse_pad(text: str) -> str:
+    """A pad value as written, stripped; raises ValueError for one that is no number."""
+    word = text.strip()
+    if word.lower() not in ("true", "false"):
+        try:
+            float(word)
+        except ValueError:
+            raise ValueError(f"pad value {text.strip()!r} is not {PAD_SYNTAX}") from None
+    return word
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+    """Length buckets written as comma-separated positive whole numbers, ascending once
+    sorted; raises ValueError saying which is wrong."""
+    found: list[int] = []
+    for part in text.split(","):
+        word = part.strip()
+        if not (word.isascii() and word.isdigit() and int(word) > 0):
+            raise ValueError(f"length bucket {word!r} is not a positive whole number")
+        if int(word) in found:
+            raise ValueError(f"length bucket {int(word)} is given twice")
+        found.append(int(word))
+    return tuple(sorted(found))
+
+
+def check_lengths(buckets: tuple[int, ...], max_length: int) -> None:
+    """Raise ValueError unless the buckets and the longest length fit together: a longest
+    length beyond the largest bucket would have no bucket to pad to."""
+    if max_length < 0:
+        raise ValueError(f"the longest length {max_length} is negative")
+    if buckets and max_length > buckets[-1]:
+        raise ValueError(
+            f"the longest length {max_length} is above the largest length bucket "
+            f"{buckets[-1]}: add a bucket of at least {max_length}"
+        )
+
 
 def parse_wire_types(text: str) -> tuple[WireType, ...]:
     """Wire types written as TYPE[*SCALE][+OFFSET], comma-separated; raises ValueError saying
@@ -115,10 +157,22 @@ class Config:
     policy: VersionPolicy = field(default_factory=VersionPolicy)
     default_model_filename: str = "model.onnx"
     accepts: Accepts | None = None  # its inputs' wire types (parameters sluice.accept.INPUT)
+    pads: Pads | None = None  # its padded inputs' values (parameters sluice.pad.INPUT)
+    buckets: tuple[int, ...] | None = None  # length buckets (parameter sluice.buckets)
+    max_length: int | None = None  # the longest length taken (parameter sluice.max_length)
 
 
 # The fields of `Config` that override the server's settings of the same name.
-_OVERRIDES = ("max_batch", "instances", "batch_budget_s", "device", "accepts")
+_OVERRIDES = (
+    "max_batch",
+    "instances",
+    "batch_budget_s",
+    "device",
+    "accepts",
+    "pads",
+    "buckets",
+    "max_length",
+)
 
 
 @dataclass(frozen=True)
@@ -139,6 +193,10 @@ class ModelSettings:
     spinning: bool = False  # ONNX Runtime's threads spin while they wait for work
     arena: bool = False  # ONNX Runtime's CPU arena (on CUDA it is always on)
     accepts: Accepts = field(default_factory=dict)  # wire types its inputs also take
+    pads: Pads = field(default_factory=dict)  # inputs padded to share batches, with values
+    # Padded lengths round up to these (ascending); none: powers of two up to max_length.
+    buckets: tuple[int, ...] = ()
+    max_length: int = 0  # the longest length a padded input takes; 0: the largest bucket
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "instances", max(self.instances, 1))
@@ -149,4 +207,6 @@ class ModelSettings:
         changes: dict[str, Any] = {
             name: getattr(config, name) for name in _OVERRIDES if getattr(config, name) is not None
         }
+        if config.buckets is not None and config.max_length is None:
+            changes["max_length"] = 0  # a config's buckets bring their own longest: the largest
         return replace(self, **changes)

@@ -96,6 +96,7 @@ async def load_model(name: str, version: int | str, path: Path, settings: ModelS
             inline_max_s=settings.inline_max_s,
             spinning=settings.spinning,
             arena=settings.arena,
+            lengths=bool(settings.pads),
         )
     )
     try:
@@ -121,9 +122,17 @@ async def load_model(name: str, version: int | str, path: Path, settings: ModelS
     tag = ":".join(map(str, before)) if before else ""
     try:
         model = Model(
-            engine, batcher, name=name, version=str(version), tag=tag, accepts=settings.accepts
+            engine,
+            batcher,
+            name=name,
+            version=str(version),
+            tag=tag,
+            accepts=settings.accepts,
+            pads=settings.pads,
+            buckets=settings.buckets,
+            max_length=settings.max_length,
         )
-    except LoadFailed as exc:  # wire types its inputs cannot take
+    except LoadFailed as exc:  # wire types or padding its inputs cannot take
         engine.close()
         raise LoadFailed(f"{path}: {exc}") from None
     try:
@@ -150,19 +159,28 @@ def warm_up(model: Model) -> None:
     """Run zeros through each instance (its first run allocates; on a GPU, each padded batch
     size's first run plans and searches for its algorithms, and takes its pinned staging
     buffers, one set per instance, which then wait in the pool) and check the outputs have
-    the declared datatypes. Blocking: call it in a thread, before the model serves."""
+    the declared datatypes. Where staged runs pad inputs to length buckets, each size runs
+    at each bucket known (its own session on CUDA). Blocking: call it in a thread, before
+    the model serves."""
     names = [s.name for s in model.outputs]
     engine = model.engine
+    padding = model.padding
+    buckets = padding.buckets.listed() if padding is not None and engine.staged else ()
     for rows in engine.warm_rows():
-        inputs = zeros(model.inputs, rows)
-        model.check(inputs)
-        held: list[np.ndarray] = []  # given back once every instance ran this size
-        try:
-            for instance in engine.instances:
-                _warm(model, instance, inputs, names, rows, held)
-        finally:
-            for buffer in held:
-                engine.pool.give(buffer)
+        for length in buckets or (0,):
+            inputs = zeros(model.inputs, rows)
+            lengths: tuple[int, ...] = ()
+            if padding is not None and length:
+                inputs = padding.shaped(inputs, length)
+                lengths = (length,) * len(padding.dims)
+            model.check(inputs)
+            held: list[np.ndarray] = []  # given back once every instance ran this size
+            try:
+                for instance in engine.instances:
+                    _warm(model, instance, inputs, names, rows, lengths, held)
+            finally:
+                for buffer in held:
+                    engine.pool.give(buffer)
 
 
 def _warm(
@@ -171,15 +189,17 @@ def _warm(
     inputs: dict[str, np.ndarray],
     names: list[str],
     rows: int,
+    lengths: tuple[int, ...],
     held: list[np.ndarray],
 ) -> None:
-    """One warm-up run, staged as requests are; the pooled buffers it takes go to `held`."""
+    """One warm-up run, staged as requests are (padded inputs at `lengths`); the pooled
+    buffers it takes go to `held`."""
     try:
         staged = inputs
         if instance.stage_always:
             staged, taken = staging.merge([inputs], instance.pool, rows if instance.pad else 0)
             held += taken
-        results, pooled = instance.run_sync(staged, names, rows, instance.stage_always)
+        results, pooled = instance.run_sync(staged, names, rows, instance.stage_always, lengths)
         held += pooled
     except Exception as exc:
         shapes = ", ".join(f"{s.name} {list(inputs[s.name].shape)}" for s in model.inputs)

@@ -28,6 +28,18 @@ class Cast(NamedTuple):
 Casts = Mapping[tuple[str, np.dtype[np.generic]], Cast]
 
 
+class Pad(NamedTuple):
+    """How one input of a batch is padded (sluice.server.dataplane.padding): the length each
+    of its padded axes takes, as (axis, length), and the value the padding holds."""
+
+    axes: tuple[tuple[int, int], ...]
+    value: np.generic
+
+
+# The padding of a batch's padded inputs, by input name.
+Pads = Mapping[str, Pad]
+
+
 def cast_into(out: np.ndarray, x: np.ndarray, how: Cast) -> None:
     """Write x * scale + offset into `out` (of the model's dtype) in place: ufuncs that
     convert as they go, in blocks, so nothing the size of `x` is made beside `out`. Scale 1
@@ -52,12 +64,16 @@ def merge(
     pool: BufferPool,
     padded: int = 0,
     casts: Casts | None = None,
+    pads: Pads | None = None,
 ) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
     """Batch inputs by name as views of pooled buffers, and the buffers to give back later.
-    Every request holds the same names with equal non-batch dimensions; each input's rows
-    are its own first dimension (one request of a model without a batch dimension is copied
-    whole). `padded`: zero rows are added up to this many. An input whose name and dtype
-    are in `casts` is cast into the buffer as it is copied; the others keep their dtype."""
+    Every request holds the same names with equal non-batch dimensions, but for the axes an
+    input in `pads` is padded along: there each request's values sit at the start and the
+    rest holds the pad value, up to the pad's length. Each input's rows are its own first
+    dimension (one request of a model without a batch dimension is copied whole). `padded`:
+    rows are added up to this many (zeros; the pad value in a padded input). An input whose
+    name and dtype are in `casts` is cast into the buffer as it is copied; the others keep
+    their dtype."""
     merged: dict[str, np.ndarray] = {}
     taken: list[np.ndarray] = []
     for name, first in requests[0].items():
@@ -69,30 +85,51 @@ def merge(
         total = sum(len(part) for part in parts)
         size = max(total, padded)
         dtype = first.dtype if cast_first is None else cast_first.dtype
-        buffer = pool.take(dtype, first.shape[1:], size)
+        pad = pads.get(name) if pads else None
+        row_shape = list(first.shape[1:])
+        for axis, length in pad.axes if pad is not None else ():
+            row_shape[axis - 1] = length
+        buffer = pool.take(dtype, tuple(row_shape), size)
         taken.append(buffer)
         view = buffer[:size]
+        if pad is not None:
+            view[...] = pad.value  # what no request's values cover, padding rows too
         offset = 0
         for part in parts:
             rows = view[offset : offset + len(part)]
+            if pad is not None:
+                rows = rows[(slice(None), *(slice(0, n) for n in part.shape[1:]))]
             to = casts.get((name, part.dtype)) if casts else None
             if to is None:
                 rows[...] = part
             else:
                 cast_into(rows, part, to)
             offset += len(part)
-        view[total:] = 0  # padding rows: never stale bytes of an earlier batch
+        if pad is None:
+            view[total:] = 0  # padding rows: never stale bytes of an earlier batch
         merged[name] = view
     return merged, taken
 
 
+# The outputs cut back to each request's lengths, by name: each one's axes along padded
+# dimensions, as (axis, index into a request's lengths).
+Cuts = Mapping[str, tuple[tuple[int, int], ...]]
+
+
 def split(
-    outputs: Mapping[str, np.ndarray], rows: Sequence[int], views: Collection[str] = ()
+    outputs: Mapping[str, np.ndarray],
+    rows: Sequence[int],
+    views: Collection[str] = (),
+    cuts: Cuts | None = None,
+    lengths: Sequence[tuple[int, ...]] = (),
+    padded: tuple[int, ...] = (),
 ) -> list[dict[str, np.ndarray]]:
     """Each output's rows per request, in request order: copies (the arrays may sit in pooled
     buffers, which go back to the pool), but views for the outputs named in `views` (arrays
     of their own, such as ONNX Runtime's: a view keeps the batch's array alive as long as a
-    request's reply needs it)."""
+    request's reply needs it). An output in `cuts` is cut back along its padded axes to each
+    request's `lengths` (a copy, unless the request fills them), from the batch's `padded`
+    lengths, which those axes must have."""
     results: list[dict[str, np.ndarray]] = [{} for _ in rows]
     for name, array in outputs.items():
         if len(array) != sum(rows):
@@ -100,11 +137,24 @@ def split(
                 f"output {name!r} has {len(array)} rows for a batch of {sum(rows)}; "
                 "the model's first dimension is not the batch"
             )
+        axes = cuts.get(name, ()) if cuts else ()
+        for axis, dim in axes:
+            if array.shape[axis] != padded[dim]:
+                raise ValueError(
+                    f"output {name!r} has {array.shape[axis]} positions in dimension {axis} "
+                    f"for inputs padded to {padded[dim]} there; it cannot be cut back"
+                )
         offset = 0
-        for result, n in zip(results, rows, strict=True):
+        for i, (result, n) in enumerate(zip(results, rows, strict=True)):
             rows_of_one = array[offset : offset + n]
-            result[name] = rows_of_one if name in views else rows_of_one.copy()
             offset += n
+            if axes and any(lengths[i][dim] != padded[dim] for _, dim in axes):
+                index = [slice(None)] * array.ndim
+                for axis, dim in axes:
+                    index[axis] = slice(0, lengths[i][dim])
+                result[name] = rows_of_one[tuple(index)].copy()
+                continue
+            result[name] = rows_of_one if name in views else rows_of_one.copy()
     return results
 
 

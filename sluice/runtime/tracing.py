@@ -73,6 +73,7 @@ BATCH_ROWS = "sluice.batch.rows"  # the batch's rows, all its requests together
 BATCH_REQUESTS = "sluice.batch.requests"
 BATCH_REASON = "sluice.batch.reason"  # why the batch closed: full, budget or drained
 BATCH_INLINE = "sluice.batch.inline"  # the fast path: run alone at once, unqueued
+BATCH_BUCKET = "sluice.batch.bucket"  # padded inputs: the batch's length bucket ("64x16": several)
 SERVICE = "sluice.v1.Inference"
 Attributes = Mapping[str, str | int | float | bool]
 

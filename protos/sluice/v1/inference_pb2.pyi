@@ -388,7 +388,14 @@ class BalancerStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., retries: _Optional[int] = ..., retries_refused: _Optional[int] = ..., unavailable: _Optional[int] = ..., shed: _Optional[int] = ...) -> None: ...
 
 class BatcherStats(_message.Message):
-    __slots__ = ("batches", "requests", "rows", "mean_batch_size", "flush_full", "flush_budget", "flush_drained", "queue_depth", "rejected", "expired", "max_batch", "budget_ms", "instances", "busy_instances", "instance_batches")
+    __slots__ = ("batches", "requests", "rows", "mean_batch_size", "flush_full", "flush_budget", "flush_drained", "queue_depth", "rejected", "expired", "max_batch", "budget_ms", "instances", "busy_instances", "instance_batches", "real_tokens", "padded_tokens", "padding_efficiency", "buckets", "max_length", "bucket_batches")
+    class BucketBatchesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -404,6 +411,12 @@ class BatcherStats(_message.Message):
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     BUSY_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    REAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PADDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PADDING_EFFICIENCY_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BATCHES_FIELD_NUMBER: _ClassVar[int]
     batches: int
     requests: int
     rows: int
@@ -419,7 +432,13 @@ class BatcherStats(_message.Message):
     instances: int
     busy_instances: int
     instance_batches: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, batches: _Optional[int] = ..., requests: _Optional[int] = ..., rows: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., flush_full: _Optional[int] = ..., flush_budget: _Optional[int] = ..., flush_drained: _Optional[int] = ..., queue_depth: _Optional[int] = ..., rejected: _Optional[int] = ..., expired: _Optional[int] = ..., max_batch: _Optional[int] = ..., budget_ms: _Optional[float] = ..., instances: _Optional[int] = ..., busy_instances: _Optional[int] = ..., instance_batches: _Optional[_Iterable[int]] = ...) -> None: ...
+    real_tokens: int
+    padded_tokens: int
+    padding_efficiency: float
+    buckets: _containers.RepeatedScalarFieldContainer[int]
+    max_length: int
+    bucket_batches: _containers.ScalarMap[str, int]
+    def __init__(self, batches: _Optional[int] = ..., requests: _Optional[int] = ..., rows: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., flush_full: _Optional[int] = ..., flush_budget: _Optional[int] = ..., flush_drained: _Optional[int] = ..., queue_depth: _Optional[int] = ..., rejected: _Optional[int] = ..., expired: _Optional[int] = ..., max_batch: _Optional[int] = ..., budget_ms: _Optional[float] = ..., instances: _Optional[int] = ..., busy_instances: _Optional[int] = ..., instance_batches: _Optional[_Iterable[int]] = ..., real_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., padding_efficiency: _Optional[float] = ..., buckets: _Optional[_Iterable[int]] = ..., max_length: _Optional[int] = ..., bucket_batches: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class CacheStats(_message.Message):
     __slots__ = ("enabled", "entries", "bytes", "hits", "misses", "evictions", "hit_rate", "shared", "max_entries", "max_bytes")
