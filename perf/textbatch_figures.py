@@ -263,31 +263,6 @@ def ort_summary(runs: Mapping[str, Sequence[Mapping[str, float]]]) -> dict[str, 
     }
 
 
-# The server's padding counters (Prometheus), real and padded tokens per model.
-REAL_TOKENS, PADDED_TOKENS = "sluice_batch_real_tokens_total", "sluice_batch_padded_tokens_total"
-
-
-def tokens_in(text: str) -> tuple[float, float] | None:
-    """The (real, padded) tokens counted in a Prometheus text exposition, summed over its
-    labels; None if it counts none."""
-    found = {REAL_TOKENS: 0.0, PADDED_TOKENS: 0.0}
-    seen = False
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in found:
-            found[name] += float(line.rsplit(" ", 1)[1])
-            seen = True
-    return (found[REAL_TOKENS], found[PADDED_TOKENS]) if seen else None
-
-
-def since(
-    before: tuple[float, float] | None, after: tuple[float, float] | None
-) -> tuple[float, float] | None:
-    if before is None or after is None:
-        return None
-    return after[0] - before[0], after[1] - before[1]
-
-
 # Answers.
 
 

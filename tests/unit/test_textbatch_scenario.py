@@ -182,22 +182,6 @@ def test_summaries_take_the_median_of_the_rounds() -> None:
     assert tf.ort_summary(ort_runs) == {"bucketed": {"rows_per_s": 1.0, "cpu_ms_per_row": 3.0}}
 
 
-def test_the_padding_tokens_are_read_from_the_metrics() -> None:
-    text = "\n".join(
-        [
-            "# HELP sluice_batch_real_tokens_total real tokens",
-            f'{tf.REAL_TOKENS}{{model="text"}} 300.0',
-            f'{tf.REAL_TOKENS}{{model="other"}} 100.0',
-            f'{tf.PADDED_TOKENS}{{model="text"}} 500.0',
-            "sluice_calls_total 3.0",
-        ]
-    )
-    assert tf.tokens_in(text) == (400.0, 500.0)
-    assert tf.tokens_in("sluice_calls_total 3.0") is None
-    assert tf.since((1.0, 2.0), (4.0, 8.0)) == (3.0, 6.0)
-    assert tf.since(None, (4.0, 8.0)) is None
-
-
 def test_answers_compare_relative_to_the_largest_magnitude() -> None:
     want = [{"h": np.array([[100.0, 0.001]], np.float32), "p": np.ones((1, 2), np.float32)}]
     near = [{"h": want[0]["h"] + np.float32(5e-4), "p": want[0]["p"]}]

@@ -1,0 +1,277 @@
+"""Text requests of their own lengths (8-128 tokens, most short) into a text encoder at 16
+callers: the server batch-of-one, the micro-batcher as it groups by exact shape, and the
+micro-batcher padding within length buckets, beside ONNX Runtime alone running the same
+requests one by one, padded to the longest of each 16, and padded within power-of-two
+buckets. One command:
+
+  python -m perf.textbatch --duration 10s --out docs/results/textbatch.json
+  python -m perf.textbatch --model my-encoder.onnx --pad input_ids=0 --pad attention_mask=0
+
+The model is perf/make_text.py's (cached) unless --model names another ONNX text model
+(inputs [batch, sequence] integers: ids, attention masks, token types), with --pad NAME=VALUE
+handed to the padding server (default: every input padded with 0).
+
+Processes, all on this host (127.0.0.1): three sluice-server on the model, cache off, one
+worker, the same intra-op threads (--threads):
+  - single: --max-batch 1;
+  - unpadded: --max-batch 16 --batch-budget-ms 10 (requests batch only at equal lengths);
+  - batched: the same with --pad for every padded input and --max-length (buckets: the
+    server's default, powers of two up to it).
+Each configuration is a closed loop of --callers asyncio callers over one AsyncSluiceClient in
+this process, after a warmup; the callers take the next of the fixed requests (encoded
+beforehand) in turn, so every configuration and ONNX Runtime alone run the same requests in
+the same order. rows/s is answers over the window; p50/p99 from each call's time; server CPU
+per row from /proc/PID/stat; mean batch and padding efficiency (real over padded tokens) from
+the server's Health (BatcherStats: batches, requests, real and padded tokens run in the
+window). ONNX Runtime
+alone runs in this process with the server's session options and threads. The order of
+configurations rotates every round; figures are medians over rounds. Then a sample of the
+requests is sent to the batched server all at once (so they batch) and to batch-of-one one
+at a time: every output equal within 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from perf import make_text, paired
+from perf import textbatch_figures as tf
+from perf.launch import Process, children, cpu_seconds, running, server_argv
+from perf.tensors_figures import rotated
+from sluice.client import AsyncSluiceClient
+from sluice.perf.sweep import duration
+from sluice.runtime.process import event_loop
+from sluice.wire import codec
+
+MODEL = "text"
+REQUESTS = 1024  # the fixed requests, cycled through
+SAMPLE = 64  # requests whose answers are checked
+BATCHER = ("--max-batch", str(tf.ROWS), "--batch-budget-ms", "10")
+LABELS = {
+    "single": "server, batch-of-one (--max-batch 1)",
+    "unpadded": "server, batcher, no padding (exact shapes)",
+    "batched": "server, batcher + padding in length buckets",
+    "one-by-one": "ONNX Runtime alone, one by one",
+    "padded-to-longest": "ONNX Runtime alone, each 16 padded to the longest",
+    "bucketed": "ONNX Runtime alone, 16 at a time within power-of-two buckets",
+}
+
+
+def start(
+    stack: ExitStack, model: Path, threads: int, pads: Mapping[str, int], max_length: int
+) -> dict[str, Process]:
+    padding = [arg for name, value in pads.items() for arg in ("--pad", f"{name}={value}")]
+    padding += ["--max-length", str(max_length)]
+    extras = {"single": ("--max-batch", "1"), "unpadded": BATCHER, "batched": (*BATCHER, *padding)}
+    servers = {}
+    for name, extra in extras.items():
+        argv = server_argv(
+            *("--device", "cpu", "--cache-entries", "0", "--workers", "1"),
+            *("--intra-op-threads", str(threads), "--model", f"{MODEL}={model}", *extra),
+            node_id=name,
+        )
+        servers[name] = stack.enter_context(running(argv, start_s=60.0))
+    return servers
+
+
+def server_cpu(server: Process) -> float:
+    return cpu_seconds([server.pid, *children(server.pid)])
+
+
+async def closed_loop(
+    client: AsyncSluiceClient, bodies: Sequence[bytes], callers: int, seconds: float
+) -> tuple[list[float], float, int]:
+    """`callers` callers, each sending the next request in turn until `seconds` have gone:
+    each answered call's time, the window's length (to the last answer) and the failed
+    calls. The bodies are encoded beforehand, so the client's own cost per call is only
+    the call's."""
+    times: list[float] = []
+    failed = taken = 0
+    started = time.perf_counter()
+    end = started + seconds
+
+    async def caller() -> None:
+        nonlocal taken, failed
+        while time.perf_counter() < end:
+            body = bodies[taken % len(bodies)]
+            taken += 1
+            t = time.perf_counter()
+            reply = await client.call_raw(body, timeout=30.0)
+            if reply.code:
+                failed += 1
+            else:
+                times.append(time.perf_counter() - t)
+
+    await asyncio.gather(*(caller() for _ in range(callers)))
+    return times, time.perf_counter() - started, failed
+
+
+async def measure(
+    server: Process, bodies: Sequence[bytes], callers: int, seconds: float, warmup: float
+) -> dict[str, Any]:
+    """One configuration's window: warmup, then the counters before, the closed loop, and
+    the counters after."""
+    async with AsyncSluiceClient(server.address, timeout=30.0) as client:
+        await closed_loop(client, bodies, callers, warmup)
+        before = (await client.health(model=MODEL)).batcher
+        cpu, client_cpu = server_cpu(server), time.process_time()
+        times, elapsed, failed = await closed_loop(client, bodies, callers, seconds)
+        client_cpu, cpu = time.process_time() - client_cpu, server_cpu(server) - cpu
+        after = (await client.health(model=MODEL)).batcher
+    batcher = (after.batches - before.batches, after.requests - before.requests)
+    tokens = (after.real_tokens - before.real_tokens, after.padded_tokens - before.padded_tokens)
+    return tf.window(times, elapsed, failed, cpu, client_cpu, batcher, tokens)
+
+
+async def answers(
+    address: str, reqs: Sequence[Mapping[str, np.ndarray]], together: bool
+) -> list[dict[str, np.ndarray]]:
+    """The answers of `reqs`: sent all at once (`together`, so a batcher groups them) or one
+    after another."""
+    async with AsyncSluiceClient(address, timeout=60.0) as client:
+        if together:
+            return list(await asyncio.gather(*(client.predict(r, model=MODEL) for r in reqs)))
+        return [await client.predict(r, model=MODEL) for r in reqs]
+
+
+def run_async(coroutine: Any) -> Any:
+    with asyncio.Runner(loop_factory=event_loop) as runner:
+        return runner.run(coroutine)
+
+
+def context(note: str) -> dict[str, Any]:
+    described = subprocess.run(
+        ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
+    )
+    return {
+        "commit": described.stdout.strip() or "unknown",
+        "cpus": os.cpu_count(),
+        "loadavg_before": list(os.getloadavg()),
+        "loadavg_rounds": [],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "note": note,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m perf.textbatch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", default="10s", help="measured time per server window")
+    parser.add_argument("--warmup", default="1s", help="unmeasured calls before each window")
+    parser.add_argument(
+        "--ort-seconds", type=float, default=3.0, help="ONNX Runtime alone, per way, per round"
+    )
+    parser.add_argument("--callers", type=int, default=16, help="closed-loop callers")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="the model's intra-op threads, everywhere"
+    )
+    parser.add_argument(
+        "--model", default="", help="an ONNX text model (default: perf/make_text.py's)"
+    )
+    parser.add_argument(
+        "--pad",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an input the padding server pads, and with what (repeat; default: every input, 0)",
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=tf.HIGH, help="the longest request, in tokens"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the lengths' and ids' seed")
+    parser.add_argument("--note", default="", help="context for the report (the machine's load)")
+    parser.add_argument("--out", default="", help="write the figures as JSON here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.rounds < 1 or args.callers < 1 or args.threads < 1:
+        raise SystemExit("--rounds, --callers and --threads must be at least 1")
+    if args.max_length < tf.LOW:
+        raise SystemExit(f"--max-length must be at least {tf.LOW}")
+    seconds, warmup = duration(args.duration), duration(args.warmup)
+    model = Path(args.model) if args.model else make_text.cached()
+    if not model.is_file():
+        raise SystemExit(f"--model {model}: no such file")
+    ctx = context(args.note)
+    alone = tf.session(str(model), args.threads)
+    try:
+        inputs = tf.text_inputs(alone)
+        pads = tf.parse_pads(args.pad, inputs)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    sizes = tf.lengths(REQUESTS, args.seed, high=args.max_length)
+    reqs = tf.requests(inputs, sizes, args.seed)
+    bodies = [codec.encode_predict(r, (), MODEL) for r in reqs]
+    plans = {name: tf.plan(name, sizes, top=args.max_length) for name in tf.PLANS}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ("single", "unpadded", "batched")}
+    ort_runs: dict[str, list[dict[str, float]]] = {name: [] for name in tf.PLANS}
+    with ExitStack() as stack:
+        servers = start(stack, model, args.threads, pads, args.max_length)
+        for r in range(args.rounds):
+            for name in rotated([*runs, *ort_runs], r):
+                if name in ort_runs:
+                    ort_runs[name].append(
+                        tf.ort_alone(alone, plans[name], reqs, pads, args.ort_seconds)
+                    )
+                else:
+                    window = measure(servers[name], bodies, args.callers, seconds, warmup)
+                    runs[name].append(run_async(window))
+                print(f"textbatch round {r + 1}/{args.rounds}: {name} done", file=sys.stderr)
+            ctx["loadavg_rounds"].append(list(os.getloadavg()))
+        sample = [reqs[i] for i in range(0, len(reqs), len(reqs) // SAMPLE)][:SAMPLE]
+        got = run_async(answers(servers["batched"].address, sample, together=True))
+        want = run_async(answers(servers["single"].address, sample, together=False))
+    ctx["loadavg_after"] = list(os.getloadavg())
+    checked = tf.compare(got, want)
+    sweeps = tf.summarize(runs)
+    ort_figures = tf.ort_summary(ort_runs)
+    result: dict[str, Any] = {
+        "command": "python -m perf.textbatch "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "context": ctx,
+        "rounds": args.rounds,
+        "seconds": seconds,
+        "callers": args.callers,
+        "threads": args.threads,
+        "model": str(model),
+        "pads": pads,
+        "lengths": sizes,
+        "labels": LABELS,
+        "ort_alone": ort_figures,
+        "ort_alone_rounds": ort_runs,
+        "ort_mean_batch": {n: len(sizes) / len(p) for n, p in plans.items()},
+        "ort_efficiency": {n: tf.efficiency(p, sizes) for n, p in plans.items()},
+        "sweeps": sweeps,
+        "runs": runs,
+        "answers": checked,
+        "goals": tf.goals(sweeps, ort_figures, checked),
+    }
+    paired.save(result, args.out)
+    print(tf.markdown(result))
+    if args.out:
+        print(f"\nwrote {args.out}")
+    if not checked["equal"]:
+        print(f"answers differ from batch-of-one's: requests {checked['differ']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
