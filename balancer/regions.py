@@ -112,10 +112,11 @@ class _Infer(Placing):
             if name not in at:
                 raise SluiceError(f"the server's answer lacks output {name!r}")
             regions.check_room(name, placed, len(raw[at[name]]))
-        for name, (ref, view) in self.places.items():
+        for name, (ref, view, memory) in self.places.items():
             i = at[name]
             size = len(raw[i])
             view[:size] = raw[i]
+            memory.wrote(view, size)
             # The server's answer for an output in a region.
             regions.written(response.outputs[i].parameters, ref, size)
             raw[i] = b""

@@ -303,6 +303,7 @@ def _write(
     regions.check_room(tensor.name, placed, size)
     if size:
         np.copyto(np.frombuffer(placed.view, dt.dtype, array.size).reshape(array.shape), array)
+        placed.memory.wrote(placed.view, size)
     regions.written(tensor.parameters, placed.ref, size)
 
 

@@ -221,10 +221,14 @@ class Dataplane:
         lease: Lease | None = None,
     ) -> Entry:
         try:
-            return await self._answer(model, body, protocol, deadline, priority, lease)
-        finally:
-            if lease is not None:  # the outputs are written, or never will be
-                lease.release()
+            entry = await self._answer(model, body, protocol, deadline, priority, lease)
+        except BaseException:
+            if lease is not None:  # a failed call writes nothing back: its error stands
+                lease.release(ok=False)
+            raise
+        if lease is not None:  # the outputs land (a copy that cannot be written fails the call)
+            lease.release()
+        return entry
 
     async def _answer(
         self,

@@ -7,9 +7,11 @@ statuses.
 A caller that truncates its object while a call reads or writes the mapping would have the
 server take SIGBUS and die (the size check before each view narrows that window, it cannot
 close it: POSIX shm objects cannot be sealed). Where callers are not all trusted (tenants),
-`Regions(copy=True)` maps nothing: a view is a buffer of this process's own, read from the
-object with preadv (a short read refuses the call) and, for an output, written back with
-pwrite when the lease is released (past a truncated end it just extends the caller's object).
+`Regions(copy=True)` maps nothing: a view is a buffer of this process's own, an input's read
+from the object with preadv (a short read refuses the call), an output's written back with
+pwrite when the lease is released, and only the bytes the call's writer marked (`wrote`), only
+when the call succeeded (past a truncated end it just extends the caller's object). The bytes
+the calls in flight hold in copies are bounded (`max_copy_bytes`).
 
 Each tenant has its own name space ("" when tenants are off: one for everyone): a name
 another tenant registered is, to a caller, one nobody registered. A call takes a `Lease`
@@ -31,9 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+import numpy as np
+
 from sluice.core.errors import (
     AlreadyExists,
     InvalidInput,
+    Overloaded,
     QuotaExceeded,
     RegionBusy,
     RegionNotFound,
@@ -51,6 +56,9 @@ _OPEN = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 # calls at once of one shape), and in all.
 POOL_PER_SIZE = 4
 POOL_BYTES = 64 << 20
+# Copy mode's bound on the bytes the calls in flight hold in copies, all tenants together: a
+# region's size is bounded by --shared-memory-bytes, not how many calls copy it at once.
+MAX_COPY_BYTES = 256 << 20
 # References to a buffer held only by its _Copy, as sys.getrefcount counts them (the slot and
 # the call's argument); one more is a view of it a caller still holds.
 _BARE = 2
@@ -94,10 +102,11 @@ class _Region:
 
 
 class _Copy:
-    """A copy mode view's buffer: `size` bytes of `region`'s object from its offset `at`,
-    written back there when its lease is released if `write`."""
+    """A copy mode view's buffer: `size` bytes of `region`'s object from its offset `at`; if
+    `write`, an output's, whose first `wrote` bytes go back there when its lease is released
+    after a call that succeeded."""
 
-    __slots__ = ("at", "buffer", "region", "size", "write")
+    __slots__ = ("at", "buffer", "region", "size", "write", "wrote")
 
     def __init__(self, region: _Region, at: int, buffer: mmap.mmap, size: int, write: bool) -> None:
         self.region = region
@@ -105,6 +114,7 @@ class _Copy:
         self.buffer = buffer  # anonymous memory: page aligned, as ONNX Runtime likes its input
         self.size = size
         self.write = write
+        self.wrote = 0  # marked by Lease.wrote: what the call's writer put there
 
 
 def _shown(text: str) -> str:
@@ -157,16 +167,20 @@ class Regions:
         root: Path = SHM_ROOT,
         require_tmpfs: bool | None = None,
         copy: bool = False,
+        max_copy_bytes: int = MAX_COPY_BYTES,
     ) -> None:
         """`require_tmpfs`: refuse objects not on a tmpfs; by default only for SHM_ROOT, as a
         test's root is a plain directory (on a host whose /dev/shm is a directory on the root
         filesystem, a hard link there could reach any file the server may write). `copy`:
-        map no object, copy each view in and out (no caller can make the server fault)."""
+        map no object, copy each view in and out (no caller can make the server fault), the
+        copies of the calls in flight within `max_copy_bytes` together."""
         self.max_regions = max_regions
         self.max_bytes = max_bytes
         self.root = Path(root)
         self.require_tmpfs = self.root == SHM_ROOT if require_tmpfs is None else require_tmpfs
         self.copy = copy
+        self.max_copy_bytes = max_copy_bytes
+        self._copying = 0  # the bytes of the copies leases hold now
         self._lock = threading.Lock()  # leases may be released from another thread
         self._tenants: dict[str, dict[str, _Region]] = {}
         self._ids = itertools.count(1)
@@ -373,55 +387,80 @@ class Regions:
             if self.copy:
                 if not byte_size:
                     return memoryview(bytearray()) if write else memoryview(b"")
-                earlier = [c for c in lease._copies if c.write and c.region.inode == region.inode]
+                self._reserve(lease, region, at, byte_size, write)
             else:
                 assert region.map is not None  # mapped while registered or held
                 start = region.start + offset
                 view = memoryview(region.map)[start : start + byte_size]
                 return view if write else view.toreadonly()
-        return self._copied(lease, region, at, byte_size, write, earlier)
+        return self._copied(lease, region, at, byte_size, write)
 
-    def _copied(
-        self,
-        lease: Lease,
-        region: _Region,
-        at: int,
-        size: int,
-        write: bool,
-        earlier: list[_Copy],
-    ) -> memoryview:
-        """A copy mode view of `size` bytes from `at` in `region`'s object, read outside the
-        lock into a buffer (a pooled one if idle), over which the lease's `earlier` outputs
-        into the object lie (a call reads what it wrote). Only the _Copy made here refers to
-        the buffer: the pool takes it back only while that is so."""
+    def _reserve(self, lease: Lease, region: _Region, at: int, size: int, write: bool) -> None:
+        """Count a copy of `size` bytes against `max_copy_bytes` (under the lock), or refuse
+        it, its claim taken back."""
+        total = self._copying + size
+        if total > self.max_copy_bytes:
+            self._unclaim(lease, region, at, size, write)
+            raise QuotaExceeded(
+                f"quota: shared memory region '{region.info.name}': a copy of {size} bytes "
+                f"would bring the bytes the calls in flight copy to {total}, over the most "
+                f"allowed ({self.max_copy_bytes}, sluice.core.shm.MAX_COPY_BYTES); retry when "
+                "calls end, or place smaller ranges"
+            )
+        self._copying = total
+
+    def _copied(self, lease: Lease, region: _Region, at: int, size: int, write: bool) -> memoryview:
+        """A copy mode view of `size` bytes from `at` in `region`'s object (counted by
+        `_reserve`) in a buffer (a pooled one if idle): an input's read into it outside the
+        lock, an output's zeros (it is written back only as far as the call marks it). Only
+        the _Copy made here refers to the buffer: the pool takes it back only while that is
+        so."""
         with self._lock:
             buffer = self._take(size)
         if buffer is None:
             try:
-                buffer = mmap.mmap(-1, _rounded(size))
+                buffer = mmap.mmap(-1, _rounded(size))  # zeros, its pages faulted when used
             except OSError as exc:
                 with self._lock:
                     self._unclaim(lease, region, at, size, write)
-                raise SluiceError(
-                    f"shared memory region '{region.info.name}': no memory for a copy of "
-                    f"{size} bytes: {exc.strerror}"
+                    self._copying -= size
+                raise Overloaded(
+                    f"overloaded: shared memory region '{region.info.name}': no memory for a "
+                    f"copy of {size} bytes ({exc.strerror}); retry later, or place smaller ranges"
                 ) from None
+        elif write:  # another call's bytes are not this one's to see
+            _zero(buffer, size)
         copy = _Copy(region, at, buffer, size, write)
         del buffer
         try:
-            _read(copy, earlier)
+            if not write:
+                _read(copy)
         except SluiceError:
             with self._lock:
                 self._unclaim(lease, region, at, size, write)
+                self._copying -= size
                 self._keep(copy)
             raise
         with self._lock:
             if lease._released:  # released on another thread during the read
+                self._copying -= size
                 self._keep(copy)
                 raise _after_release()
             lease._copies.append(copy)
         view = memoryview(copy.buffer)[:size]
         return view if write else view.toreadonly()
+
+    def _wrote(self, lease: Lease, view: memoryview, nbytes: int) -> None:
+        if not 0 <= nbytes <= len(view):
+            raise ValueError(f"{nbytes} bytes marked written in a view of {len(view)}")
+        if not self.copy or not nbytes:  # a mapped view is the object: nothing to write back
+            return
+        with self._lock:
+            for copy in reversed(lease._copies):
+                if copy.write and copy.buffer is view.obj:
+                    copy.wrote = max(copy.wrote, nbytes)
+                    return
+        raise ValueError("bytes marked written in a view that is not one of this lease's outputs")
 
     @staticmethod
     def _unclaim(lease: Lease, region: _Region, at: int, size: int, write: bool) -> None:
@@ -474,7 +513,7 @@ class Regions:
             self._pool.setdefault(length, []).append(copy.buffer)
             self._pooled += length
 
-    def _release(self, lease: Lease) -> None:
+    def _release(self, lease: Lease, ok: bool) -> None:
         with self._lock:
             if lease._released:
                 return
@@ -482,7 +521,7 @@ class Regions:
             copies, lease._copies = lease._copies, []
         # The outputs land before their ranges are free to other calls, and while the lease
         # still holds their regions' fds (an unregistered region's too, as in mapped mode).
-        failed = [why for why in (_written(c) for c in copies if c.write) if why]
+        failed = [_written(c) for c in copies if ok and c.write and c.wrote] if copies else []
         with self._lock:
             closing: list[_Region] = []
             for region in lease._held:
@@ -492,11 +531,16 @@ class Regions:
                     closing.append(region)
             lease._held.clear()
             for copy in copies:
+                self._copying -= copy.size
                 self._keep(copy)
         for region in closing:
             region.close()
-        if failed:
-            raise SluiceError("; ".join(failed))
+        errors = [why for why in failed if why is not None]
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            full = all(isinstance(e, Overloaded) for e in errors)
+            raise (Overloaded if full else SluiceError)("; ".join(map(str, errors)))
 
 
 def _rounded(size: int) -> int:
@@ -515,43 +559,65 @@ def _truncated(info: RegionInfo, size: int, end: int) -> InvalidInput:
     )
 
 
-def _read(copy: _Copy, earlier: list[_Copy]) -> None:
-    """Fill `copy` from its object, then with what the `earlier` outputs over it hold."""
+def _zero(buffer: mmap.mmap, size: int) -> None:
+    """Zero the first `size` bytes of a pooled buffer."""
+    into = memoryview(buffer)
+    try:  # released at once: the pool counts views
+        np.frombuffer(into, np.uint8, size).fill(0)
+    finally:
+        into.release()
+
+
+def _read(copy: _Copy) -> None:
+    """Fill an input's `copy` from its object."""
     into = memoryview(copy.buffer)
+    got = 0
     try:  # released at once, even when a traceback keeps this frame: the pool counts views
-        got = 0
         while got < copy.size:
             n = os.preadv(copy.region.fd, [into[got : copy.size]], copy.at + got)
             if not n:  # the object ends short of the view: its caller truncated it
                 size = min(os.fstat(copy.region.fd).st_size, copy.at + got)
                 raise _truncated(copy.region.info, size, copy.at + copy.size)
             got += n
-        end = copy.at + copy.size
-        for other in earlier:
-            lo, hi = max(copy.at, other.at), min(end, other.at + other.size)
-            if lo < hi:
-                into[lo - copy.at : hi - copy.at] = other.buffer[lo - other.at : hi - other.at]
+    except OSError as exc:
+        info = copy.region.info
+        raise _unmoved(
+            exc,
+            f"shared memory region '{info.name}': the call's input of {copy.size} bytes at "
+            f"offset {copy.at - info.offset} could not be read from '{info.key}' (its first "
+            f"{got} were): {exc.strerror}",
+        ) from None
     finally:
         into.release()
 
 
-def _written(copy: _Copy) -> str:
-    """Write an output's buffer to its object; "" if done, else why not."""
+def _written(copy: _Copy) -> SluiceError | None:
+    """Write the bytes the call marked in an output's buffer to its object; None if done,
+    else why not."""
     out = memoryview(copy.buffer)
     done = 0
     try:
-        while done < copy.size:
-            done += os.pwrite(copy.region.fd, out[done : copy.size], copy.at + done)
+        while done < copy.wrote:
+            done += os.pwrite(copy.region.fd, out[done : copy.wrote], copy.at + done)
     except OSError as exc:
         info = copy.region.info
-        return (
-            f"shared memory region '{info.name}': the call's output of {copy.size} bytes at "
+        return _unmoved(
+            exc,
+            f"shared memory region '{info.name}': the call's output of {copy.wrote} bytes at "
             f"offset {copy.at - info.offset} could not be written to '{info.key}' (its first "
-            f"{done} were): {exc.strerror}"
+            f"{done} were): {exc.strerror}",
         )
     finally:
         out.release()
-    return ""
+    return None
+
+
+def _unmoved(exc: OSError, why: str) -> SluiceError:
+    """A copy's read or write that failed: RESOURCE_EXHAUSTED where memory or /dev/shm ran
+    out (as a caller's sparse object can make it), INTERNAL otherwise."""
+    if exc.errno in (errno.ENOMEM, errno.ENOSPC):
+        return Overloaded(f"overloaded: {why}")
+    return SluiceError(why)
 
 
 class Lease:
@@ -575,14 +641,22 @@ class Lease:
     def output(self, region: str, offset: int, byte_size: int) -> memoryview:
         """A writable view of `byte_size` bytes at `offset` of the caller's `region`, which
         no other lease may write into until this one is released (in copy mode, when they
-        are written to it)."""
+        are written to it). In copy mode it holds zeros, not the object's bytes, and goes
+        to the object only as far as `wrote` marks it."""
         self.used = True
         return self._regions._view(self, region, offset, byte_size, write=True)
 
-    def release(self) -> None:
-        """Let go of the regions; in copy mode, first write the outputs to their objects
-        (SluiceError if one could not be: the rest is let go all the same)."""
-        self._regions._release(self)
+    def wrote(self, view: memoryview, nbytes: int) -> None:
+        """Mark the first `nbytes` of an output `view` as the call's: in copy mode, what its
+        release writes back (a mapped view is the object itself)."""
+        self._regions._wrote(self, view, nbytes)
+
+    def release(self, ok: bool = True) -> None:
+        """Let go of the regions; in copy mode, first write the bytes the outputs marked to
+        their objects, unless the call failed (not `ok`: a failed, cancelled or expired call
+        writes nothing). SluiceError if one could not be written: the rest is let go all
+        the same."""
+        self._regions._release(self, ok)
 
     def __enter__(self) -> Lease:
         return self
@@ -593,4 +667,4 @@ class Lease:
         value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.release()
+        self.release(ok=kind is None)

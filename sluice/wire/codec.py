@@ -42,11 +42,15 @@ class Unshared(TensorError):
 class Memory(Protocol):
     """Byte views of registered shared memory regions (the server's: a call's
     sluice.core.shm.Lease; a client's: its own regions). Each raises a SluiceError (or a
-    TensorError) for a region it does not know or a range outside it."""
+    TensorError) for a region it does not know or a range outside it. `wrote` is told how
+    many bytes the writer put at the start of an output view (a copying lease writes back
+    those only)."""
 
     def input(self, region: str, offset: int, byte_size: int) -> memoryview: ...
 
     def output(self, region: str, offset: int, byte_size: int) -> memoryview: ...
+
+    def wrote(self, view: memoryview, nbytes: int) -> None: ...
 
 
 class Ref(NamedTuple):
@@ -574,10 +578,12 @@ def write(view: memoryview, array: np.ndarray) -> int:
 
 
 class Placed(NamedTuple):
-    """An output's region, as its request named it, and the writable view of it."""
+    """An output's region, as its request named it, the writable view of it, and the
+    `memory` it is of (told what is written into it)."""
 
     ref: Ref
     view: memoryview
+    memory: Memory
 
 
 def placed(memory: Memory | None, refs: Mapping[str, Ref]) -> dict[str, Placed]:
@@ -602,7 +608,7 @@ def placed(memory: Memory | None, refs: Mapping[str, Ref]) -> dict[str, Placed]:
     views: dict[str, Placed] = {}
     for name, ref in refs.items():
         try:
-            views[name] = Placed(ref, memory.output(*ref))
+            views[name] = Placed(ref, memory.output(*ref), memory)
         except SluiceError as exc:
             raise _led(f"output_memory of output {name!r}", exc) from None
     return views
@@ -612,7 +618,7 @@ def written(outputs: Mapping[str, np.ndarray], memory: Mapping[str, Placed]) -> 
     """Write the outputs `memory` places into their views, once each, checked first (every
     name one of `outputs`, every view large enough) so that a refused answer writes
     nothing; the refs an answer gives them (byte_size: the bytes written)."""
-    for name, (ref, view) in memory.items():
+    for name, (ref, view, _) in memory.items():
         if name not in outputs:
             raise TensorError(
                 f"output_memory names output {name!r}, which this call does not return "
@@ -628,6 +634,13 @@ def written(outputs: Mapping[str, np.ndarray], memory: Mapping[str, Placed]) -> 
                 f"({dt.name} shape {list(array.shape)})"
             )
     return {
-        name: Ref(ref.region, ref.offset, write(view, outputs[name]))
-        for name, (ref, view) in memory.items()
+        name: Ref(placed.ref.region, placed.ref.offset, _put(placed, outputs[name]))
+        for name, placed in memory.items()
     }
+
+
+def _put(placed: Placed, array: np.ndarray) -> int:
+    """`write` into a placed view, marked on its memory; how many bytes."""
+    nbytes = write(placed.view, array)
+    placed.memory.wrote(placed.view, nbytes)
+    return nbytes

@@ -297,15 +297,14 @@ def triton_input(
         raise InvalidInput(f"unexpected 'content' provided when using shared memory for {where}")
     shape = tuple(tensor.shape)
     count = element_count(label, shape)
-    view = lease.input(*ref)
     expected = count * dt.dtype.itemsize
-    if ref.byte_size != expected:
+    if ref.byte_size != expected:  # before any byte is read (or, copying, copied)
         raise InvalidInput(
             f"input byte size mismatch for {where}. Expected {expected}, got {ref.byte_size} "
             f"('{BYTE_SIZE}'; {dt.name} shape {list(shape)} is {count} x {dt.dtype.itemsize} "
             "bytes)"
         )
-    return view, dt, shape
+    return lease.input(*ref), dt, shape
 
 
 def triton_output(output: Output, lease: Lease | None, refusal: str) -> codec.Placed | None:
@@ -316,7 +315,7 @@ def triton_output(output: Output, lease: Lease | None, refusal: str) -> codec.Pl
     if ref is None:
         return None
     assert lease is not None  # triton_ref refused a region without one
-    return codec.Placed(ref, lease.output(*ref))
+    return codec.Placed(ref, lease.output(*ref), lease)
 
 
 def check_room(name: str, placed: codec.Placed, size: int) -> None:

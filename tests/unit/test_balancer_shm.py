@@ -675,7 +675,10 @@ def kserve_input(params: dict[str, Parameter], **kw: object) -> kpb.ModelInferRe
         (kserve_input(triton("nope", 48)), "Unable to find shared memory region: 'nope'"),
         (kserve_input(triton("in", 48, offset=-4)), f"{RANGE} (offset -4 + byte size 48"),
         (kserve_input(triton("in", 48, offset=8)), f"{RANGE} (offset 8 + byte size 48"),
-        (kserve_input(triton("in", -1)), f"{RANGE} (offset 0 + byte size -1"),
+        (  # the size checked before the region is read
+            kserve_input(triton("in", -1)),
+            "input byte size mismatch for input 'x' for model 'm'. Expected 48, got -1",
+        ),
         (
             kserve_input(triton("in", 44)),
             "input byte size mismatch for input 'x' for model 'm'. Expected 48, got 44 "

@@ -210,6 +210,52 @@ def test_an_unaligned_input_is_copied_aligned(regions: Regions, shm: Callable[[i
     np.testing.assert_array_equal(array, X)
 
 
+def test_an_input_of_another_size_is_refused_before_it_is_copied(
+    shm: Callable[[int], Shm], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    regions = Regions(copy=True)
+    obj = shm(1 << 16)
+    regions.register("", "in", obj.key, 0, 1 << 16)
+    read: list[int] = []
+    monkeypatch.setattr(os, "preadv", lambda *args: read.append(1) or 0)
+    try:
+        with regions.lease("") as lease, pytest.raises(InvalidInput, match="byte size mismatch"):
+            KServeV2(True).decode(request(shared_input(byte_size=1 << 16)), lease)
+        assert read == [] and regions._copying == 0
+    finally:
+        regions.close()
+
+
+async def test_a_cancelled_call_writes_nothing_into_its_region(
+    engine: Engine, shm: Callable[[int], Shm]
+) -> None:
+    """Copied: the caller that gave up on a call may reuse its bytes at once; the call's
+    end writes nothing over them."""
+    regions = Regions(copy=True)
+    plane, gates = gated(engine)
+    inputs, outputs = shm(X.nbytes), shm(64)
+    inputs.array(np.float32, X.shape)[:] = X
+    regions.register("", "in", inputs.key, 0, X.nbytes)
+    regions.register("", "out", outputs.key, 0, 64)
+    body = request(shared_input(), outputs=(Output(name="label", parameters=placed("out", 64)),))
+    lease = regions.lease("")
+    try:
+        call = asyncio.ensure_future(plane.infer(body, KServeV2(True), lease=lease))
+        await held(plane)
+        call.cancel()
+        outputs.map[:] = b"NEWDATA!" * 8  # the caller's next use of its region
+        for gate in gates:
+            gate.gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert lease._released
+        assert outputs.map[:] == b"NEWDATA!" * 8
+    finally:
+        for gate in gates:
+            gate.gate.set()
+        regions.close()
+
+
 async def test_inputs_and_outputs_in_shared_memory_answer_as_onnxruntime(
     plane: Dataplane,
     regions: Regions,
@@ -531,9 +577,9 @@ BAD_INFER = {
         ),
         "Invalid offset + byte size for shared memory region: 'in' (offset -8",
     ),
-    "negative size": (
+    "negative size": (  # the size checked before the region is read
         request(shared_input(byte_size=-1024)),
-        "Invalid offset + byte size for shared memory region: 'in' (offset 0 + byte size -1024",
+        "input byte size mismatch for input 'input'",
     ),
     "overflowing": (
         request(
@@ -541,7 +587,7 @@ BAD_INFER = {
                 name="input",
                 datatype="FP32",
                 shape=X.shape,
-                parameters=placed("in", 2**63 - 1, 2**63 - 1),
+                parameters=placed("in", X.nbytes, 2**63 - 1),
             )
         ),
         "Invalid offset + byte size for shared memory region: 'in'",

@@ -123,6 +123,12 @@ def error(fn: Callable[..., object], *args: object) -> SluiceError:
     return caught.value
 
 
+def put(lease: shm.Lease, view: memoryview, data: bytes) -> None:
+    """Write `data` at the start of an output view, as a call's writer does (marked)."""
+    view[: len(data)] = data
+    lease.wrote(view, len(data))
+
+
 def test_register_status_and_unregister(root: Path, regions: Regions) -> None:
     a, b = make(root, 100), make(root, 3 * PAGE)
     regions.register("", "b", b, PAGE + 7, 2 * PAGE - 7)
@@ -367,17 +373,18 @@ def test_views_read_and_write_the_object(root: Path, regions: Regions) -> None:
     assert view.readonly and bytes(view) == bytes(range(13, 18))
     with pytest.raises(TypeError):
         view[0] = 1
-    out = lease.output("x", 0, 4)
-    assert not out.readonly and bytes(out) == bytes(range(3, 7))  # the object's bytes
-    out[:] = b"WXYZ"
-    written = contents(root, key)[PAGE + 3 : PAGE + 7]
-    assert written == (b"\x03\x04\x05\x06" if regions.copy else b"WXYZ")  # in place, or later
-    assert bytes(lease.input("x", 0, 4)) == b"WXYZ"  # a call reads what it wrote
+    out = lease.output("x", 0, 6)
+    # The object's bytes, or, copied, zeros: an output is written, not read.
+    assert not out.readonly and bytes(out) == (bytes(6) if regions.copy else bytes(range(3, 9)))
+    put(lease, out, b"WXYZ")
+    written = contents(root, key)[PAGE + 3 : PAGE + 9]
+    assert written == (bytes(range(3, 9)) if regions.copy else b"WXYZ\x07\x08")  # now, or later
     assert len(lease.input("x", 100, 0)) == 0  # an empty tensor at the end
     assert len(lease.output("x", 100, 0)) == 0
     del view, out
     lease.release()
-    assert contents(root, key)[PAGE + 3 : PAGE + 7] == b"WXYZ"
+    # Only the bytes written: the range's tail is the caller's as it was.
+    assert contents(root, key)[PAGE + 3 : PAGE + 9] == b"WXYZ\x07\x08"
 
 
 def test_lease_errors(root: Path, regions: Regions) -> None:
@@ -406,9 +413,11 @@ def test_a_truncated_object_gives_invalid_input(root: Path, regions: Regions) ->
     os.truncate(root / key[1:], PAGE + 100)
     with regions.lease("") as lease:
         assert len(lease.input("x", 0, 100)) == 100  # still inside what is left
-        for use in (lease.input, lease.output):
-            err = error(use, "x", 0, PAGE)
-            assert isinstance(err, InvalidInput)
+        err = error(lease.input, "x", 0, PAGE)
+        assert isinstance(err, InvalidInput)
+        assert f"is {PAGE + 100} bytes now, short of the {2 * PAGE}" in str(err)
+        if not regions.copy:  # copied, an output reads nothing: its write-back extends it
+            err = error(lease.output, "x", 0, PAGE)
             assert f"is {PAGE + 100} bytes now, short of the {2 * PAGE}" in str(err)
 
 
@@ -539,12 +548,12 @@ def test_a_call_sees_only_its_own_object_through_a_reused_buffer(
     regions.register("t2", "x", b, 0, 4000)
     with regions.lease("t1") as lease:
         out = lease.output("x", 0, 4000)
-        out[:] = b"\xff" * 4000
+        put(lease, out, b"\xff" * 4000)
         first = address(out)
         del out
     with regions.lease("t2") as lease:
         out = lease.output("x", 0, 4000)
-        assert bytes(out) == b"b" * 4000
+        assert bytes(out) == (bytes(4000) if regions.copy else b"b" * 4000)  # none of t1's
         assert address(out) == first or not regions.copy  # reused, in copy mode
         del out
         assert bytes(lease.input("x", 0, 4000)) == b"b" * 4000
@@ -557,7 +566,7 @@ def test_an_output_lands_though_its_region_was_unregistered(root: Path, regions:
     lease = regions.lease("")
     out = lease.output("x", 8, 8)
     regions.unregister("", "x")  # the call goes on, as it does with its mapping
-    out[:] = b"finished"
+    put(lease, out, b"finished")
     del out
     lease.release()
     assert contents(root, key) == bytes(8) + b"finished" + bytes(48)
@@ -571,8 +580,10 @@ def test_a_view_refused_leaves_no_claim(root: Path, regions: Regions) -> None:
         warm.input("x", 0, 2 * PAGE)
     os.truncate(root / key[1:], PAGE)
     first = regions.lease("")
-    assert isinstance(error(first.output, "x", 0, 2 * PAGE), InvalidInput)
+    assert isinstance(error(first.input, "x", 0, 2 * PAGE), InvalidInput)
+    assert isinstance(error(first.output, "x", 0, 2 * PAGE + 1), InvalidInput)
     assert regions._pooled == (2 * PAGE if regions.copy else 0)  # nor keeps its buffer
+    assert regions._copying == 0  # nor counts it
     os.truncate(root / key[1:], 2 * PAGE)
     with regions.lease("") as second:
         second.output("x", 0, 2 * PAGE)  # no RegionBusy: the refused view claimed nothing
@@ -587,13 +598,14 @@ def test_a_lease_released_during_a_copy_gives_no_view(
     lease = regions.lease("")
     read = shm._read
 
-    def released_meanwhile(copy: shm._Copy, earlier: list[shm._Copy]) -> None:
+    def released_meanwhile(copy: shm._Copy) -> None:
         lease.release()  # as another thread might, while this one reads
-        read(copy, earlier)
+        read(copy)
 
     monkeypatch.setattr(shm, "_read", released_meanwhile)
-    assert "after its release" in str(error(lease.output, "x", 0, 64))
+    assert "after its release" in str(error(lease.input, "x", 0, 64))
     assert regions._pooled == mmap.PAGESIZE  # its buffer back in the pool
+    assert regions._copying == 0
     monkeypatch.undo()
     with regions.lease("") as other:
         other.output("x", 0, 64)  # the range is free
@@ -612,28 +624,130 @@ def test_no_memory_for_a_copy_is_an_error(
         monkeypatch.setattr(mmap, "mmap", no_memory)
         err = error(lease.output, "x", 0, 64)
         monkeypatch.undo()
-        assert status_of(err).name == "INTERNAL"
+        assert status_of(err).name == "RESOURCE_EXHAUSTED"
         assert str(err) == (
-            "shared memory region 'x': no memory for a copy of 64 bytes: Cannot allocate memory"
+            "overloaded: shared memory region 'x': no memory for a copy of 64 bytes (Cannot "
+            "allocate memory); retry later, or place smaller ranges"
         )
+        assert regions._copying == 0
         with regions.lease("") as other:
             other.output("x", 0, 64)  # the refused view claimed nothing
 
 
-def test_a_call_reads_what_it_wrote_through_any_region_of_the_object(
-    root: Path, regions: Regions
-) -> None:
+def test_outputs_land_through_any_region_of_the_object(root: Path, regions: Regions) -> None:
     key = make(root, 200, b".")
     regions.register("", "a", key, 0, 100)
     regions.register("", "b", key, 50, 150)
     with regions.lease("") as lease:
-        lease.output("a", 60, 10)[:] = b"0123456789"
-        assert bytes(lease.input("b", 5, 20)) == b"....." + b"0123456789" + b"....."
-        later = lease.output("a", 65, 10)  # over the first one's end: it starts with it
-        assert bytes(later) == b"56789....."
-        later[5:] = b"abcde"
-        del later
+        assert bytes(lease.input("b", 5, 20)) == b"." * 20
+        put(lease, lease.output("a", 60, 10), b"0123456789")
+        put(lease, lease.output("b", 20, 10), b"abcde")
     assert contents(root, key)[55:80] == b"....." + b"0123456789" + b"abcde" + b"....."
+
+
+@pytest.mark.parametrize("copy", [True], ids=["copy"])
+def test_a_failed_call_writes_nothing_back(root: Path, regions: Regions) -> None:
+    """A call that failed, was cancelled or expired leaves the object as its caller left
+    it: no output written back, no snapshot of the range over the caller's newer bytes."""
+    key = make(root, 16, b"A")
+    path = root / key[1:]
+    regions.register("", "x", key, 0, 16)
+    lease = regions.lease("")
+    put(lease, lease.output("x", 0, 8), b"answered")
+    path.write_bytes(b"NEWDATA!" * 2)  # the caller gave up on the call, and moved on
+    lease.release(ok=False)
+    assert contents(root, key) == b"NEWDATA!" * 2
+    with pytest.raises(RuntimeError), regions.lease("") as failing:
+        put(failing, failing.output("x", 0, 8), b"answered")
+        raise RuntimeError("the call failed")  # a lease left by an error writes nothing
+    assert contents(root, key) == b"NEWDATA!" * 2
+    with regions.lease("") as unwritten:
+        unwritten.output("x", 0, 16)  # never written: nothing goes back, even on success
+        path.write_bytes(b"newer...newer...")
+    assert contents(root, key) == b"newer...newer..."
+
+
+@pytest.mark.parametrize("copy", [True], ids=["copy"])
+def test_an_output_is_not_read(
+    root: Path, regions: Regions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An output's range costs no read (nor, fresh, resident memory) however large it is."""
+    regions.register("", "x", make(root, 4 * PAGE), 0, 4 * PAGE)
+    reads: list[int] = []
+    preadv = os.preadv
+
+    def counted(fd: int, buffers: list[memoryview], offset: int) -> int:
+        reads.append(offset)
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", counted)
+    with regions.lease("") as lease:
+        lease.output("x", 0, 4 * PAGE)
+        assert reads == []
+        lease.input("x", 0, 8)
+        assert reads == [0]
+
+
+def test_the_bytes_copied_in_flight_are_bounded(root: Path) -> None:
+    regions = Regions(root=root, copy=True, max_copy_bytes=2 * PAGE)
+    regions.register("", "x", make(root, 4 * PAGE), 0, 4 * PAGE)
+    first = regions.lease("")
+    first.input("x", 0, PAGE)
+    first.output("x", PAGE, PAGE)
+    with regions.lease("") as second:
+        err = error(second.output, "x", 2 * PAGE, 1)
+        assert status_of(err).name == "RESOURCE_EXHAUSTED" and err.reason == "quota"
+        assert str(err) == (
+            "quota: shared memory region 'x': a copy of 1 bytes would bring the bytes the "
+            f"calls in flight copy to {2 * PAGE + 1}, over the most allowed ({2 * PAGE}, "
+            "sluice.core.shm.MAX_COPY_BYTES); retry when calls end, or place smaller ranges"
+        )
+        assert isinstance(error(second.input, "x", 0, 1), QuotaExceeded)
+        first.release()
+        second.output("x", 2 * PAGE, 2 * PAGE)  # the first call's bytes are free again
+        err = error(second.input, "x", 0, 1)  # this call's own count too
+        assert isinstance(err, QuotaExceeded)
+    assert regions._copying == 0
+    regions.close()
+
+
+@pytest.mark.parametrize("copy", [True], ids=["copy"])
+@pytest.mark.parametrize(
+    ("errno_", "status"), [(errno.EIO, "INTERNAL"), (errno.ENOMEM, "RESOURCE_EXHAUSTED")]
+)
+def test_a_read_that_fails_is_the_calls_error(
+    root: Path, regions: Regions, monkeypatch: pytest.MonkeyPatch, errno_: int, status: str
+) -> None:
+    key = make(root, 64)
+    regions.register("", "x", key, 0, 64)
+
+    def failing(fd: int, buffers: list[memoryview], offset: int) -> int:
+        raise OSError(errno_, os.strerror(errno_))
+
+    with regions.lease("") as lease:
+        monkeypatch.setattr(os, "preadv", failing)
+        err = error(lease.input, "x", 8, 16)
+        monkeypatch.undo()
+        assert status_of(err).name == status
+        assert str(err).endswith(
+            f"shared memory region 'x': the call's input of 16 bytes at offset 8 could not be "
+            f"read from '{key}' (its first 0 were): {os.strerror(errno_)}"
+        )
+    assert regions._copying == 0
+
+
+def test_only_an_output_view_of_the_lease_is_marked(root: Path, regions: Regions) -> None:
+    regions.register("", "x", make(root, 64), 0, 64)
+    with regions.lease("") as lease:
+        out = lease.output("x", 0, 8)
+        with pytest.raises(ValueError, match="9 bytes marked written in a view of 8"):
+            lease.wrote(out, 9)
+        if regions.copy:
+            with pytest.raises(ValueError, match="not one of this lease's outputs"):
+                lease.wrote(lease.input("x", 8, 8), 8)
+            with pytest.raises(ValueError, match="not one of this lease's outputs"):
+                lease.wrote(memoryview(bytearray(8)), 8)
+        del out
 
 
 def test_overlapping_writes_of_two_calls(root: Path, regions: Regions) -> None:
@@ -719,7 +833,7 @@ def test_threads_register_lease_and_unregister_at_once(root: Path, copy: bool) -
                 with contextlib.suppress(AlreadyExists):
                     regions.register("", name, keys[n], 0, 64)
                 with regions.lease("") as lease:
-                    lease.output(name, 0, 64)[:] = bytes([n]) * 64
+                    put(lease, lease.output(name, 0, 64), bytes([n]) * 64)
                 regions.unregister("", name)
         except BaseException as exc:  # handed to the test's thread
             failures.append(exc)
@@ -774,11 +888,10 @@ def test_views_lie_inside_the_region(
             else:
                 event("a view")
                 assert len(out) == byte_size
-                out[:] = b"\xab" * byte_size
+                put(lease, out, b"\xab" * byte_size)
                 del out
                 at = region_offset + offset
                 expected = bytes(at) + b"\xab" * byte_size + bytes(size - at - byte_size)
-                assert bytes(lease.input("r", offset, byte_size)) == b"\xab" * byte_size
         assert contents(root, key) == expected  # with os.pread, after the release
         regions.close()
 
@@ -801,6 +914,7 @@ print("ready", flush=True)
 sys.stdin.readline()
 print(sum(view), flush=True)
 out[:] = b"\\x07" * page
+lease.wrote(out, page)
 try:
     lease.input("x", 0, page)
 except InvalidInput as exc:
@@ -868,14 +982,18 @@ signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not a signal, past the l
 hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
 resource.setrlimit(resource.RLIMIT_FSIZE, (page + 100, hard))
 lease = regions.lease("")
-lease.output("x", 0, page)[:] = b"\\x07" * page
+out = lease.output("x", 0, page)
+out[:] = b"\\x07" * page
+lease.wrote(out, page)
 try:
     lease.release()
 except SluiceError as exc:
     print(exc.status, exc, flush=True)
 resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
 with regions.lease("") as again:  # the range is free again: that lease was let go
-    again.output("x", 0, page)[:] = b"\\x08" * page
+    out = again.output("x", 0, page)
+    out[:] = b"\\x08" * page
+    again.wrote(out, page)
 regions.close()
 """
 
