@@ -107,7 +107,7 @@ class ServerSettings(ProgramSettings):
             "e.g. 0 for token ids and attention masks): padded along its dynamic non-batch "
             "dimensions, named in the model (e.g. 'sequence'), to a length bucket, outputs "
             "along them cut back to each request's length; every input along those "
-            "dimensions is marked; repeat for more",
+            "dimensions must be marked; repeat for more",
         },
     )
     buckets: str = field(

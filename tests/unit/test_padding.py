@@ -780,3 +780,54 @@ def test_a_config_declares_padding_buckets_and_the_longest() -> None:
 def test_a_config_whose_padding_does_not_parse_is_refused(parameter: str, words: str) -> None:
     with pytest.raises(LoadFailed, match=words):
         convert(parse(f"parameters {{ key: {parameter} }}"))
+
+
+async def test_each_rows_and_bucket_shape_gets_a_session_of_its_own_where_sessions_are_made(
+    models: dict[str, Path],
+) -> None:
+    """On CUDA each (rows, bucket) shape has a session of its own, made on its first run (a
+    session re-plans whenever its input shape changes). Engine makes them on CUDA only; here
+    the factory is handed in, and counts what it makes."""
+    import onnxruntime as ort
+
+    from sluice.server.dataplane.engine import Engine, Instance
+
+    engine = Engine(models["encoder"], device="cpu", stage=True, max_batch=4, lengths=True)
+    try:
+        made: list[int] = []
+
+        def spill() -> ort.InferenceSession:
+            made.append(1)
+            return ort.InferenceSession(str(models["encoder"]), providers=["CPUExecutionProvider"])
+
+        base = engine.instances[0]
+        instance = Instance(
+            0,
+            base.session,
+            pool=engine.pool,
+            executor=engine.executor,
+            output_specs=engine.outputs,
+            stage_always=True,
+            batchable=True,
+            spill=spill,
+        )
+        instance.padding = text_plan(buckets=(8, 32))
+        requests = texts([3, 5, 20, 7])
+        for sizes in ([0], [0, 1], [2], [0, 1, 3], [2]):
+            batch = []
+            for i in sizes:
+                lengths, bucket = instance.padding.measure(requests[i])
+                batch.append(
+                    Pending(requests[i], ("pooled",), 1, "g", 0.0, lengths=lengths, bucket=bucket)
+                )
+            await instance.run(batch)
+        # Rows padded to powers of two: (1, 8), (2, 8), (1, 32), (4, 8); (1, 32) again reused.
+        assert sorted(k for k in instance.by_rows if isinstance(k, tuple)) == [
+            (1, (8,)),
+            (1, (32,)),
+            (2, (8,)),
+            (4, (8,)),
+        ]
+        assert len(made) == 4
+    finally:
+        engine.close()
