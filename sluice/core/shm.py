@@ -32,6 +32,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import NamedTuple
 
 import numpy as np
 
@@ -79,7 +80,7 @@ class _Region:
     mode to read and write it), the mapping from the page at or below its offset (None in
     copy mode), and the leases using it."""
 
-    __slots__ = ("fd", "gone", "holders", "info", "inode", "map", "start", "writing")
+    __slots__ = ("fd", "gone", "holders", "info", "inode", "map", "start")
 
     def __init__(self, info: RegionInfo, fd: int, mapped: mmap.mmap | None, start: int) -> None:
         self.info = info
@@ -90,7 +91,6 @@ class _Region:
         self.start = start  # where the region begins in the mapping
         self.holders = 0  # leases that used it and are not released
         self.gone = False  # unregistered: closed when the last holder releases
-        self.writing: dict[int, list[tuple[int, int]]] = {}  # lease id: [start, end) written
 
     def close(self) -> None:
         mapped, self.map = self.map, None
@@ -115,6 +115,16 @@ class _Copy:
         self.size = size
         self.write = write
         self.wrote = 0  # marked by Lease.wrote: what the call's writer put there
+
+
+class _Claim(NamedTuple):
+    """Bytes [start, end) of an object that a lease writes into, through region `name`,
+    which begins at `offset` of the object."""
+
+    start: int
+    end: int
+    name: str
+    offset: int
 
 
 def _shown(text: str) -> str:
@@ -184,6 +194,8 @@ class Regions:
         self._lock = threading.Lock()  # leases may be released from another thread
         self._tenants: dict[str, dict[str, _Region]] = {}
         self._ids = itertools.count(1)
+        # The bytes each lease writes into, by object (whatever region names reach it).
+        self._writing: dict[tuple[int, int], dict[int, list[_Claim]]] = {}
         self._pool: dict[int, list[mmap.mmap]] = {}  # copy mode's idle buffers, by length
         self._pooled = 0  # their bytes
 
@@ -380,7 +392,7 @@ class Regions:
                 if at + byte_size > size:
                     raise _truncated(info, size, at + byte_size)
             if write and byte_size:
-                self._claim(region, lease._id, name, offset, offset + byte_size)
+                self._claim(region, lease._id, offset, offset + byte_size)
             if all(r is not region for r in lease._held):
                 lease._held.append(region)
                 region.holders += 1
@@ -462,32 +474,48 @@ class Regions:
                     return
         raise ValueError("bytes marked written in a view that is not one of this lease's outputs")
 
-    @staticmethod
-    def _unclaim(lease: Lease, region: _Region, at: int, size: int, write: bool) -> None:
+    def _unclaim(self, lease: Lease, region: _Region, at: int, size: int, write: bool) -> None:
         """Take back the claim of a view refused (under the lock): as in mapped mode, none
         is left behind."""
-        ranges = region.writing.get(lease._id) if write else None
-        if ranges is None:
+        claims = self._writing.get(region.inode, {}).get(lease._id) if write else None
+        if claims is None:
             return
-        start = at - region.info.offset
-        ranges.remove((start, start + size))
-        if not ranges:
-            del region.writing[lease._id]
+        claims.pop(next(i for i in reversed(range(len(claims))) if claims[i].start == at))
+        if not claims:
+            self._unclaimed(region.inode, lease._id)
 
-    @staticmethod
-    def _claim(region: _Region, lease: int, name: str, start: int, end: int) -> None:
-        """Mark [start, end) as written by `lease`, unless another lease writes into it."""
-        for other, ranges in region.writing.items():
-            if other == lease:
-                continue
-            for lo, hi in ranges:
-                if lo < end and start < hi:
+    def _unclaimed(self, inode: tuple[int, int], lease: int) -> None:
+        """Forget what `lease` writes into the object `inode` (under the lock)."""
+        by_lease = self._writing.get(inode, {})
+        by_lease.pop(lease, None)
+        if not by_lease:
+            self._writing.pop(inode, None)
+
+    def _claim(self, region: _Region, lease: int, start: int, end: int) -> None:
+        """Mark bytes [start, end) of `region` as written by `lease`, unless a lease writes
+        into them already, through this region or another of its object: another call
+        (RegionBusy), or this one (two outputs over each other would leave the caller one of
+        them, unsaid)."""
+        name, base = region.info.name, region.info.offset
+        claims = self._writing.setdefault(region.inode, {})
+        for other, taken in claims.items():
+            for claim in taken:
+                if claim.start < base + end and base + start < claim.end:
+                    where = f"bytes [{claim.start - claim.offset}, {claim.end - claim.offset})"
+                    if claim.name != name:
+                        where += f" of region '{claim.name}' (the same object)"
+                    if other == lease:
+                        raise InvalidInput(
+                            f"shared memory region '{name}': bytes [{start}, {end}) overlap "
+                            f"{where} this call writes another output into; give each output "
+                            "its own bytes"
+                        )
                     raise RegionBusy(
-                        f"shared memory region '{name}': bytes [{start}, {end}) overlap bytes "
-                        f"[{lo}, {hi}) another call is writing; retry when it ends, or give "
-                        "each call its own range"
+                        f"shared memory region '{name}': bytes [{start}, {end}) overlap "
+                        f"{where} another call is writing; retry when it ends, or give each "
+                        "call its own range"
                     )
-        region.writing.setdefault(lease, []).append((start, end))
+        claims.setdefault(lease, []).append(_Claim(base + start, base + end, name, base))
 
     def _take(self, size: int) -> mmap.mmap | None:
         """A pooled buffer for `size` bytes, if one is idle (under the lock)."""
@@ -525,7 +553,7 @@ class Regions:
         with self._lock:
             closing: list[_Region] = []
             for region in lease._held:
-                region.writing.pop(lease._id, None)
+                self._unclaimed(region.inode, lease._id)
                 region.holders -= 1
                 if region.gone and not region.holders:
                     closing.append(region)

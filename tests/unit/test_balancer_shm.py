@@ -642,7 +642,8 @@ RANGE = "Invalid offset + byte size for shared memory region: 'in'"
                 output_memory={"y": ref("out", 0, 40), "n": ref("out", 32, 8)},
             ),
             grpc.StatusCode.INVALID_ARGUMENT,
-            "output_memory of outputs 'y' and 'n' overlap in region 'out'; give each its own bytes",
+            "output_memory of output 'n': shared memory region 'out': bytes [32, 40) overlap "
+            "bytes [0, 40) this call writes another output into; give each output its own bytes",
         ),
         (
             pb.PredictRequest(inputs=[codec.encode("x", X)], output_memory={"y": ref("nope")}),
@@ -756,6 +757,18 @@ def kserve_input(params: dict[str, Parameter], **kw: object) -> kpb.ModelInferRe
                 raw_input_contents=[X.tobytes()],
             ),
             "Invalid offset + byte size for shared memory region: 'out' (offset 8 + byte size 48",
+        ),
+        (
+            kpb.ModelInferRequest(
+                inputs=[Input(name="x", datatype="FP32", shape=X.shape)],
+                outputs=[
+                    Output(name="y", parameters=triton("out", 40)),
+                    Output(name="n", parameters=triton("out", 8, offset=32)),
+                ],
+                raw_input_contents=[X.tobytes()],
+            ),
+            "shared memory region 'out': bytes [32, 40) overlap bytes [0, 40) this call writes "
+            "another output into; give each output its own bytes",
         ),
     ],
 )

@@ -650,6 +650,17 @@ BAD_INFER = {
         "shared memory size specified with the request for output 'label' (16 bytes) "
         "should be at least 32 bytes to hold the results",
     ),
+    "outputs over each other": (
+        request(
+            shared_input(),
+            outputs=(
+                Output(name="label", parameters=placed("out", LABELS)),
+                Output(name="probabilities", parameters=placed("out", PROBABILITIES, 16)),
+            ),
+        ),
+        f"shared memory region 'out': bytes [16, {16 + PROBABILITIES}) overlap bytes [0, "
+        f"{LABELS}) this call writes another output into; give each output its own bytes",
+    ),
     "BYTES": (
         request(
             InputTensor(name="input", datatype="BYTES", shape=[4], parameters=placed("in", 16))

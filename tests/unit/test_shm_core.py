@@ -764,7 +764,6 @@ def test_overlapping_writes_of_two_calls(root: Path, regions: Regions) -> None:
     second.output("x", 0, 10)
     second.input("x", 0, 100)  # reading is always fine
     first.input("x", 10, 20)  # as is one call reading what it writes
-    first.output("x", 15, 5)
     first.release()
     second.output("x", 10, 20)
     with regions.lease("") as third:
@@ -773,6 +772,40 @@ def test_overlapping_writes_of_two_calls(root: Path, regions: Regions) -> None:
     second.release()
     with regions.lease("") as fourth:
         fourth.output("x", 0, 100)
+
+
+def test_a_call_writes_no_bytes_twice_whatever_region_names_them(
+    root: Path, regions: Regions
+) -> None:
+    """Two outputs of one call over each other would leave the caller one of them, unsaid:
+    refused, as another call's are, through any region of the object."""
+    key = make(root, 200)
+    regions.register("", "a", key, 0, 100)
+    regions.register("", "b", key, 50, 150)  # the same object, under a second name
+    with regions.lease("") as lease:
+        lease.output("a", 60, 10)
+        err = error(lease.output, "a", 65, 10)
+        assert isinstance(err, InvalidInput)
+        assert str(err) == (
+            "shared memory region 'a': bytes [65, 75) overlap bytes [60, 70) this call writes "
+            "another output into; give each output its own bytes"
+        )
+        err = error(lease.output, "b", 15, 10)  # the object's bytes [65, 75) again
+        assert isinstance(err, InvalidInput)
+        assert str(err).startswith(
+            "shared memory region 'b': bytes [15, 25) overlap bytes [60, 70) of region 'a' "
+            "(the same object) this call writes another output into"
+        )
+        lease.output("b", 20, 10)  # adjacent: the object's [70, 80)
+        with regions.lease("") as other:
+            err = error(other.output, "b", 0, 11)
+            assert isinstance(err, RegionBusy)
+            assert str(err).startswith(
+                "shared memory region 'b': bytes [0, 11) overlap bytes [60, 70) of region 'a' "
+                "(the same object) another call is writing"
+            )
+            other.output("a", 0, 60)
+    assert regions._writing == {}
 
 
 def test_sweep_unregisters_unlinked_objects(root: Path, regions: Regions) -> None:
