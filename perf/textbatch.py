@@ -21,13 +21,14 @@ Each configuration is a closed loop of --callers asyncio callers over one AsyncS
 this process, after a warmup; the callers take the next of the fixed requests (encoded
 beforehand) in turn, so every configuration and ONNX Runtime alone run the same requests in
 the same order. rows/s is answers over the window; p50/p99 from each call's time; server CPU
-per row from /proc/PID/stat; mean batch and padding efficiency (real over padded tokens) from
-the server's Health (BatcherStats: batches, requests, real and padded tokens run in the
-window). ONNX Runtime
-alone runs in this process with the server's session options and threads. The order of
-configurations rotates every round; figures are medians over rounds. Then a sample of the
-requests is sent to the batched server all at once (so they batch) and to batch-of-one one
-at a time: every output equal within 1e-5 relative.
+per row from /proc/PID/stat; the model's own time per row from the server's metrics
+(sluice_model_seconds: its runs' wall time as the server awaited them); mean batch and
+padding efficiency (real over padded tokens) from the server's Health (BatcherStats:
+batches, requests, real and padded tokens run in the window). ONNX Runtime alone runs in
+this process with the server's session options and threads. The order of configurations
+rotates every round; figures are medians over rounds. Then a sample of the requests is sent
+to the batched server all at once (so they batch) and to batch-of-one one at a time: every
+output equal within 1e-5 relative.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,8 @@ import numpy as np
 from perf import make_text, paired
 from perf import textbatch_figures as tf
 from perf.launch import Process, children, cpu_seconds, running, server_argv
+from perf.observe import free_port
+from perf.shm import model_seconds
 from perf.tensors_figures import rotated
 from sluice.client import AsyncSluiceClient
 from sluice.perf.sweep import duration
@@ -68,25 +72,34 @@ LABELS = {
 }
 
 
+@dataclass(frozen=True)
+class Server:
+    """A started server and the port of its metrics (for the model's own time)."""
+
+    proc: Process
+    metrics: int
+
+    def cpu(self) -> float:
+        return cpu_seconds([self.proc.pid, *children(self.proc.pid)])
+
+
 def start(
     stack: ExitStack, model: Path, threads: int, pads: Mapping[str, int], max_length: int
-) -> dict[str, Process]:
+) -> dict[str, Server]:
     padding = [arg for name, value in pads.items() for arg in ("--pad", f"{name}={value}")]
     padding += ["--max-length", str(max_length)]
     extras = {"single": ("--max-batch", "1"), "unpadded": BATCHER, "batched": (*BATCHER, *padding)}
     servers = {}
     for name, extra in extras.items():
+        port = free_port()
         argv = server_argv(
             *("--device", "cpu", "--cache-entries", "0", "--workers", "1"),
-            *("--intra-op-threads", str(threads), "--model", f"{MODEL}={model}", *extra),
+            *("--intra-op-threads", str(threads), "--metrics-port", str(port)),
+            *("--model", f"{MODEL}={model}", *extra),
             node_id=name,
         )
-        servers[name] = stack.enter_context(running(argv, start_s=60.0))
+        servers[name] = Server(stack.enter_context(running(argv, start_s=60.0)), port)
     return servers
-
-
-def server_cpu(server: Process) -> float:
-    return cpu_seconds([server.pid, *children(server.pid)])
 
 
 async def closed_loop(
@@ -118,20 +131,21 @@ async def closed_loop(
 
 
 async def measure(
-    server: Process, bodies: Sequence[bytes], callers: int, seconds: float, warmup: float
+    server: Server, bodies: Sequence[bytes], callers: int, seconds: float, warmup: float
 ) -> dict[str, Any]:
     """One configuration's window: warmup, then the counters before, the closed loop, and
     the counters after."""
-    async with AsyncSluiceClient(server.address, timeout=30.0) as client:
+    async with AsyncSluiceClient(server.proc.address, timeout=30.0) as client:
         await closed_loop(client, bodies, callers, warmup)
         before = (await client.health(model=MODEL)).batcher
-        cpu, client_cpu = server_cpu(server), time.process_time()
+        ran, cpu, client_cpu = model_seconds(server.metrics), server.cpu(), time.process_time()
         times, elapsed, failed = await closed_loop(client, bodies, callers, seconds)
-        client_cpu, cpu = time.process_time() - client_cpu, server_cpu(server) - cpu
+        client_cpu, cpu = time.process_time() - client_cpu, server.cpu() - cpu
+        model_s = model_seconds(server.metrics)[0] - ran[0]
         after = (await client.health(model=MODEL)).batcher
     batcher = (after.batches - before.batches, after.requests - before.requests)
     tokens = (after.real_tokens - before.real_tokens, after.padded_tokens - before.padded_tokens)
-    return tf.window(times, elapsed, failed, cpu, client_cpu, batcher, tokens)
+    return tf.window(times, elapsed, failed, cpu, client_cpu, batcher, tokens, model_s)
 
 
 async def answers(
@@ -170,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--duration", default="10s", help="measured time per server window")
     parser.add_argument("--warmup", default="1s", help="unmeasured calls before each window")
     parser.add_argument(
@@ -236,8 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"textbatch round {r + 1}/{args.rounds}: {name} done", file=sys.stderr)
             ctx["loadavg_rounds"].append(list(os.getloadavg()))
         sample = [reqs[i] for i in range(0, len(reqs), len(reqs) // SAMPLE)][:SAMPLE]
-        got = run_async(answers(servers["batched"].address, sample, together=True))
-        want = run_async(answers(servers["single"].address, sample, together=False))
+        got = run_async(answers(servers["batched"].proc.address, sample, together=True))
+        want = run_async(answers(servers["single"].proc.address, sample, together=False))
     ctx["loadavg_after"] = list(os.getloadavg())
     checked = tf.compare(got, want)
     sweeps = tf.summarize(runs)

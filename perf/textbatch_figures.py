@@ -197,10 +197,12 @@ def window(
     client_cpu_s: float,
     batcher: tuple[int, int] | None,
     tokens: tuple[float, float] | None,
+    model_s: float | None = None,
 ) -> dict[str, Any]:
     """The figures of one measured window: the calls' times (seconds) over `elapsed`, the
     server's and the client's CPU seconds over it, the batcher's (batches, requests) run in
-    it and the (real, padded) tokens the server counted in it (None: not reported)."""
+    it, the (real, padded) tokens the server counted in it and the wall seconds its model
+    runs took (None: not reported)."""
     calls = len(times)
     mean_batch = None
     if batcher is not None and batcher[0] > 0:
@@ -214,6 +216,7 @@ def window(
         "p99": float(np.percentile(times, 99) * 1e3) if calls else None,
         "server_cpu_ms_per_row": server_cpu_s / calls * 1e3 if calls else None,
         "client_cpu_ms_per_row": client_cpu_s / calls * 1e3 if calls else None,
+        "model_ms_per_row": model_s / calls * 1e3 if calls and model_s is not None else None,
         "batches": batcher[0] if batcher is not None else None,
         "batched_requests": batcher[1] if batcher is not None else None,
         "mean_batch": mean_batch,
@@ -232,6 +235,7 @@ MEDIANS = (
     "p99",
     "server_cpu_ms_per_row",
     "client_cpu_ms_per_row",
+    "model_ms_per_row",
     "mean_batch",
     "padding_efficiency",
 )
@@ -366,8 +370,8 @@ def markdown(result: Mapping[str, Any]) -> str:
         + (f" {ctx['note']}" if ctx["note"] else ""),
         "",
         "| configuration | rows/s | mean batch | padding efficiency | p50 ms | p99 ms "
-        "| server CPU/row ms | client CPU/row ms | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| server CPU/row ms | model ms/row | client CPU/row ms | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, label in result["labels"].items():
         if name in sweeps:
@@ -375,15 +379,17 @@ def markdown(result: Mapping[str, Any]) -> str:
             lines.append(
                 f"| {label} | {fmt(c['rows_per_s'], 0)} | {fmt(c['mean_batch'])} "
                 f"| {fmt(c['padding_efficiency'])} | {fmt(c['p50'])} | {fmt(c['p99'])} "
-                f"| {fmt(c['server_cpu_ms_per_row'], 3)} | {fmt(c['client_cpu_ms_per_row'], 3)} "
+                f"| {fmt(c['server_cpu_ms_per_row'], 3)} | {fmt(c['model_ms_per_row'], 3)} "
+                f"| {fmt(c['client_cpu_ms_per_row'], 3)} "
                 f"| {c['errors']} |"
             )
         else:
             figures, batch = ort_figures[name], result["ort_mean_batch"][name]
+            wall = 1e3 / figures["rows_per_s"]  # all of its time is the model's
             lines.append(
                 f"| {label} | {fmt(figures['rows_per_s'], 0)} | {fmt(batch)} "
                 f"| {fmt(result['ort_efficiency'][name])} | - | - "
-                f"| {fmt(figures['cpu_ms_per_row'], 3)} (ORT) | - | - |"
+                f"| {fmt(figures['cpu_ms_per_row'], 3)} (ORT) | {fmt(wall, 3)} | - | - |"
             )
     lines += ["", "| goal | measured | bound | beside it | result |", "|---|---:|---:|---|---|"]
     for g in result["goals"]:

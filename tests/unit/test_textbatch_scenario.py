@@ -154,16 +154,18 @@ def test_ort_alone_runs_whole_passes_of_its_plan() -> None:
 
 def test_a_window_figures_its_calls_cpu_batches_and_tokens() -> None:
     times = [0.010] * 98 + [0.050, 0.100]
-    w = tf.window(times, 2.0, 1, 0.5, 0.1, (25, 100), (3000.0, 4000.0))
+    w = tf.window(times, 2.0, 1, 0.5, 0.1, (25, 100), (3000.0, 4000.0), 0.2)
     assert w["calls"] == 100 and w["errors"] == 1 and w["rows_per_s"] == 50
     assert w["p50"] == pytest.approx(10.0) and 50 < w["p99"] < 100
     assert w["server_cpu_ms_per_row"] == pytest.approx(5.0)
     assert w["client_cpu_ms_per_row"] == pytest.approx(1.0)
+    assert w["model_ms_per_row"] == pytest.approx(2.0)
     assert (w["batches"], w["batched_requests"], w["mean_batch"]) == (25, 100, 4.0)
     assert w["padding_efficiency"] == 0.75
     bare = tf.window([], 1.0, 3, 0.0, 0.0, None, None)
     assert bare["rows_per_s"] == 0 and bare["p50"] is None and bare["mean_batch"] is None
     assert bare["padding_efficiency"] is None and bare["server_cpu_ms_per_row"] is None
+    assert bare["model_ms_per_row"] is None
 
 
 def window(rows_per_s: float, mean_batch: float | None = None) -> dict[str, Any]:
@@ -251,5 +253,5 @@ def test_the_table_has_a_row_per_configuration_and_goal() -> None:
     for label in labels.values():
         assert f"| {label} |" in table
     assert "| row padded-to-longest | 500 | 3.00 | 0.40 |" in table
-    assert "| row bucketed | 500 | 1.00 | 1.00 |" in table
+    assert "| row bucketed | 500 | 1.00 | 1.00 | - | - | 2.000 (ORT) | 2.000 | - | - |" in table
     assert table.count("**PASS**") == 4 and "| 0.0e+00 | 1e-05 |" in table
