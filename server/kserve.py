@@ -153,36 +153,44 @@ class KServeV2:
         # written into shared memory has an empty one.
         placements = request.options or {}
         tensors, arrays = [], []
+        placed: dict[str, memoryview] = {}  # the placed outputs' bytes
         for name, array in outputs.items():
             dt = codec.datatype_of(array.dtype)
-            tensor = kpb.ModelInferResponse.InferOutputTensor(
-                name=name, datatype=dt.name, shape=array.shape
+            tensors.append(
+                kpb.ModelInferResponse.InferOutputTensor(
+                    name=name, datatype=dt.name, shape=array.shape
+                )
             )
-            tensors.append(tensor)
-            placed = placements.get(name)
-            if placed is None:
-                arrays.append(np.ascontiguousarray(array, dtype=dt.dtype))
-            else:
-                _write(tensor, placed, array, dt)
+            if name in placements:
+                placed[name] = codec.bytes_of(array)
                 arrays.append(_NO_VALUES)
+            else:
+                arrays.append(np.ascontiguousarray(array, dtype=dt.dtype))
+        # Every placed output checked before any is written, and written once the answer
+        # is made: a refused call writes nothing.
+        writes = regions.triton_writes(placements, tensors, placed) if placements else None
         if sum(a.nbytes for a in arrays) < FRAMED_FROM:
             raw = [a.tobytes() for a in arrays]
-            return kpb.ModelInferResponse(
+            answer = kpb.ModelInferResponse(
                 model_name=model.name,
                 model_version=model.version,
                 outputs=tensors,
                 raw_output_contents=raw,
             ).SerializeToString()
-        # Protobuf writes the small fields; the raw entries, the message's last field, are
-        # framed here: each output's bytes are copied once, into the answer (through
-        # protobuf, three times: tobytes, its memory, its serialization).
-        head = kpb.ModelInferResponse(
-            model_name=model.name, model_version=model.version, outputs=tensors
-        ).SerializeToString()
-        parts: list[bytes | memoryview] = [head]
-        for array in arrays:
-            parts += (_RAW_OUTPUT_TAG, peek.varint(array.nbytes), array.data)
-        return b"".join(parts)
+        else:
+            # Protobuf writes the small fields; the raw entries, the message's last field,
+            # are framed here: each output's bytes are copied once, into the answer (through
+            # protobuf, three times: tobytes, its memory, its serialization).
+            head = kpb.ModelInferResponse(
+                model_name=model.name, model_version=model.version, outputs=tensors
+            ).SerializeToString()
+            parts: list[bytes | memoryview] = [head]
+            for array in arrays:
+                parts += (_RAW_OUTPUT_TAG, peek.varint(array.nbytes), array.data)
+            answer = b"".join(parts)
+        if writes is not None:
+            writes.land()
+        return answer
 
 
 KSERVE = KServeV2()
@@ -289,22 +297,6 @@ def _array(
     if dt.dtype.kind == "b" and array.view(np.uint8).max(initial=0) > 1:
         raise InvalidInput(f"{label} is BOOL but {where} bytes other than 0 and 1")
     return array.reshape(shape)
-
-
-def _write(
-    tensor: kpb.ModelInferResponse.InferOutputTensor,
-    placed: codec.Placed,
-    array: np.ndarray,
-    dt: DataType,
-) -> None:
-    """An output into its region (the one copy of its bytes), and the parameters that say
-    where it went and how many bytes it took."""
-    size = array.size * dt.dtype.itemsize
-    regions.check_room(tensor.name, placed, size)
-    if size:
-        np.copyto(np.frombuffer(placed.view, dt.dtype, array.size).reshape(array.shape), array)
-        placed.memory.wrote(placed.view, size)
-    regions.written(tensor.parameters, placed.ref, size)
 
 
 # The servicer.

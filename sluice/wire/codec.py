@@ -142,9 +142,11 @@ def encode_predict_response(
     """A PredictResponse's bytes, as protobuf writes them. Raw outputs are written here, the
     arrays' bytes copied once, into the reply (ORT's outputs are views of its own memory;
     through protobuf they were copied three times). Typed outputs go through protobuf. The
-    outputs `memory` places (`placed`) are copied once, into their regions (`written`):
-    their tensors carry a SharedMemoryRef, not their bytes."""
-    refs = written(outputs, memory) if memory else {}
+    outputs `memory` places (`placed`) are copied once, into their regions (`Writes`), once
+    the whole answer is made (a refused one writes nothing): their tensors carry a
+    SharedMemoryRef, not their bytes."""
+    writes = _predict_writes(outputs, memory) if memory else None
+    refs = {} if writes is None else writes.refs()
     if typed:
         tensors = [
             shared_tensor(name, array, refs[name])
@@ -152,17 +154,22 @@ def encode_predict_response(
             else encode(name, array, typed=True)
             for name, array in outputs.items()
         ]
-        return pb.PredictResponse(model=model, version=version, outputs=tensors).SerializeToString()
-    parts: list[bytes | memoryview] = [_string(_REPLY_MODEL, model)]
-    at = len(parts[0])
-    for name, array in outputs.items():
-        ref = refs.get(name)
-        if ref is None:
-            at = _tensor(parts, at, _REPLY_OUTPUTS, name, array, align=False)
-        else:
-            at = _shared(parts, at, name, array, ref)
-    parts.append(_string(_REPLY_VERSION, version))
-    return b"".join(parts)
+        body = pb.PredictResponse(model=model, version=version, outputs=tensors)
+        answer = body.SerializeToString()
+    else:
+        parts: list[bytes | memoryview] = [_string(_REPLY_MODEL, model)]
+        at = len(parts[0])
+        for name, array in outputs.items():
+            ref = refs.get(name)
+            if ref is None:
+                at = _tensor(parts, at, _REPLY_OUTPUTS, name, array, align=False)
+            else:
+                at = _shared(parts, at, name, array, ref)
+        parts.append(_string(_REPLY_VERSION, version))
+        answer = b"".join(parts)
+    if writes is not None:
+        writes.land()
+    return answer
 
 
 def _tensor(
@@ -570,10 +577,16 @@ def shared_tensor(name: str, array: np.ndarray, ref: Ref) -> pb.Tensor:
 def write(view: memoryview, array: np.ndarray) -> int:
     """Copy `array`'s bytes (little-endian, row-major) to the start of `view`, which must
     hold them; how many."""
+    data = bytes_of(array)
+    view[: len(data)] = data
+    return len(data)
+
+
+def bytes_of(array: np.ndarray) -> memoryview:
+    """`array`'s bytes as the API carries them (little-endian, row-major), flat; a view of
+    them where they are so already."""
     dt = datatype_of(array.dtype)
-    data = np.ascontiguousarray(array, dtype=dt.dtype).reshape(-1)
-    view[: data.nbytes] = data.view(np.uint8).data
-    return data.nbytes
+    return np.ascontiguousarray(array, dtype=dt.dtype).reshape(-1).view(np.uint8).data
 
 
 class Placed(NamedTuple):
@@ -606,33 +619,71 @@ def placed(memory: Memory | None, refs: Mapping[str, Ref]) -> dict[str, Placed]:
     return {name: views[name] for name in refs}
 
 
-def written(outputs: Mapping[str, np.ndarray], memory: Mapping[str, Placed]) -> dict[str, Ref]:
-    """Write the outputs `memory` places into their views, once each, checked first (every
-    name one of `outputs`, every view large enough) so that a refused answer writes
-    nothing; the refs an answer gives them (byte_size: the bytes written)."""
-    for name, (ref, view, _) in memory.items():
-        if name not in outputs:
-            raise TensorError(
-                f"output_memory names output {name!r}, which this call does not return "
-                f"(it returns {', '.join(repr(o) for o in outputs) or 'nothing'})"
-            )
-        array = outputs[name]
-        dt = datatype_of(array.dtype)
-        needed = array.size * dt.dtype.itemsize
-        if needed > len(view):
-            raise TensorError(
-                f"output_memory of output {name!r} ({ref.byte_size} bytes at offset "
-                f"{ref.offset} of region {ref.region!r}) is {TOO_SMALL} its {needed} bytes "
-                f"({dt.name} shape {list(array.shape)})"
-            )
-    return {
-        name: Ref(placed.ref.region, placed.ref.offset, _put(placed, outputs[name]))
-        for name, placed in memory.items()
-    }
+Buffer = bytes | memoryview  # flat bytes
 
 
-def _put(placed: Placed, array: np.ndarray) -> int:
-    """`write` into a placed view, marked on its memory; how many bytes."""
-    nbytes = write(placed.view, array)
-    placed.memory.wrote(placed.view, nbytes)
-    return nbytes
+class Writes:
+    """The one writer of outputs placed in shared memory, for both faces, in the server and
+    the balancer: every placed output checked first (one the answer has, `missing` if not;
+    within its view, `too_small` if not: each face's refusal), then, once the caller has
+    made the rest of its answer, each written into its view, once (`land`), and marked on
+    its memory (a copying lease writes back those bytes only). A refused answer writes
+    nothing. `data`: each output's bytes, by name."""
+
+    def __init__(
+        self,
+        placed: Mapping[str, Placed],
+        data: Mapping[str, Buffer],
+        too_small: Callable[[str, Placed, int], Exception],
+        missing: Callable[[str], Exception],
+    ) -> None:
+        for name, place in placed.items():
+            if name not in data:
+                raise missing(name)
+            if len(data[name]) > len(place.view):
+                raise too_small(name, place, len(data[name]))
+        self.placed = placed
+        self.data = data
+        self._landed = False
+
+    def size(self, name: str) -> int:
+        """The bytes output `name` takes in its region."""
+        return len(self.data[name])
+
+    def refs(self) -> dict[str, Ref]:
+        """Where each output goes, as an answer names it (byte_size: the bytes it takes)."""
+        return {
+            name: Ref(p.ref.region, p.ref.offset, self.size(name))
+            for name, p in self.placed.items()
+        }
+
+    def land(self) -> None:
+        """Write each output into its view (once)."""
+        if self._landed:
+            return
+        self._landed = True
+        for name, place in self.placed.items():
+            data = self.data[name]
+            place.view[: len(data)] = data
+            place.memory.wrote(place.view, len(data))
+
+
+def _predict_writes(outputs: Mapping[str, np.ndarray], memory: Mapping[str, Placed]) -> Writes:
+    """sluice.v1's placed outputs (output_memory), checked in its words."""
+
+    def missing(name: str) -> TensorError:
+        return TensorError(
+            f"output_memory names output {name!r}, which this call does not return "
+            f"(it returns {', '.join(repr(o) for o in outputs) or 'nothing'})"
+        )
+
+    def too_small(name: str, placed: Placed, needed: int) -> TensorError:
+        array, ref = outputs[name], placed.ref
+        return TensorError(
+            f"output_memory of output {name!r} ({ref.byte_size} bytes at offset "
+            f"{ref.offset} of region {ref.region!r}) is {TOO_SMALL} its {needed} bytes "
+            f"({datatype_of(array.dtype).name} shape {list(array.shape)})"
+        )
+
+    data = {name: bytes_of(outputs[name]) for name in memory if name in outputs}
+    return Writes(memory, data, too_small, missing)

@@ -11,14 +11,14 @@ both programs' words, for their other calls too."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from sluice.core.datatypes import DATATYPES, DataType
-from sluice.core.errors import InvalidInput, RegionNotFound, Unimplemented
+from sluice.core.errors import InvalidInput, RegionNotFound, SluiceError, Unimplemented
 from sluice.core.shm import Lease, Regions
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.v1 import inference_pb2 as pb
@@ -27,6 +27,7 @@ from sluice.wire import codec, facts
 M = TypeVar("M", bound=Message)
 Input = kpb.ModelInferRequest.InferInputTensor
 Output = kpb.ModelInferRequest.InferRequestedOutputTensor
+OutputTensor = kpb.ModelInferResponse.InferOutputTensor
 Parameters = Mapping[str, kpb.InferParameter]
 
 SYSTEM_SHARED_MEMORY = "system_shared_memory"  # the extension's name in ServerMetadata
@@ -318,19 +319,38 @@ def triton_output(output: Output, lease: Lease | None, refusal: str) -> codec.Pl
     return codec.Placed(ref, lease.output(*ref), lease)
 
 
-def check_room(name: str, placed: codec.Placed, size: int) -> None:
-    """Refused unless an output of `size` bytes fits where its request placed it."""
-    if size > len(placed.view):
-        raise InvalidInput(
-            f"shared memory size specified with the request for output '{name}' "
-            f"({len(placed.view)} bytes) should be at least {size} bytes to hold the results"
-        )
+def triton_writes(
+    places: Mapping[str, codec.Placed],
+    tensors: Iterable[OutputTensor],
+    data: Mapping[str, codec.Buffer],
+) -> codec.Writes:
+    """A KServe answer's outputs placed in regions (`places`, by name; `data`: each one's
+    bytes), checked as Triton checks them (each one the answer has; each within the bytes
+    its request placed it in); their `tensors` then say where each went and how many bytes
+    it took, as Triton answers (their raw entries are the caller's to empty). The caller
+    makes the rest of its answer, then lands the writes."""
+    writes = codec.Writes(places, data, _too_small, _lacking)
+    for tensor in tensors:
+        placed = places.get(tensor.name)
+        if placed is not None:
+            parameters = tensor.parameters
+            parameters[REGION].string_param = placed.ref.region
+            parameters[BYTE_SIZE].int64_param = writes.size(tensor.name)
+            if placed.ref.offset:
+                parameters[OFFSET].int64_param = placed.ref.offset
+    return writes
 
 
-def written(parameters: MutableMapping[str, kpb.InferParameter], ref: codec.Ref, size: int) -> None:
-    """An answer's output tensor written into its region, as Triton answers it: its
-    parameters say where it went and how many bytes it took (its raw entry, empty)."""
-    parameters[REGION].string_param = ref.region
-    parameters[BYTE_SIZE].int64_param = size
-    if ref.offset:
-        parameters[OFFSET].int64_param = ref.offset
+def _too_small(name: str, placed: codec.Placed, size: int) -> InvalidInput:
+    return InvalidInput(
+        f"shared memory size specified with the request for output '{name}' "
+        f"({len(placed.view)} bytes) should be at least {size} bytes to hold the results"
+    )
+
+
+def _lacking(name: str) -> SluiceError:
+    """The answer lacks a placed output: its model's (or its server's) fault, not the
+    caller's."""
+    return SluiceError(
+        f"the answer lacks output {name!r}, which the request placed in shared memory"
+    )

@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import mmap
 import os
+import re
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
@@ -254,6 +255,50 @@ async def test_a_cancelled_call_writes_nothing_into_its_region(
         for gate in gates:
             gate.gate.set()
         regions.close()
+
+
+class Digits:
+    name, version = "digits", "1"
+
+
+@pytest.mark.parametrize(
+    ("outputs", "words"),
+    [
+        (  # the second placed output does not fit: the first is not written either
+            {"label": np.arange(4), "probabilities": np.ones((4, 10), np.float32)},
+            "output 'probabilities' (16 bytes) should be at least 160 bytes",
+        ),
+        (  # an output the API cannot carry, after the placed ones
+            {
+                "label": np.arange(4),
+                "probabilities": np.ones((1, 4), np.float32),
+                "z": np.zeros(2, np.complex64),
+            },
+            "numpy dtype complex64 has no API datatype",
+        ),
+    ],
+)
+def test_an_answer_refused_writes_none_of_its_outputs(
+    regions: Regions, shm: Callable[[int], Shm], outputs: dict[str, np.ndarray], words: str
+) -> None:
+    obj = shm(4096)
+    obj.map[:] = b"\xee" * 4096
+    regions.register("", "out", obj.key, 0, 4096)
+    placed_outputs = (
+        Output(name="label", parameters=placed("out", LABELS)),
+        Output(name="probabilities", parameters=placed("out", 16, 1024)),
+    )
+    body = request(
+        InputTensor(name="input", datatype="FP32", shape=X.shape),
+        outputs=placed_outputs,
+        raw_input_contents=[X.tobytes()],
+    )
+    protocol = KServeV2(True)
+    with regions.lease("") as lease:
+        decoded = protocol.decode(body, lease)
+        with pytest.raises((InvalidInput, codec.TensorError), match=re.escape(words)):
+            protocol.encode(Digits(), decoded, outputs)
+    assert obj.map[:] == b"\xee" * 4096
 
 
 async def test_inputs_and_outputs_in_shared_memory_answer_as_onnxruntime(

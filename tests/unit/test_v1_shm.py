@@ -214,6 +214,22 @@ def test_bad_output_memory_is_refused_naming_the_output(regions: Regions, region
     assert codec.TOO_SMALL in words
 
 
+@pytest.mark.parametrize("typed", [False, True])
+def test_an_answer_refused_after_its_placed_outputs_writes_nothing(
+    regions: Regions, region: Region, typed: bool
+) -> None:
+    """An output the API cannot carry refuses the answer: the output placed before it in
+    the answer is not written either."""
+    region.segment.view[:512] = bytes(512)
+    body = request([codec.encode("x", X)], {"y": codec.Ref("r", 64, 48)}, typed_outputs=typed)
+    with regions.lease("") as lease:
+        decoded = SHARED.decode(body, lease)
+        outputs = {"y": X, "z": np.zeros(2, np.complex64)}
+        with pytest.raises(InvalidInput, match="numpy dtype complex64 has no API datatype"):
+            SHARED.encode(Model(), decoded, outputs)
+    assert bytes(region.segment.view[:512]) == bytes(512)
+
+
 def test_with_shared_memory_off_a_region_is_refused_with_the_flag_to_start() -> None:
     segmentless = codec.shared_tensor("x", X, codec.Ref("r", 0, 48))
     with pytest.raises(InvalidInput) as caught:
