@@ -195,10 +195,12 @@ class Model:
         lengths: padding.Lengths = ()
         bucket: padding.Lengths = ()
         if self.padding is None:
-            group = staging.group_key(inputs, names) if batching else object()
+            group = staging.group_key(inputs, names, self._casts) if batching else object()
         else:
             lengths, bucket = self.padding.measure(inputs)
-            group = self.padding.group_key(inputs, names, bucket) if batching else object()
+            group = (
+                self.padding.group_key(inputs, names, bucket, self._casts) if batching else object()
+            )
         results = await self.batcher.submit(
             inputs,
             names,

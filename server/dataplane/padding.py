@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sluice.core.errors import InvalidInput, LoadFailed
+from sluice.server.dataplane import staging
 from sluice.server.dataplane.modelsettings import Pads, check_lengths
 from sluice.server.dataplane.staging import Pad
 
@@ -257,7 +258,11 @@ class Padding:
         return tuple(lengths)
 
     def group_key(
-        self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], bucket: Lengths
+        self,
+        inputs: Mapping[str, np.ndarray],
+        outputs: Sequence[str],
+        bucket: Lengths,
+        casts: staging.Casts | None = None,
     ) -> tuple[object, ...]:
         """Requests with equal keys can share a batch: within one bucket, the other
         dimensions, datatypes and outputs equal (staging.group_key's, padded axes aside)."""
@@ -266,7 +271,7 @@ class Padding:
             shape: list[int | None] = list(array.shape[1:])
             for axis, _ in self.inputs.get(name, ()):
                 shape[axis - 1] = None
-            shapes.append((name, array.dtype.str, tuple(shape)))
+            shapes.append((name, staging.key_dtype(name, array, casts or {}), tuple(shape)))
         return bucket, tuple(sorted(shapes)), tuple(outputs)
 
     def shaped(self, inputs: Mapping[str, np.ndarray], length: int) -> dict[str, np.ndarray]:

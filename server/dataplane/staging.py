@@ -40,16 +40,39 @@ class Pad(NamedTuple):
 Pads = Mapping[str, Pad]
 
 
+# Elements an FP16 cast computes at a time in float32 (256 KiB of scratch).
+CAST_BLOCK = 1 << 16
+
+
 def cast_into(out: np.ndarray, x: np.ndarray, how: Cast) -> None:
     """Write x * scale + offset into `out` (of the model's dtype) in place: ufuncs that
     convert as they go, in blocks, so nothing the size of `x` is made beside `out`. Scale 1
     converts only, so the values arrive exactly as sent."""
+    if how.dtype != np.float32 and (how.scale != 1 or how.offset):
+        _cast_rounded_once(out, x, how)
+        return
     if how.scale == 1:
         np.copyto(out, x, casting="unsafe")
     else:
         np.multiply(x, how.scale, out=out, dtype=np.float32, casting="unsafe")
     if how.offset:
         np.add(out, how.offset, out=out, dtype=np.float32, casting="unsafe")
+
+
+def _cast_rounded_once(out: np.ndarray, x: np.ndarray, how: Cast) -> None:
+    """An FP16 model's input: float32(x) * scale + offset computed in float32 blocks and
+    rounded to FP16 once (x * scale stored in FP16 first rounds twice, and overflows where
+    the result would fit)."""
+    if not (out.flags.c_contiguous and x.flags.c_contiguous):
+        np.copyto(out, np.asarray(x, np.float32) * how.scale + how.offset, casting="unsafe")
+        return
+    flat_out, flat_x = out.reshape(-1), x.reshape(-1)
+    scratch = np.empty(min(CAST_BLOCK, flat_x.size), np.float32)
+    for start in range(0, flat_x.size, CAST_BLOCK):
+        part = scratch[: min(CAST_BLOCK, flat_x.size - start)]
+        np.multiply(flat_x[start : start + len(part)], how.scale, out=part, casting="unsafe")
+        np.add(part, how.offset, out=part)
+        flat_out[start : start + len(part)] = part
 
 
 def cast(x: np.ndarray, how: Cast) -> np.ndarray:
@@ -166,9 +189,18 @@ def rows_of(inputs: Mapping[str, np.ndarray]) -> int | None:
     return firsts.pop()
 
 
-def group_key(inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> tuple[object, ...]:
+def key_dtype(name: str, array: np.ndarray, casts: Casts) -> str:
+    """The datatype an input batches as: the model's where it is cast on the way in, so a
+    uint8 request and an FP32 one of the same input share a batch (merge casts each part)."""
+    how = casts.get((name, array.dtype)) if casts else None
+    return (array.dtype if how is None else how.dtype).str
+
+
+def group_key(
+    inputs: Mapping[str, np.ndarray], outputs: Sequence[str], casts: Casts | None = None
+) -> tuple[object, ...]:
     """Requests with equal keys can share a batch."""
     return (
-        tuple(sorted((n, a.dtype.str, a.shape[1:]) for n, a in inputs.items())),
+        tuple(sorted((n, key_dtype(n, a, casts or {}), a.shape[1:]) for n, a in inputs.items())),
         tuple(outputs),
     )

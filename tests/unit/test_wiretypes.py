@@ -104,10 +104,10 @@ OFFSETS = st.floats(-1e3, 1e3, allow_nan=False, width=32)
 
 
 def reference(x: np.ndarray, dtype: type, scale: float, offset: float) -> np.ndarray:
-    """float32(x) * scale + offset, each step in float32, stored in the model's dtype."""
+    """float32(x) * scale + offset, computed in float32, rounded to the model's dtype once."""
     with np.errstate(over="ignore", invalid="ignore"):
-        y: np.ndarray = (x.astype(np.float32) * np.float32(scale)).astype(dtype)
-        return (y.astype(np.float32) + np.float32(offset)).astype(dtype)
+        y: np.ndarray = x.astype(np.float32) * np.float32(scale) + np.float32(offset)
+        return y.astype(dtype)
 
 
 @given(wire_arrays(), st.sampled_from([np.float32, np.float16]), SCALES, OFFSETS)
@@ -153,6 +153,31 @@ def test_staging_mixes_requests_sent_as_fp32_and_as_uint8() -> None:
         merged, _ = staging.merge([{"x": p} for p in order], pool, 0, {("x", U8DT): how})
         expected = [p if p.dtype == np.float32 else p * 2 + 1 for p in order]
         np.testing.assert_array_equal(merged["x"], np.concatenate(expected).astype(np.float32))
+
+
+def test_an_fp16_input_is_rounded_once_and_where_the_result_fits_never_overflows() -> None:
+    """x * scale stored in FP16 before the offset was added rounded twice (54 of the 256
+    uint8 values 1 ulp off at 1/255 + 0.5) and overflowed where the result fits (65535 - 60000
+    came out infinite), so a valid config was refused at load."""
+    pixels_u8 = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    scaled = staging.Cast(np.dtype(np.float16), np.float32(BY_255), np.float32(0.5))
+    np.testing.assert_array_equal(
+        staging.cast(pixels_u8, scaled), reference(pixels_u8, np.float16, BY_255, 0.5)
+    )
+    shifted = staging.Cast(np.dtype(np.float16), np.float32(1), np.float32(-60000))
+    wide = np.array([0, 65535], np.uint16)
+    np.testing.assert_array_equal(staging.cast(wide, shifted), [-60000, 5536])  # 5535, rounded
+
+
+def test_requests_sent_as_fp32_and_as_a_wire_type_share_a_batch() -> None:
+    """The batch key takes the datatype an input is cast to: a uint8 request and an FP32 one
+    of the same input batch together on every engine (merge casts each part)."""
+    how = staging.Cast(np.dtype(np.float32), np.float32(1), np.float32(0))
+    casts = {("x", U8DT): how}
+    plain = {"x": np.zeros((2, 3), np.float32)}
+    small = {"x": np.zeros((1, 3), np.uint8)}
+    assert staging.group_key(plain, ["y"], casts) == staging.group_key(small, ["y"], casts)
+    assert staging.group_key(plain, ["y"]) != staging.group_key(small, ["y"])
 
 
 def test_the_cast_makes_nothing_the_size_of_the_input_beside_its_result() -> None:
