@@ -60,9 +60,11 @@ class Placing(ABC):
         """The caller's answer to the server's (`body`), its placed outputs written;
         SluiceError (its status) when they cannot be."""
 
-    def release(self) -> None:
+    def release(self, ok: bool = True) -> None:
+        """Let go of the regions (`ok`: the answer was written; a copying lease writes it
+        back, else nothing); SluiceError when a copy cannot be written back."""
         self.places = {}  # its views go first, so a copying lease can reuse their buffers
-        self.lease.release()
+        self.lease.release(ok)
 
 
 def _answered(kind: type[M], body: bytes) -> M:

@@ -296,8 +296,8 @@ class BalancerService:
             return await self._forward(
                 started, placing.body, metadata, deadline, stream, method, sized, placing
             )
-        finally:
-            placing.release()
+        finally:  # one that ended without an answer (cancelled) writes nothing back
+            placing.release(ok=False)
 
     async def _forward(
         self,
@@ -349,7 +349,7 @@ class BalancerService:
                 traced.failed(exc)
             self.stats.end(started, "CANCELLED")
             raise
-        if placing is not None and reply.code == 0:
+        if placing is not None:
             reply = _answered(placing, reply)
         if sized is not None and reply.code == 0:
             reply = self._capped(reply, sized(reply))
@@ -598,11 +598,19 @@ class BalancerService:
 
 
 def _answered(placing: Placing, reply: Reply) -> Reply:
-    """The caller's answer to a call that placed outputs in its regions, written there."""
+    """The caller's answer to a call that placed outputs in its regions, written there, and
+    its regions let go: a failure in either is the call's answer (counted as it is sent),
+    never an exception past the call, nor in place of the server's own failure."""
     try:
-        return Reply(0, body=placing.answer(reply.body), trailers=reply.trailers)
+        if reply.code == 0:
+            reply = Reply(0, body=placing.answer(reply.body), trailers=reply.trailers)
     except SluiceError as exc:
+        reply = Reply(Code[exc.status], str(exc), trailers=reply.trailers)
+    try:
+        placing.release(ok=reply.code == 0)
+    except SluiceError as exc:  # a copy that could not be written back: no answer there
         return Reply(Code[exc.status], str(exc), trailers=reply.trailers)
+    return reply
 
 
 def served(backends: Iterable[Backend], default: str) -> list[pb.ModelStatus]:

@@ -26,7 +26,8 @@ from sluice.balancer.kserve import KServeFacade
 from sluice.balancer.regions import NO_SHARED_MEMORY
 from sluice.balancer.service import INFER, SERVICE, BalancerService
 from sluice.balancer.settings import BalancerSettings
-from sluice.core.errors import Code
+from sluice.core import shm
+from sluice.core.errors import Code, SluiceError
 from sluice.core.shm import Regions
 from sluice.core.tenants import Tenants, authorization, digest, parse
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
@@ -152,6 +153,7 @@ async def rig(
     max_regions: int = 64,
     max_bytes: int = 1 << 20,
     fanout_rows: int = 0,
+    copy: bool = False,
 ) -> AsyncIterator[Rig]:
     pool = Pool()
     pool.set_addresses(f"s{i}:1" for i in range(servers))
@@ -159,7 +161,9 @@ async def rig(
     for address, backend in pool.backends.items():
         backend.transport = Server(address)
         fakes.append(backend.transport)
-    regions = Regions(root=root, max_regions=max_regions, max_bytes=max_bytes) if on else None
+    regions = (
+        Regions(root=root, max_regions=max_regions, max_bytes=max_bytes, copy=copy) if on else None
+    )
     service = BalancerService(
         pool,
         RetryBudget(),
@@ -378,6 +382,32 @@ async def test_a_predict_stream_message_takes_regions_too(tmp_path: Path) -> Non
         np.testing.assert_array_equal(
             np.frombuffer(r.read("out", X.nbytes), np.float32), X.ravel() * 2
         )
+
+
+async def test_an_output_that_cannot_be_written_back_is_the_calls_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copied (tenants), an output whose write-back fails answers INTERNAL with why, on a
+    unary call and on a stream, and the call is counted so."""
+
+    def failing(copy: shm._Copy) -> SluiceError:
+        return SluiceError("shared memory region 'out': could not be written: No space")
+
+    monkeypatch.setattr(shm, "_written", failing)
+    async with rig(tmp_path, copy=True) as r:
+        await register(r.v1, "in", r.object("in", X.tobytes()), X.nbytes)
+        await register(r.v1, "out", r.object("out", b"\xee" * X.nbytes), X.nbytes)
+        body = pb.PredictRequest(inputs=[shared("x", "in")], output_memory={"y": ref("out")})
+        assert await status_of(r.v1.Predict(body)) == (
+            grpc.StatusCode.INTERNAL,
+            "shared memory region 'out': could not be written: No space",
+        )
+        message = pb.StreamRequest(id=7, request=body.SerializeToString())
+        [answer] = [m async for m in r.v1.PredictStream(iter([message]), timeout=60)]
+        assert (answer.id, answer.code) == (7, Code.INTERNAL)
+        assert answer.message == "shared memory region 'out': could not be written: No space"
+        assert r.service.stats.errors["INTERNAL"] == 2
+        assert r.read("out", X.nbytes) == b"\xee" * X.nbytes
 
 
 async def test_a_call_split_over_servers_is_answered_in_regions_whole(tmp_path: Path) -> None:

@@ -21,7 +21,8 @@ import onnxruntime as ort
 import pytest
 
 from sluice import models
-from sluice.core.errors import InvalidInput
+from sluice.core import shm as shm_core
+from sluice.core.errors import InvalidInput, SluiceError
 from sluice.core.shm import SHM_ROOT, Regions
 from sluice.core.tenants import digest
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
@@ -299,6 +300,34 @@ def test_an_answer_refused_writes_none_of_its_outputs(
         with pytest.raises((InvalidInput, codec.TensorError), match=re.escape(words)):
             protocol.encode(Digits(), decoded, outputs)
     assert obj.map[:] == b"\xee" * 4096
+
+
+async def test_a_write_back_that_fails_fails_the_call_and_masks_no_error(
+    plane: Dataplane, shm: Callable[[int], Shm], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing(copy: shm_core._Copy) -> SluiceError:
+        return SluiceError("shared memory region 'out': could not be written: No space")
+
+    monkeypatch.setattr(shm_core, "_written", failing)
+    regions = Regions(copy=True)
+    inputs, outputs = shm(X.nbytes), shm(4096)
+    inputs.array(np.float32, X.shape)[:] = X
+    regions.register("", "in", inputs.key, 0, X.nbytes)
+    regions.register("", "out", outputs.key, 0, 4096)
+    protocol = KServeV2(True)
+    try:
+        fits = Output(name="label", parameters=placed("out", LABELS))
+        with pytest.raises(SluiceError, match="could not be written: No space"):
+            await plane.infer(
+                request(shared_input(), outputs=(fits,)), protocol, lease=regions.lease("")
+            )
+        small = Output(name="probabilities", parameters=placed("out", 16, 1024))
+        with pytest.raises(InvalidInput, match="should be at least 160 bytes"):  # not masked
+            await plane.infer(
+                request(shared_input(), outputs=(fits, small)), protocol, lease=regions.lease("")
+            )
+    finally:
+        regions.close()
 
 
 async def test_inputs_and_outputs_in_shared_memory_answer_as_onnxruntime(
