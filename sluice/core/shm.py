@@ -337,7 +337,13 @@ class Regions:
                     prot=mmap.PROT_READ | mmap.PROT_WRITE,
                     offset=page,
                 )
-            except (OSError, OverflowError, ValueError) as exc:
+            except OSError as exc:  # out of address space or map count: a huge region
+                raise Overloaded(
+                    f"overloaded: unable to map shared memory region '{name}' ('{key}', "
+                    f"{byte_size} bytes): {exc.strerror}; unregister regions, or register a "
+                    "smaller one"
+                ) from None
+            except (OverflowError, ValueError) as exc:
                 raise SluiceError(
                     f"Unable to map shared memory region '{name}' ('{key}'): {exc}"
                 ) from None

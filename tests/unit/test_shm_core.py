@@ -285,6 +285,26 @@ def test_the_whole_object_and_its_last_byte_are_fine(root: Path, regions: Region
         assert bytes(lease.input("all", 95, 5)) == b"56789"
 
 
+@pytest.mark.parametrize("copy", [False], ids=["mapped"])
+def test_a_region_that_cannot_be_mapped_is_resource_exhausted(
+    root: Path, regions: Regions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = make(root, 64)
+
+    def no_room(*args: object, **kwargs: object) -> mmap.mmap:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(mmap, "mmap", no_room)
+    err = error(regions.register, "", "x", key, 0, 64)
+    monkeypatch.undo()
+    assert status_of(err).name == "RESOURCE_EXHAUSTED"
+    assert str(err) == (
+        f"overloaded: unable to map shared memory region 'x' ('{key}', 64 bytes): Cannot "
+        "allocate memory; unregister regions, or register a smaller one"
+    )
+    assert len(regions) == 0 and not held(root / key[1:])
+
+
 def test_a_name_taken_is_refused(root: Path, regions: Regions) -> None:
     first = make(root, 8)
     regions.register("", "x", first, 0, 8)
