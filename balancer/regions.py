@@ -234,19 +234,16 @@ def _infer_body(
         for t in request.inputs
     ]
     given = list(request.raw_input_contents)
-    plain = refs.count(None)
-    if len(given) != plain:
-        # Sent with raw entries, as the regions' bytes go, the others' must be raw too.
-        raise InvalidInput(
-            f"raw_input_contents has {len(given)} entries but the request has {plain} inputs "
-            "not in shared memory; with inputs in shared memory, send one entry per other "
-            "input, in order"
-        )
+    regions.check_raw_entries(len(given), refs.count(None))
     entries: list[bytes | memoryview] = []
     rest = iter(given)
     for tensor, ref in zip(request.inputs, refs, strict=True):
         if ref is None:
-            entries.append(next(rest))
+            if given:
+                entries.append(next(rest))
+            else:  # its values typed: raw too now, as the regions' bytes go
+                entries.append(codec.bytes_of(regions.triton_contents(tensor)))
+                tensor.ClearField("contents")
             continue
         assert lease is not None  # triton_ref refused a region without one
         # The region's bytes, copied once: into the body.

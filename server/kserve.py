@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from sluice.core.datatypes import DATATYPES, DataType
+from sluice.core.datatypes import DataType
 from sluice.core.errors import InvalidInput, ModelNotFound, Unimplemented
 from sluice.core.shm import Lease
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
@@ -58,9 +58,6 @@ READY = "READY"
 LOADED_TRAILER = "x-loaded-versions"
 REFUSED_TRAILER = "x-refused-versions"
 
-# KServe's typed fields are sluice.v1's, renamed: int_data is int_contents, and so on.
-_CONTENTS = sorted({d.typed_field.replace("_data", "_contents") for d in DATATYPES.values()})
-_ALL_CONTENTS = [*_CONTENTS, "bytes_contents"]
 _RAW_INPUT = facts.INFER_RAW_INPUTS
 # Answers whose raw outputs reach this size are framed by hand (encode): below it the
 # framing's Python costs more than protobuf's copies save (0.4 us a call for 12 bytes; even
@@ -74,12 +71,6 @@ _NO_VALUES = np.empty(0, np.uint8)  # an output in shared memory: its raw entry,
 # By output name, each output's place in a region and the view it is written into (through
 # the call's lease); None: no output in shared memory.
 Placements = Mapping[str, codec.Placed] | None
-
-
-def _contents_field(dt: DataType) -> str | None:
-    """The InferTensorContents field for a datatype; None for FP16, which KServe carries
-    only as raw bytes (there is no 16-bit float field)."""
-    return None if dt.name == "FP16" else dt.typed_field.replace("_data", "_contents")
 
 
 class KServeV2:
@@ -111,13 +102,7 @@ class KServeV2:
             regions.triton_ref(t.parameters, regions.input_label(t), lease, NO_SHARED_MEMORY)
             for t in request.inputs
         ]
-        # As in Triton, the raw entries are those of the inputs not in shared memory.
-        unplaced = places.count(None)
-        if raw and len(raw) != unplaced:
-            raise InvalidInput(
-                f"raw_input_contents has {len(raw)} entries but the request has {unplaced} "
-                "inputs not in shared memory; send one entry per such input, in order, or none"
-            )
+        regions.check_raw_entries(len(raw), places.count(None))
         inputs: dict[str, np.ndarray] = {}
         at = 0
         for tensor, place in zip(request.inputs, places, strict=True):
@@ -233,46 +218,19 @@ def _decode(
 ) -> np.ndarray:
     """One input's array, from its raw bytes (`raw`, when the request uses them) or its
     typed contents. The checks against the model come later (Model.check)."""
+    if raw is None:
+        return regions.triton_contents(tensor)
     label = regions.input_label(tensor)
     dt = regions.input_datatype(label, tensor)
     shape = tuple(tensor.shape)
     count = regions.element_count(label, shape)
-    # Only a request that fills `contents` pays for looking into it (a raw one does not).
-    contents = tensor.contents if tensor.HasField("contents") else None
-    present = (
-        [f for f in _ALL_CONTENTS if len(getattr(contents, f))] if contents is not None else []
-    )
-    if raw is not None:
-        if present:
-            raise InvalidInput(
-                f"{label} fills contents.{present[0]} but the request uses "
-                "raw_input_contents; send every input's values there, or none"
-            )
-        return _raw(label, raw, dt, shape, count)
-    field = _contents_field(dt)
-    if len(present) > 1:
-        raise InvalidInput(f"{label} fills several contents fields ({', '.join(present)}); use one")
-    if field is None:
+    present = regions.contents_filled(tensor)
+    if present:
         raise InvalidInput(
-            f"{label} is FP16, whose values travel only in raw_input_contents "
-            "(KServe has no typed field for them)"
+            f"{label} fills contents.{present[0]} but the request uses "
+            "raw_input_contents; send every input's values there, or none"
         )
-    if present and present[0] != field:
-        raise InvalidInput(
-            f"{label} is {dt.name} but fills contents.{present[0]}; "
-            f"{dt.name} values go in contents.{field}"
-        )
-    values = getattr(tensor.contents, field)  # empty when `contents` is absent
-    if len(values) != count:
-        raise InvalidInput(
-            f"{label} has {len(values)} values in contents.{field} "
-            f"but shape {list(shape)} needs {count}"
-        )
-    try:
-        # sluice.v1's conversion and range checks: the typed fields are the same types.
-        return codec.typed_array(values, dt, label).reshape(shape)
-    except codec.TensorError as exc:
-        raise InvalidInput(str(exc)) from None
+    return _raw(label, raw, dt, shape, count)
 
 
 def _raw(

@@ -224,6 +224,63 @@ def input_datatype(label: str, tensor: Input) -> DataType:
     return dt
 
 
+# KServe's typed fields are sluice.v1's, renamed: int_data is int_contents, and so on.
+_CONTENTS = sorted({d.typed_field.replace("_data", "_contents") for d in DATATYPES.values()})
+_ALL_CONTENTS = [*_CONTENTS, "bytes_contents"]
+
+
+def contents_filled(tensor: Input) -> list[str]:
+    """The contents fields a KServe input fills (only one that has `contents` pays for
+    looking into it)."""
+    if not tensor.HasField("contents"):
+        return []
+    return [f for f in _ALL_CONTENTS if len(getattr(tensor.contents, f))]
+
+
+def triton_contents(tensor: Input) -> np.ndarray:
+    """A KServe input's array from its typed contents (none: no values), checked against
+    its datatype and shape. The checks against the model come later."""
+    label = input_label(tensor)
+    dt = input_datatype(label, tensor)
+    shape = tuple(tensor.shape)
+    count = element_count(label, shape)
+    present = contents_filled(tensor)
+    if len(present) > 1:
+        raise InvalidInput(f"{label} fills several contents fields ({', '.join(present)}); use one")
+    if dt.name == "FP16":  # KServe has no 16-bit float field
+        raise InvalidInput(
+            f"{label} is FP16, whose values travel only in raw_input_contents "
+            "(KServe has no typed field for them)"
+        )
+    field = dt.typed_field.replace("_data", "_contents")
+    if present and present[0] != field:
+        raise InvalidInput(
+            f"{label} is {dt.name} but fills contents.{present[0]}; "
+            f"{dt.name} values go in contents.{field}"
+        )
+    values = getattr(tensor.contents, field)  # empty when `contents` is absent
+    if len(values) != count:
+        raise InvalidInput(
+            f"{label} has {len(values)} values in contents.{field} "
+            f"but shape {list(shape)} needs {count}"
+        )
+    try:
+        # sluice.v1's conversion and range checks: the typed fields are the same types.
+        return codec.typed_array(values, dt, label).reshape(shape)
+    except codec.TensorError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def check_raw_entries(raw: int, unplaced: int) -> None:
+    """As in Triton, a request's raw entries are those of its inputs not in shared memory:
+    one each, or none (their values typed, in contents)."""
+    if raw and raw != unplaced:
+        raise InvalidInput(
+            f"raw_input_contents has {raw} entries but the request has {unplaced} "
+            "inputs not in shared memory; send one entry per such input, in order, or none"
+        )
+
+
 def element_count(label: str, shape: tuple[int, ...]) -> int:
     """The element count of a shape, refused when no array could have it (sluice.v1's
     bounds, sluice.wire.codec)."""

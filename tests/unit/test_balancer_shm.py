@@ -700,6 +700,37 @@ def kserve_input(params: dict[str, Parameter], **kw: object) -> kpb.ModelInferRe
     )
 
 
+async def test_typed_values_beside_an_input_in_a_region_go_as_raw_entries(
+    tmp_path: Path,
+) -> None:
+    """As a server with the regions takes them: the other inputs' values typed in contents
+    (no raw entries) are forwarded as raw entries beside the region's bytes."""
+    async with rig(tmp_path) as r:
+        await register(r.v1, "in", r.object("in", X.tobytes()), X.nbytes)
+        request = kpb.ModelInferRequest(
+            model_name="m",
+            inputs=[
+                Input(name="x", datatype="FP32", shape=X.shape, parameters=triton("in", 48)),
+                Input(
+                    name="w",
+                    datatype="FP32",
+                    shape=[2],
+                    contents=kpb.InferTensorContents(fp32_contents=[7.0, -1.0]),
+                ),
+            ],
+            outputs=[Output(name="n")],
+        )
+        response = await r.kserve.ModelInfer(request)
+        assert np.frombuffer(response.raw_output_contents[0], np.int64).tolist() == [12]
+        [(method, body)] = r.bodies()
+        sent = kpb.ModelInferRequest.FromString(body)
+        assert method == INFER and not any(t.HasField("contents") for t in sent.inputs)
+        assert list(sent.raw_input_contents) == [
+            X.tobytes(),
+            np.array([7, -1], np.float32).tobytes(),
+        ]
+
+
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
@@ -760,16 +791,26 @@ def kserve_input(params: dict[str, Parameter], **kw: object) -> kpb.ModelInferRe
             kpb.ModelInferRequest(
                 inputs=[
                     Input(name="x", datatype="FP32", shape=X.shape, parameters=triton("in", 48)),
+                    Input(name="w", datatype="FP32", shape=[1]),
+                ],
+                raw_input_contents=[b"\0" * 4, b"\0" * 4],
+            ),
+            "raw_input_contents has 2 entries but the request has 1 inputs not in shared memory; "
+            "send one entry per such input, in order, or none",
+        ),
+        (  # typed values, checked as the server checks them
+            kpb.ModelInferRequest(
+                inputs=[
+                    Input(name="x", datatype="FP32", shape=X.shape, parameters=triton("in", 48)),
                     Input(
                         name="w",
                         datatype="FP32",
-                        shape=[1],
+                        shape=[2],
                         contents=kpb.InferTensorContents(fp32_contents=[1.0]),
                     ),
                 ]
             ),
-            "raw_input_contents has 0 entries but the request has 1 inputs not in shared memory; "
-            "with inputs in shared memory, send one entry per other input, in order",
+            "input 'w' has 1 values in contents.fp32_contents but shape [2] needs 2",
         ),
         (
             kpb.ModelInferRequest(
