@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError, Message
 from sluice.balancer.settings import BalancerSettings
 from sluice.core.errors import InvalidInput, SluiceError
 from sluice.core.shm import Lease, Regions
-from sluice.core.tenants import Account
+from sluice.core.tenants import Account, tenant_name
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.runtime import door
 from sluice.runtime.status import status_of
@@ -156,7 +156,7 @@ class SharedMemory:
         async def answer(body: bytes, context: Context) -> bytes:
             account, _ = await self.gate(context, door.TENANT)
             try:
-                return fn(self.calls, account.tenant.name if account is not None else "", body)
+                return fn(self.calls, tenant_name(account), body)
             except SluiceError as exc:
                 await context.abort(status_of(exc), str(exc))
 

@@ -42,7 +42,7 @@ from sluice.core.keys import (
 from sluice.core.limits import too_large
 from sluice.core.shm import Regions
 from sluice.core.stats import ServingStats, health_fields
-from sluice.core.tenants import HEADER, Account, Tenants
+from sluice.core.tenants import HEADER, Account, Tenants, tenant_name
 from sluice.core.versions import version_key
 from sluice.routing.budget import RetryBudget
 from sluice.routing.planner import Observer, Planner, rule_of
@@ -248,7 +248,7 @@ class BalancerService:
                 self.tenants.enter(account)
             except SluiceError as exc:
                 return self._turned_away(started, account, exc)
-        tenant = account.tenant.name if account is not None else ""
+        tenant = tenant_name(account)
         try:
             reply = await self._placed(
                 started, body, metadata, deadline, stream, method, sized, tenant

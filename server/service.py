@@ -33,7 +33,7 @@ from sluice.core.keys import (
 from sluice.core.limits import too_large
 from sluice.core.shm import Regions
 from sluice.core.stats import ServingStats, health_fields
-from sluice.core.tenants import HEADER, INTERACTIVE, Account, Tenants
+from sluice.core.tenants import HEADER, INTERACTIVE, Account, Tenants, tenant_name
 from sluice.runtime import door, spans, tracing
 from sluice.runtime.door import OPEN, TENANT
 from sluice.runtime.status import status_of
@@ -66,11 +66,6 @@ class Call:
     refused: SluiceError | None = None  # the call's metadata is unusable: answer this
     account: Account | None = None  # the caller's tenant (auth on, a key given)
     priority: int = INTERACTIVE  # its tenant's class in the batcher
-
-
-def tenant_of(call: Call) -> str:
-    """The caller's tenant's name, its shared memory regions' name space: "" with auth off."""
-    return call.account.tenant.name if call.account is not None else ""
 
 
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
@@ -348,14 +343,14 @@ class InferenceService:
         """A shared memory region call of either face, on its caller's tenant's regions."""
 
         async def method(body: bytes, call: Call) -> bytes:
-            return fn(self.region_calls, tenant_of(call), body)
+            return fn(self.region_calls, tenant_name(call.account), body)
 
         return method
 
     async def infer(self, body: bytes, protocol: WireProtocol[Any], call: Call) -> bytes:
         """One inference call of any protocol, its trailers added to `call`; with shared
         memory on, it holds a lease on its caller's regions until it is answered."""
-        lease = None if self.regions is None else self.regions.lease(tenant_of(call))
+        lease = None if self.regions is None else self.regions.lease(tenant_name(call.account))
         try:
             entry, cached = await self.plane.infer(
                 body,

@@ -113,6 +113,12 @@ class Account:
     failed: Counter[str] = field(default_factory=Counter)  # admitted, then failed: by status
 
 
+def tenant_name(account: Account | None) -> str:
+    """The name of a caller's tenant, its shared memory regions' name space: "" with auth
+    off (or no key, where a call may be made without one)."""
+    return account.tenant.name if account is not None else ""
+
+
 def parse(text: str) -> dict[str, Tenant]:
     """The tenants of a file's text; TenantsFileError says what is wrong."""
     try:

@@ -29,7 +29,7 @@ from sluice.balancer.settings import BalancerSettings
 from sluice.core import shm
 from sluice.core.errors import Code, SluiceError
 from sluice.core.shm import Regions
-from sluice.core.tenants import Tenants, authorization, digest, parse
+from sluice.core.tenants import Tenants, authorization, digest, parse, tenant_name
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from sluice.routing.budget import RetryBudget
@@ -196,6 +196,14 @@ async def rig(
         await server.stop(None)
         if regions is not None:
             regions.close()
+
+
+def test_a_callers_regions_are_its_tenants_in_both_programs() -> None:
+    """One rule names a caller's regions' name space (sluice.core.tenants.tenant_name),
+    the server's and the balancer's."""
+    tenants = Tenants(parse(TENANTS))
+    assert tenant_name(tenants.identify(authorization(KEY_A)[1])) == "a"
+    assert tenant_name(None) == ""
 
 
 def ref(region: str, offset: int = 0, byte_size: int = X.nbytes) -> pb.SharedMemoryRef:
