@@ -131,7 +131,7 @@ class KServeV2:
             placed = regions.triton_output(output, lease, NO_SHARED_MEMORY)
             if placed is not None:
                 placements[output.name] = placed
-        return Request(inputs, outputs, placements or None, lease)
+        return Request(inputs, outputs, placements or None)
 
     def encode(self, model: Model, request: Request[Placements], outputs: Arrays) -> bytes:
         # Always raw, as Triton answers over gRPC: one entry per output, in order; an output

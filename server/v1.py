@@ -64,10 +64,10 @@ class SluiceV1:
                 raise InvalidInput(str(exc)) from None
             if read is not None:
                 inputs, outputs, typed = read
-                return Request(inputs, outputs, Options(typed, {}), lease)
+                return Request(inputs, outputs, Options(typed, {}))
         request = parse(pb.PredictRequest, body)
         inputs, memory = predict_tensors(request, lease, NO_SHARED_MEMORY)
-        return Request(inputs, request.outputs, Options(request.typed_outputs, memory), lease)
+        return Request(inputs, request.outputs, Options(request.typed_outputs, memory))
 
     def encode(self, model: Model, request: Request[Options], outputs: Arrays) -> bytes:
         typed, memory = request.options

@@ -56,17 +56,16 @@ class Request(Generic[Opts]):
 
     inputs: Mapping[str, np.ndarray]
     outputs: Sequence[str]  # empty: all of the model's outputs
-    options: Opts  # the protocol's own, handed back to its `encode` (sluice.v1: typed outputs)
-    # The call's hold on the regions its inputs are views of and its outputs go into:
-    # released by the dataplane once the answer is encoded (the outputs written).
-    lease: Lease | None = None
+    # The protocol's own, handed back to its `encode` (sluice.v1: typed outputs; with shared
+    # memory, the views its outputs are written into, through the call's lease).
+    options: Opts
 
 
 class WireProtocol(Protocol[Opts]):
     """A wire protocol's request and response bodies. Raises InvalidInput on a bad body.
     `decode` is given the call's lease only when `route` said the body is `shared` (and the
-    node takes shared memory); it reads inputs through it and keeps it on the Request, for
-    `encode` to write outputs through."""
+    node takes shared memory); it reads inputs through it and takes the views its outputs
+    go into, for `encode` to write (the dataplane releases the lease once it has)."""
 
     @property
     def name(self) -> str: ...  # in the cache key

@@ -659,7 +659,6 @@ class Lease:
     (idempotent; also a context manager)."""
 
     def __init__(self, regions: Regions, tenant: str) -> None:
-        self.used = False  # True once input() or output() was called
         self.tenant = tenant
         self._regions = regions
         self._id = next(regions._ids)
@@ -669,7 +668,6 @@ class Lease:
 
     def input(self, region: str, offset: int, byte_size: int) -> memoryview:
         """A read-only view of `byte_size` bytes at `offset` of the caller's `region`."""
-        self.used = True
         return self._regions._view(self, region, offset, byte_size, write=False)
 
     def output(self, region: str, offset: int, byte_size: int) -> memoryview:
@@ -677,7 +675,6 @@ class Lease:
         no other lease may write into until this one is released (in copy mode, when they
         are written to it). In copy mode it holds zeros, not the object's bytes, and goes
         to the object only as far as `wrote` marks it."""
-        self.used = True
         return self._regions._view(self, region, offset, byte_size, write=True)
 
     def wrote(self, view: memoryview, nbytes: int) -> None:
