@@ -156,7 +156,7 @@ class SharedMemory:
         async def answer(body: bytes, context: Context) -> bytes:
             account, _ = await self.gate(context, door.TENANT)
             try:
-                return fn(self.calls, tenant_name(account), body)
+                return self.calls.call(fn, tenant_name(account), context.peer(), body)
             except SluiceError as exc:
                 await context.abort(status_of(exc), str(exc))
 

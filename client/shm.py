@@ -49,6 +49,8 @@ NOT_LOCAL = (
     "socket): {target} is not one"
 )
 ONE_TARGET = "shared memory needs one target, a server on this host: {count} were given"
+# A registration's refusal where the server cannot open the object (sluice.core.shm's words).
+UNOPENED = "Unable to open shared memory region"
 # A target that takes no regions (a server without --shared-memory, a balancer, an older
 # Sluice): what to do, by audience.
 NO_REGIONS = {
@@ -163,6 +165,8 @@ class Arena:
         self.segment: Segment | None = None
         self.registered = False  # whether the server holds it under `name` now
         self.previous: Segment | None = None  # replaced; unlinked once unregistered
+        # A call's inputs, written once the server holds the object (`registered_now`).
+        self.pending: list[tuple[codec.Ref, np.ndarray]] = []
 
     def fit(self, size: int) -> bool:
         """Make the arena hold `size` bytes; whether its object was replaced by a larger
@@ -184,11 +188,25 @@ class Arena:
         )
 
     def registered_now(self) -> None:
-        """The server took the registration: the object it replaced can go."""
+        """The server took the registration: the object it replaced can go, and the call's
+        inputs go in (never before: a local caller of another tenant could register the
+        object first, and read them)."""
         self.registered = True
         if self.previous is not None:
             self.previous.close()
             self.previous = None
+        pending, self.pending = self.pending, []
+        for ref, array in pending:
+            codec.write(self.output(*ref), array)
+
+    def renew(self) -> None:
+        """Drop the object (unlinked), so that the next call makes one under a fresh name:
+        the server would not open this one (another tenant registered it first)."""
+        for segment in (self.segment, self.previous):
+            if segment is not None:
+                segment.close()
+        self.segment = self.previous = None
+        self.registered = False
 
     def input(self, region: str, offset: int, byte_size: int) -> memoryview:
         if self.segment is None or region != self.name:
@@ -301,8 +319,10 @@ class SharedMemory:
     def plan(
         self, arrays: Mapping[str, np.ndarray], outputs: Sequence[str], model: str, version: str
     ) -> Plan:
-        """An arena holding the call's inputs (written now) and room for its outputs where
-        their sizes are known, and the body naming them. Hand it back with `done`."""
+        """An arena holding the call's inputs and room for its outputs where their sizes are
+        known, and the body naming them. The inputs are written now, or, when the arena is
+        to be registered (`fresh`), once it is (Arena.registered_now). Hand it back with
+        `done`."""
         key = signature(arrays, outputs, model, version)
         sizes = self.learned.get(key) or {}
         needs = [a.nbytes for a in arrays.values()] + list(sizes.values())
@@ -313,8 +333,9 @@ class SharedMemory:
             refs = [codec.Ref(arena.name, at, n) for at, n in zip(starts, needs, strict=True)]
             inputs = dict(zip(arrays, refs[: len(arrays)], strict=True))
             placed = dict(zip(sizes, refs[len(arrays) :], strict=True))
-            for name, ref in inputs.items():
-                codec.write(arena.output(*ref), arrays[name])
+            arena.pending = [(ref, arrays[name]) for name, ref in inputs.items()]
+            if not fresh:
+                arena.registered_now()
         except BaseException:
             self.done(arena)
             raise
@@ -348,15 +369,20 @@ class SharedMemory:
         """After a failed call: whether sending it again may succeed. A refusal naming the
         call's region (a server that lost its regions in a restart, or outputs that outgrew
         the room this client made for them) has the region registered afresh, and the
-        outputs' sizes learned afresh (their bytes sent first)."""
+        outputs' sizes learned afresh (their bytes sent first). A registration refused as
+        if its object were not there (another tenant registered it first, or it was
+        unlinked) has the region take a fresh object."""
         details = error.details() or ""
-        ours = repr(plan.arena.name) in details
+        arena = plan.arena
+        ours = repr(arena.name) in details
         if error.code() != grpc.StatusCode.INVALID_ARGUMENT or not ours:
             return False
         if codec.TOO_SMALL in details:
             self.learned.forget(plan.key)
+        elif arena.segment is not None and f"{UNOPENED}: '{arena.segment.key}'" in details:
+            arena.renew()
         else:
-            plan.arena.registered = False
+            arena.registered = False
         return True
 
     def _take(self) -> Arena:

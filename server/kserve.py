@@ -318,7 +318,11 @@ class KServeService:
         return {
             name: grpc.unary_unary_rpc_method_handler(
                 self.service.wrap(
-                    fn, counted=name == INFER, method=name, access=ACCESS.get(name, TENANT)
+                    fn,
+                    counted=name == INFER,
+                    method=name,
+                    access=ACCESS.get(name, TENANT),
+                    peer=name in KSERVE_CALLS,
                 )
             )
             for name, fn in methods.items()

@@ -66,6 +66,7 @@ class Call:
     refused: SluiceError | None = None  # the call's metadata is unusable: answer this
     account: Account | None = None  # the caller's tenant (auth on, a key given)
     priority: int = INTERACTIVE  # its tenant's class in the batcher
+    peer: str = ""  # grpc's name for the caller, where a call needs it (a region call's)
 
 
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
@@ -123,7 +124,10 @@ class InferenceService:
         handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {
             name: grpc.unary_unary_rpc_method_handler(
                 self.wrap(
-                    fn, counted=name == "Predict", access=OPEN if name == "Health" else TENANT
+                    fn,
+                    counted=name == "Predict",
+                    access=OPEN if name == "Health" else TENANT,
+                    peer=name in V1_CALLS,
                 )
             )
             for name, fn in methods.items()
@@ -260,17 +264,25 @@ class InferenceService:
         return outcome
 
     def wrap(
-        self, fn: Method, *, counted: bool, method: str = "Predict", access: str = TENANT
+        self,
+        fn: Method,
+        *,
+        counted: bool,
+        method: str = "Predict",
+        access: str = TENANT,
+        peer: bool = False,
     ) -> Handler:
         """A unary handler for `fn`, any protocol's: request id, node id, error mapping;
         `counted` calls (inference) go into the serving stats, pass their tenant's quota
         (auth on) and, with tracing, a span named for `method`. `access`: who may call
-        with auth on (OPEN, TENANT, ADMIN)."""
+        with auth on (OPEN, TENANT, ADMIN). `peer`: `fn` is told who calls (Call.peer)."""
         stats = self.stats if counted else ServingStats(window=1)
 
         async def call(body: bytes, context: Context) -> bytes:
             metadata = context.invocation_metadata() or ()
             info = self._call(metadata, context.time_remaining(), access=access)
+            if peer:
+                info.peer = context.peer()
             served = self._served(metadata, method, info) if counted and tracing.ON else None
             outcome = await self._invoke(fn, body, info, stats, served)
             # grpc keeps an aborted call's exception, whose traceback holds this frame: drop
@@ -343,7 +355,7 @@ class InferenceService:
         """A shared memory region call of either face, on its caller's tenant's regions."""
 
         async def method(body: bytes, call: Call) -> bytes:
-            return fn(self.region_calls, tenant_name(call.account), body)
+            return self.region_calls.call(fn, tenant_name(call.account), call.peer, body)
 
         return method
 

@@ -10,7 +10,9 @@ both programs' words, for their other calls too."""
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
@@ -18,7 +20,13 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from sluice.core.datatypes import DATATYPES, DataType
-from sluice.core.errors import InvalidInput, RegionNotFound, SluiceError, Unimplemented
+from sluice.core.errors import (
+    InvalidInput,
+    PermissionDenied,
+    RegionNotFound,
+    SluiceError,
+    Unimplemented,
+)
 from sluice.core.shm import Lease, Regions
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.v1 import inference_pb2 as pb
@@ -37,6 +45,31 @@ NO_CUDA = "GPUs not supported: Sluice takes system shared memory only"
 REGION = facts.INFER_REGION_KEY.decode()
 OFFSET = "shared_memory_offset"
 BYTE_SIZE = "shared_memory_byte_size"
+
+
+# A registration from elsewhere is refused: a region is an object on this host, which the
+# program would read inputs from and write outputs into.
+LOCAL_ONLY = (
+    "shared memory regions are registered by callers on this host only (this call came from {peer})"
+)
+
+
+def on_this_host(peer: str) -> bool:
+    """Whether a call's peer, as grpc names it (`context.peer()`: "ipv4:127.0.0.1:5000",
+    "ipv6:%5B::1%5D:5000", "unix:..."), is on this host: a unix socket, or a loopback
+    address (an IPv4 one mapped into IPv6 too)."""
+    scheme, _, rest = urllib.parse.unquote(peer).partition(":")
+    if scheme in ("unix", "unix-abstract"):
+        return True
+    if scheme not in ("ipv4", "ipv6"):
+        return False
+    host = rest.rpartition(":")[0].removeprefix("[").removesuffix("]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def off(program: str) -> str:
@@ -87,6 +120,17 @@ class RegionCalls:
         if self.regions is None:
             raise Unimplemented(self.off)
         return self.regions
+
+    def call(self, fn: RegionCall, tenant: str, peer: str, body: bytes) -> bytes:
+        """The region call `fn` for a caller of `tenant`'s at `peer` (grpc's name for it):
+        a registration only from this host (PERMISSION_DENIED: on another, the caller
+        would name this host's objects, not its own). Status and unregistering stay open to
+        the region's tenant, wherever it calls from."""
+        if fn in _REGISTERING:
+            self._on()  # off: that first
+            if not on_this_host(peer):
+                raise PermissionDenied(LOCAL_ONLY.format(peer=peer))
+        return fn(self, tenant, body)
 
     # sluice.v1's.
 
@@ -162,6 +206,7 @@ class RegionCalls:
 
 
 RegionCall = Callable[[RegionCalls, str, bytes], bytes]
+_REGISTERING: tuple[RegionCall, ...] = (RegionCalls.register, RegionCalls.system_register)
 # Each face's region calls by method name: sluice.v1.Inference's, and
 # inference.GRPCInferenceService's.
 V1_CALLS: dict[str, RegionCall] = {

@@ -198,6 +198,51 @@ async def rig(
             regions.close()
 
 
+class Aborted(Exception):
+    pass
+
+
+class Caller:
+    """A call's context as a handler sees it, from `peer` (grpc's name for the caller)."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+
+async def test_regions_are_registered_from_this_host_only(tmp_path: Path) -> None:
+    """Through the balancer, a remote caller would have this host's objects' bytes
+    forwarded to servers, and its outputs written over them."""
+    async with rig(tmp_path) as r:
+        key = r.object("in", X.tobytes())
+        memory = r.service.memory
+        v1 = memory.v1_methods()["RegisterRegion"].unary_unary
+        kserve = memory.kserve_methods()["SystemSharedMemoryRegister"].unary_unary
+        bodies = (
+            pb.RegisterRegionRequest(name="a", key=key, byte_size=X.nbytes),
+            kpb.SystemSharedMemoryRegisterRequest(name="b", key=key, byte_size=X.nbytes),
+        )
+        for handler, body in zip((v1, kserve), bodies, strict=True):
+            assert handler is not None
+            with pytest.raises(Aborted) as caught:
+                await handler(body.SerializeToString(), Caller("ipv4:203.0.113.9:41000"))
+            assert caught.value.args == (
+                grpc.StatusCode.PERMISSION_DENIED,
+                "shared memory regions are registered by callers on this host only (this call "
+                "came from ipv4:203.0.113.9:41000)",
+            )
+            await handler(body.SerializeToString(), Caller("unix:"))
+        assert [i.name for i in r.service.memory.regions.status("")] == ["a", "b"]
+
+
 def test_a_callers_regions_are_its_tenants_in_both_programs() -> None:
     """One rule names a caller's regions' name space (sluice.core.tenants.tenant_name),
     the server's and the balancer's."""

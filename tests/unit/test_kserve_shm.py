@@ -554,6 +554,60 @@ async def test_a_range_past_the_object_or_empty_is_refused(
             assert code == grpc.StatusCode.INVALID_ARGUMENT and words in said, said
 
 
+class Aborted(Exception):
+    pass
+
+
+class Caller:
+    """A call's context as a handler sees it, from `peer` (grpc's name for the caller)."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    def time_remaining(self) -> None:
+        return None
+
+    def peer(self) -> str:
+        return self._peer
+
+    def set_trailing_metadata(self, trailers: object) -> None:
+        pass
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+
+async def test_regions_are_registered_from_this_host_only(
+    plane: Dataplane, regions: Regions, shm: Callable[[int], Shm]
+) -> None:
+    """Both faces: a registration from elsewhere would have this host's objects read and
+    written for a caller that cannot see them."""
+    obj = shm(64)
+    service = InferenceService(plane, node_id="n", regions=regions)
+    v1 = service.methods()["RegisterRegion"].unary_unary
+    kserve = KServeService(service).methods()["SystemSharedMemoryRegister"].unary_unary
+    v1_body = pb.RegisterRegionRequest(name="a", key=obj.key, byte_size=64).SerializeToString()
+    kserve_body = register("b", obj.key, 64).SerializeToString()
+    for held, (handler, body) in enumerate(((v1, v1_body), (kserve, kserve_body))):
+        assert handler is not None
+        with pytest.raises(Aborted) as caught:
+            await handler(body, Caller("ipv4:192.0.2.7:5000"))
+        assert caught.value.args == (
+            grpc.StatusCode.PERMISSION_DENIED,
+            "shared memory regions are registered by callers on this host only (this call "
+            "came from ipv4:192.0.2.7:5000)",
+        )
+        assert len(regions) == held
+        await handler(body, Caller("ipv6:%5B::1%5D:5000"))
+    assert len(regions) == 2
+    status = KServeService(service).methods()["SystemSharedMemoryStatus"].unary_unary
+    assert status is not None  # a tenant's own regions, from anywhere
+    await status(b"", Caller("ipv4:192.0.2.7:5000"))
+
+
 async def test_a_tenants_regions_are_its_own(
     plane: Dataplane, regions: Regions, shm: Callable[[int], Shm], tmp_path: Path
 ) -> None:

@@ -22,18 +22,20 @@ from sluice.client.diagnose import Audience
 from sluice.core.errors import (
     AlreadyExists,
     InvalidInput,
+    PermissionDenied,
     QuotaExceeded,
     RegionNotFound,
     SluiceError,
     Unimplemented,
 )
 from sluice.core.shm import Regions
+from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.modelsettings import WireType
 from sluice.server.v1 import NO_SHARED_MEMORY, V1, WIRE_READ_FROM, SluiceV1, _specs
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec, facts
-from sluice.wire.regions import RegionCalls
+from sluice.wire.regions import RegionCalls, on_this_host
 
 SHARED = SluiceV1(shared_memory=True)
 X = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -278,6 +280,57 @@ def test_whether_a_body_names_regions_is_the_parsers_answer(
 # The region calls.
 
 
+@pytest.mark.parametrize(
+    ("peer", "local"),
+    [
+        ("ipv4:127.0.0.1:5000", True),
+        ("ipv4:127.8.9.10:5000", True),
+        ("ipv6:[::1]:5000", True),
+        ("ipv6:%5B::1%5D:5000", True),  # as grpc names it
+        ("ipv6:%5B::ffff:127.0.0.1%5D:5000", True),
+        ("unix:", True),
+        ("unix:/run/sluice.sock", True),
+        ("unix-abstract:sluice", True),
+        ("ipv4:10.0.0.5:5000", False),
+        ("ipv4:192.0.2.1:5000", False),
+        ("ipv6:%5B2001:db8::1%5D:5000", False),
+        ("ipv6:%5B::ffff:10.0.0.5%5D:5000", False),
+        ("ipv4:localhost:5000", False),  # grpc names an address, never a host name
+        ("", False),
+        ("junk", False),
+    ],
+)
+def test_a_registration_is_taken_from_this_host_only(
+    regions: Regions, peer: str, local: bool
+) -> None:
+    assert on_this_host(peer) is local
+    segment = client_shm.Segment(4096)
+    try:
+        calls = RegionCalls(regions, "sluice-server")
+        body = pb.RegisterRegionRequest(name="a", key=segment.key, byte_size=4096)
+        kserve = kpb.SystemSharedMemoryRegisterRequest(name="b", key=segment.key, byte_size=4096)
+        for fn, request_ in ((RegionCalls.register, body), (RegionCalls.system_register, kserve)):
+            if local:
+                calls.call(fn, "", peer, request_.SerializeToString())
+            else:
+                with pytest.raises(PermissionDenied) as caught:
+                    calls.call(fn, "", peer, request_.SerializeToString())
+                assert str(caught.value) == (
+                    "shared memory regions are registered by callers on this host only (this "
+                    f"call came from {peer})"
+                )
+        # Status and unregistering are the tenant's own, from wherever it calls.
+        calls.call(RegionCalls.status, "", "ipv4:10.0.0.5:1", b"")
+        calls.call(RegionCalls.unregister, "", "ipv4:10.0.0.5:1", b"")
+        assert len(regions) == 0
+    finally:
+        regions.close()
+        segment.close()
+    off = RegionCalls(None, "sluice-server")  # off: that is said first
+    with pytest.raises(Unimplemented):
+        off.call(RegionCalls.register, "", "ipv4:10.0.0.5:1", b"")
+
+
 def test_the_region_calls_register_report_and_unregister(regions: Regions) -> None:
     segment = client_shm.Segment(8192)
     try:
@@ -407,6 +460,55 @@ def test_the_clients_regions_carry_inputs_then_outputs_sized_from_an_answer(
     finally:
         memory.close()
     assert objects() == before
+
+
+def refusal(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+    )
+
+
+def test_the_client_writes_no_input_into_an_object_before_the_server_holds_it() -> None:
+    """Another tenant on this host that registers the client's object first (by its name in
+    /dev/shm) finds none of the client's bytes in it, and the client takes a fresh one."""
+    regions = Regions(copy=True)
+    memory = client_shm.SharedMemory()
+    try:
+        with memory.planned({"x": X}, [], "", "") as plan:
+            assert plan.fresh and plan.arena.segment is not None
+            taken = plan.arena.segment
+            assert bytes(taken.view) == bytes(taken.size)  # nothing written yet
+            regions.register("mallory", "stolen", taken.key, 0, taken.size)
+            registration = plan.arena.registration()
+            with pytest.raises(InvalidInput) as caught:
+                regions.register("alpha", registration.name, taken.key, 0, taken.size)
+            error = refusal(
+                f"could not register shared memory region {registration.name!r} on "
+                f"127.0.0.1:1: {caught.value}"
+            )
+            assert memory.failed(plan, error)  # sent again, on a fresh object
+        with regions.lease("mallory") as lease:
+            assert bytes(lease.input("stolen", 0, taken.size)) == bytes(taken.size)
+        with memory.planned({"x": X}, [], "", "") as plan:
+            assert plan.fresh and plan.arena.segment is not None
+            assert plan.arena.segment.key != taken.key
+            registration = plan.arena.registration()
+            regions.register(
+                "alpha", registration.name, registration.key, 0, registration.byte_size
+            )
+            plan.arena.registered_now()
+            with regions.lease("alpha") as lease:
+                decoded = SHARED.decode(plan.body, lease)
+                np.testing.assert_array_equal(decoded.inputs["x"], X)
+                del decoded
+        with memory.planned({"x": X * 2}, [], "", "") as plan:  # registered: written at once
+            assert not plan.fresh and plan.arena.segment is not None
+            np.testing.assert_array_equal(
+                np.frombuffer(plan.arena.segment.view[: X.nbytes], np.float32), (X * 2).ravel()
+            )
+    finally:
+        memory.close()
+        regions.close()
 
 
 def test_two_calls_at_once_have_regions_of_their_own() -> None:
