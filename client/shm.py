@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import itertools
 import mmap
 import os
 import secrets
@@ -300,8 +301,10 @@ class SharedMemory:
     def __init__(self, root: Path = ROOT) -> None:
         self.root = root
         self._prefix = f"sluice-{os.getpid()}-{secrets.token_hex(6)}-"
+        self._names = itertools.count()
         self._free: list[Arena] = []
         self._all: list[Arena] = []
+        self._retired: list[str] = []  # arenas dropped while registered: close() unregisters
         self._lock = threading.Lock()
         self.learned = Learned()
 
@@ -309,12 +312,18 @@ class SharedMemory:
     def planned(
         self, arrays: Mapping[str, np.ndarray], outputs: Sequence[str], model: str, version: str
     ) -> Iterator[Plan]:
-        """`plan`, its arena handed back when the call is done."""
+        """`plan`, its arena handed back when the call is done; retired instead when the
+        call was given up before its answer (`abandoned`)."""
         plan = self.plan(arrays, outputs, model, version)
         try:
             yield plan
-        finally:
-            self.done(plan.arena)
+        except BaseException as exc:
+            if abandoned(exc):
+                self.retire(plan.arena)
+            else:
+                self.done(plan.arena)
+            raise
+        self.done(plan.arena)
 
     def plan(
         self, arrays: Mapping[str, np.ndarray], outputs: Sequence[str], model: str, version: str
@@ -389,7 +398,7 @@ class SharedMemory:
         with self._lock:
             if self._free:
                 return self._free.pop()
-            arena = Arena(f"{self._prefix}{len(self._all)}", self.root)
+            arena = Arena(f"{self._prefix}{next(self._names)}", self.root)
             self._all.append(arena)
             return arena
 
@@ -397,15 +406,42 @@ class SharedMemory:
         with self._lock:
             self._free.append(arena)
 
+    def retire(self, arena: Arena) -> None:
+        """Drop an arena a call gave up on: the server may still hold the call, and write
+        its outputs late, or refuse the next call on those bytes (RegionBusy). Its object is
+        unlinked (the server sweeps it) and the next call takes another."""
+        with self._lock:
+            self._all.remove(arena)
+            if arena.registered:
+                self._retired.append(arena.name)
+        arena.close()
+
     def registered(self) -> list[str]:
         """The names of the arenas the server holds (for close() to unregister)."""
         with self._lock:
-            return [a.name for a in self._all if a.registered]
+            return [*self._retired, *(a.name for a in self._all if a.registered)]
 
     def close(self) -> None:
         """Unlink every object (the server's mappings of them stay until it unregisters
         them, or sweeps them as unlinked)."""
         with self._lock:
-            arenas, self._all, self._free = self._all, [], []
+            arenas, self._all, self._free, self._retired = self._all, [], [], []
         for arena in arenas:
             arena.close()
+
+
+# The ends of a call that leave it running on the server, or unknown there.
+_UNFINISHED = (
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNAVAILABLE,
+)
+
+
+def abandoned(error: BaseException) -> bool:
+    """Whether a call ended so that the server may still be at it: cancelled (by grpc or
+    the caller's task), out of time, or cut off."""
+    if not isinstance(error, Exception):  # the task cancelled, the program interrupted
+        return True
+    code = getattr(error, "code", None)
+    return isinstance(error, grpc.RpcError) and callable(code) and code() in _UNFINISHED

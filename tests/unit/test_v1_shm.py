@@ -5,6 +5,7 @@ client's own regions (placing, reading back, learning output sizes, cleaning up)
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 from collections.abc import Iterator
@@ -462,10 +463,13 @@ def test_the_clients_regions_carry_inputs_then_outputs_sized_from_an_answer(
     assert objects() == before
 
 
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """A failed call as grpc raises it."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
 def refusal(details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(
-        grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(), details
-    )
+    return rpc_error(grpc.StatusCode.INVALID_ARGUMENT, details)
 
 
 def test_the_client_writes_no_input_into_an_object_before_the_server_holds_it() -> None:
@@ -509,6 +513,40 @@ def test_the_client_writes_no_input_into_an_object_before_the_server_holds_it() 
     finally:
         memory.close()
         regions.close()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "late"),
+        rpc_error(grpc.StatusCode.CANCELLED, "cancelled"),
+        rpc_error(grpc.StatusCode.UNAVAILABLE, "gone"),
+        asyncio.CancelledError(),
+    ],
+)
+def test_an_arena_a_call_gave_up_on_is_not_the_next_calls(error: BaseException) -> None:
+    """The server may still hold that call: its late outputs, or its claim on the bytes,
+    must not meet the next call's. The arena is retired, its object unlinked."""
+    before = objects()
+    memory = client_shm.SharedMemory()
+    try:
+        with pytest.raises(type(error)), memory.planned({"x": X}, [], "", "") as plan:
+            given_up = plan.arena
+            given_up.registered_now()  # as the client's registration leaves it
+            raise error
+        assert given_up.segment is None and len(objects() - before) == 0
+        assert memory.registered() == [given_up.name]  # close() unregisters it
+        with memory.planned({"x": X}, [], "", "") as plan:
+            assert plan.arena is not given_up and plan.arena.name != given_up.name
+            assert plan.fresh
+        with pytest.raises(grpc.aio.AioRpcError), memory.planned({"x": X}, [], "", "") as plan:
+            kept = plan.arena
+            raise refusal("a refusal: the server is done with the call")
+        with memory.planned({"x": X}, [], "", "") as plan:
+            assert plan.arena is kept  # pooled as any
+    finally:
+        memory.close()
+    assert objects() == before
 
 
 def test_two_calls_at_once_have_regions_of_their_own() -> None:
