@@ -49,17 +49,16 @@ NOT_LOCAL = (
     "shared memory needs a target on this host (127.0.0.1, localhost, [::1] or a unix: "
     "socket): {target} is not one"
 )
-ONE_TARGET = "shared memory needs one target, a server on this host: {count} were given"
+ONE_TARGET = "shared memory needs one target, a server or balancer on this host: {count} were given"
 # A registration's refusal where the server cannot open the object (sluice.core.shm's words).
 UNOPENED = "Unable to open shared memory region"
-# A target that takes no regions (a server without --shared-memory, a balancer, an older
+# A target that takes no regions (a server or balancer without --shared-memory, an older
 # Sluice): what to do, by audience.
 NO_REGIONS = {
-    Audience.PYTHON: "{target} takes no shared memory regions: start the server with "
-    "--shared-memory (a balancer takes none: call the server), or drop shared_memory=True",
-    Audience.COMMANDS: "{target} takes no shared memory regions: start the server with "
-    "--shared-memory (a balancer takes none: call the server), or drop this command's "
-    "--shared-memory",
+    Audience.PYTHON: "{target} takes no shared memory regions: start it (sluice-server or "
+    "sluice-balancer) with --shared-memory, or drop shared_memory=True",
+    Audience.COMMANDS: "{target} takes no shared memory regions: start it (sluice-server or "
+    "sluice-balancer) with --shared-memory, or drop this command's --shared-memory",
 }
 
 
