@@ -22,13 +22,13 @@ this process, after a warmup; the callers take the next of the fixed requests (e
 beforehand) in turn, so every configuration and ONNX Runtime alone run the same requests in
 the same order. rows/s is answers over the window; p50/p99 from each call's time; server CPU
 per row from /proc/PID/stat; the model's own time per row from the server's metrics
-(sluice_model_seconds: its runs' wall time as the server awaited them); mean batch and
-padding efficiency (real over padded tokens) from the server's Health (BatcherStats:
-batches, requests, real and padded tokens run in the window). ONNX Runtime alone runs in
-this process with the server's session options and threads. The order of configurations
-rotates every round; figures are medians over rounds. Then a sample of the requests is sent
-to the batched server all at once (so they batch) and to batch-of-one one at a time: every
-output equal within 1e-5 relative.
+(sluice_model_seconds: its runs' wall time as the server awaited them); mean batch, padding
+efficiency (real over padded tokens) and what closed the batches from the server's Health
+(BatcherStats over the window). ONNX Runtime alone runs in this process with the server's
+session options and threads. The order of configurations rotates every round; figures are
+medians over rounds. Then a sample of the requests is sent to the batched server all at
+once (so they batch) and to batch-of-one one at a time: every output equal within 1e-5
+relative.
 """
 
 from __future__ import annotations
@@ -145,18 +145,27 @@ async def measure(
         after = (await client.health(model=MODEL)).batcher
     batcher = (after.batches - before.batches, after.requests - before.requests)
     tokens = (after.real_tokens - before.real_tokens, after.padded_tokens - before.padded_tokens)
-    return tf.window(times, elapsed, failed, cpu, client_cpu, batcher, tokens, model_s)
+    closed = {
+        "full": after.flush_full - before.flush_full,
+        "budget": after.flush_budget - before.flush_budget,
+        "drained": after.flush_drained - before.flush_drained,
+    }
+    return tf.window(times, elapsed, failed, cpu, client_cpu, batcher, tokens, model_s, closed)
 
 
 async def answers(
     address: str, reqs: Sequence[Mapping[str, np.ndarray]], together: bool
-) -> list[dict[str, np.ndarray]]:
-    """The answers of `reqs`: sent all at once (`together`, so a batcher groups them) or one
-    after another."""
+) -> tuple[list[dict[str, np.ndarray]], tuple[int, int]]:
+    """The answers of `reqs`, sent all at once (`together`, so a batcher groups them) or one
+    after another, and the (batches, requests) the server ran them in."""
     async with AsyncSluiceClient(address, timeout=60.0) as client:
+        before = (await client.health(model=MODEL)).batcher
         if together:
-            return list(await asyncio.gather(*(client.predict(r, model=MODEL) for r in reqs)))
-        return [await client.predict(r, model=MODEL) for r in reqs]
+            got = list(await asyncio.gather(*(client.predict(r, model=MODEL) for r in reqs)))
+        else:
+            got = [await client.predict(r, model=MODEL) for r in reqs]
+        after = (await client.health(model=MODEL)).batcher
+    return got, (after.batches - before.batches, after.requests - before.requests)
 
 
 def run_async(coroutine: Any) -> Any:
@@ -250,10 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"textbatch round {r + 1}/{args.rounds}: {name} done", file=sys.stderr)
             ctx["loadavg_rounds"].append(list(os.getloadavg()))
         sample = [reqs[i] for i in range(0, len(reqs), len(reqs) // SAMPLE)][:SAMPLE]
-        got = run_async(answers(servers["batched"].proc.address, sample, together=True))
-        want = run_async(answers(servers["single"].proc.address, sample, together=False))
+        got, ran = run_async(answers(servers["batched"].proc.address, sample, together=True))
+        want, _ = run_async(answers(servers["single"].proc.address, sample, together=False))
     ctx["loadavg_after"] = list(os.getloadavg())
-    checked = tf.compare(got, want)
+    checked = {**tf.compare(got, want), "batches": ran[0]}
     sweeps = tf.summarize(runs)
     ort_figures = tf.ort_summary(ort_runs)
     result: dict[str, Any] = {

@@ -198,11 +198,13 @@ def window(
     batcher: tuple[int, int] | None,
     tokens: tuple[float, float] | None,
     model_s: float | None = None,
+    closed: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The figures of one measured window: the calls' times (seconds) over `elapsed`, the
     server's and the client's CPU seconds over it, the batcher's (batches, requests) run in
-    it, the (real, padded) tokens the server counted in it and the wall seconds its model
-    runs took (None: not reported)."""
+    it, the (real, padded) tokens the server counted in it, the wall seconds its model runs
+    took and its batches by what closed them (full, budget, drained) (None: not
+    reported)."""
     calls = len(times)
     mean_batch = None
     if batcher is not None and batcher[0] > 0:
@@ -221,6 +223,7 @@ def window(
         "batched_requests": batcher[1] if batcher is not None else None,
         "mean_batch": mean_batch,
         "padding_efficiency": padding,
+        "closed_by": dict(closed) if closed is not None else None,
     }
 
 
@@ -243,7 +246,7 @@ MEDIANS = (
 
 def summarize(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Per configuration: the medians over rounds, the calls and errors of all rounds, the
-    batches and requests summed, and each round's rows/s."""
+    batches, requests and what closed the batches summed, and each round's rows/s."""
     result: dict[str, dict[str, Any]] = {}
     for name, found in runs.items():
         cell: dict[str, Any] = {k: median_of([r[k] for r in found]) for k in MEDIANS}
@@ -252,6 +255,8 @@ def summarize(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, dict
         for key in ("batches", "batched_requests"):
             counted = [r[key] for r in found if r[key] is not None]
             cell[key] = sum(counted) if counted else None
+        closed = [r["closed_by"] for r in found if r["closed_by"] is not None]
+        cell["closed_by"] = {k: sum(c[k] for c in closed) for k in closed[0]} if closed else None
         cell["rounds_rows_per_s"] = [r["rows_per_s"] for r in found]
         result[name] = cell
     return result
@@ -320,7 +325,7 @@ def goals(
 ) -> list[dict[str, Any]]:
     """The scenario's goals, from the medians: the batched server's rows/s against
     batch-of-one's and against ONNX Runtime's bucketed rows/s, its mean batch, and its
-    answers against batch-of-one's."""
+    answers against batch-of-one's (`answers`: compare's, with the batches they ran in)."""
     batched, single = sweeps["batched"], sweeps["single"]
     bucketed = ort_figures["bucketed"]["rows_per_s"]
     worst = max(answers["worst"].values(), default=None)
@@ -347,7 +352,8 @@ def goals(
             "goal": "answers equal batch-of-one's (largest relative difference)",
             "measured": worst,
             "bound": RTOL,
-            "floor": f"{answers['checked']} requests, {len(answers['differ'])} differ",
+            "floor": f"{answers['checked']} requests in {answers['batches']} batches, "
+            f"{len(answers['differ'])} differ",
             "result": "PASS" if answers["equal"] and answers["checked"] else "MISS",
         },
     ]

@@ -154,32 +154,39 @@ def test_ort_alone_runs_whole_passes_of_its_plan() -> None:
 
 def test_a_window_figures_its_calls_cpu_batches_and_tokens() -> None:
     times = [0.010] * 98 + [0.050, 0.100]
-    w = tf.window(times, 2.0, 1, 0.5, 0.1, (25, 100), (3000.0, 4000.0), 0.2)
+    closed = {"full": 1, "budget": 20, "drained": 4}
+    w = tf.window(times, 2.0, 1, 0.5, 0.1, (25, 100), (3000.0, 4000.0), 0.2, closed)
     assert w["calls"] == 100 and w["errors"] == 1 and w["rows_per_s"] == 50
     assert w["p50"] == pytest.approx(10.0) and 50 < w["p99"] < 100
     assert w["server_cpu_ms_per_row"] == pytest.approx(5.0)
     assert w["client_cpu_ms_per_row"] == pytest.approx(1.0)
-    assert w["model_ms_per_row"] == pytest.approx(2.0)
+    assert w["model_ms_per_row"] == pytest.approx(2.0) and w["closed_by"] == closed
     assert (w["batches"], w["batched_requests"], w["mean_batch"]) == (25, 100, 4.0)
     assert w["padding_efficiency"] == 0.75
     bare = tf.window([], 1.0, 3, 0.0, 0.0, None, None)
     assert bare["rows_per_s"] == 0 and bare["p50"] is None and bare["mean_batch"] is None
     assert bare["padding_efficiency"] is None and bare["server_cpu_ms_per_row"] is None
-    assert bare["model_ms_per_row"] is None
+    assert bare["model_ms_per_row"] is None and bare["closed_by"] is None
 
 
 def window(rows_per_s: float, mean_batch: float | None = None) -> dict[str, Any]:
-    w = tf.window([0.01], 1.0, 0, 0.001, 0.0, None, None)
+    closed = {"full": 0, "budget": 7, "drained": 3} if mean_batch else None
+    w = tf.window([0.01], 1.0, 0, 0.001, 0.0, None, None, None, closed)
     return {**w, "rows_per_s": rows_per_s, "mean_batch": mean_batch, "batches": 10}
 
 
 def test_summaries_take_the_median_of_the_rounds() -> None:
-    runs = {"single": [window(300), window(100), window(200)], "batched": [window(400, 4.0)]}
+    runs = {
+        "single": [window(300), window(100), window(200)],
+        "batched": [window(400, 4.0), window(500, 3.0)],
+    }
     cells = tf.summarize(runs)
     assert cells["single"]["rows_per_s"] == 200 and cells["single"]["mean_batch"] is None
     assert cells["single"]["rounds_rows_per_s"] == [300, 100, 200]
     assert cells["single"]["calls"] == 3 and cells["single"]["batches"] == 30
-    assert cells["batched"]["mean_batch"] == 4.0 and cells["batched"]["batched_requests"] is None
+    assert cells["batched"]["mean_batch"] == 3.5 and cells["batched"]["batched_requests"] is None
+    assert cells["batched"]["closed_by"] == {"full": 0, "budget": 14, "drained": 6}
+    assert cells["single"]["closed_by"] is None
     ort_runs = {"bucketed": [{"rows_per_s": 1.0, "cpu_ms_per_row": 3.0, "rows": 5.0}] * 2}
     assert tf.ort_summary(ort_runs) == {"bucketed": {"rows_per_s": 1.0, "cpu_ms_per_row": 3.0}}
 
@@ -206,11 +213,18 @@ def sweeps(single: float, batched: float, mean_batch: float) -> dict[str, Any]:
 
 def test_the_goals_judge_rows_per_second_mean_batch_and_answers() -> None:
     ort_figures = {"bucketed": {"rows_per_s": 500.0, "cpu_ms_per_row": 2.0}}
-    answers = {"checked": 64, "worst": {"h": 0.0, "p": 2e-7}, "differ": [], "equal": True}
+    answers = {
+        "checked": 64,
+        "worst": {"h": 0.0, "p": 2e-7},
+        "differ": [],
+        "equal": True,
+        "batches": 9,
+    }
     met = tf.goals(sweeps(300, 460, 4.0), ort_figures, answers)
     assert [g["result"] for g in met] == ["PASS"] * 4
     assert [g["measured"] for g in met] == [pytest.approx(460 / 300), 0.92, 4.0, 2e-7]
     assert met[2]["floor"] == "400 requests in 10 batches"
+    assert met[3]["floor"] == "64 requests in 9 batches, 0 differ"
     missed = tf.goals(sweeps(300, 290, 2.0), ort_figures, {**answers, "equal": False})
     assert [g["result"] for g in missed] == ["MISS"] * 4
     unknown = sweeps(300, 460, 4.0)
@@ -224,7 +238,7 @@ def test_the_table_has_a_row_per_configuration_and_goal() -> None:
     cells = sweeps(300, 460, 4.0)
     cells["unpadded"] = cells["single"]
     ort_figures = {name: {"rows_per_s": 500.0, "cpu_ms_per_row": 2.0} for name in tf.PLANS}
-    answers = {"checked": 2, "worst": {"h": 0.0}, "differ": [], "equal": True}
+    answers = {"checked": 2, "worst": {"h": 0.0}, "differ": [], "equal": True, "batches": 1}
     labels = {name: f"row {name}" for name in ("single", "unpadded", "batched", *tf.PLANS)}
     result = {
         "command": "python -m perf.textbatch",
