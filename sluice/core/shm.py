@@ -392,7 +392,9 @@ class Regions:
                     f"{offset} + byte size {byte_size}, in a region of {info.byte_size} bytes)"
                 )
             at = info.offset + offset
-            if not self.copy or not byte_size:  # a copy's read checks the size as it reads
+            # Copied, an input's read checks the size as it reads (an output's write-back
+            # past a truncated end just extends the object).
+            if not self.copy or not byte_size:
                 # A caller that shrank its object would have us fault (SIGBUS) past its end.
                 size = os.fstat(region.fd).st_size
                 if at + byte_size > size:
