@@ -178,9 +178,6 @@ class KServeV2:
         return answer
 
 
-KSERVE = KServeV2()
-
-
 def read_infer(body: bytes) -> tuple[kpb.ModelInferRequest, Sequence[bytes | memoryview]]:
     """The request and its raw_input_contents. From peek.WIRE_READ_FROM bytes, the raw
     entries are views of `body`, found by a walk of its top-level fields (sluice.wire.peek),

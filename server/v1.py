@@ -77,9 +77,6 @@ class SluiceV1:
             raise InvalidInput(str(exc)) from None
 
 
-V1 = SluiceV1()
-
-
 def _specs(specs: list[TensorSpec]) -> list[pb.TensorSpec]:
     return [
         pb.TensorSpec(

@@ -41,8 +41,8 @@ with atheris.instrument_imports(
     from sluice.core.errors import InvalidInput
     from sluice.kserve import grpc_predict_v2_pb2 as kpb
     from sluice.server.dataplane.plane import Asked
-    from sluice.server.kserve import KSERVE
-    from sluice.server.v1 import V1
+    from sluice.server.kserve import KServeV2
+    from sluice.server.v1 import SluiceV1
     from sluice.v1 import inference_pb2 as pb
     from sluice.wire import facts, peek
     from tests.fuzz import corpus, harness, skeleton
@@ -55,8 +55,8 @@ NARROWER = ("wire type 3", f"more than {peek.MAX_FIELDS} fields")
 Route = Callable[[bytes], Asked]
 # Each kind, its oracle, the full message whose inputs `rows` reads and the server's route.
 KINDS: list[tuple[str, facts.Kind, type[Message], type[Message] | None, Route | None]] = [
-    ("Predict", facts.PREDICT, skeleton.Predict, pb.PredictRequest, V1.route),
-    ("ModelInfer", facts.MODEL_INFER, skeleton.ModelInfer, kpb.ModelInferRequest, KSERVE.route),
+    ("Predict", facts.PREDICT, skeleton.Predict, pb.PredictRequest, SluiceV1().route),
+    ("ModelInfer", facts.MODEL_INFER, skeleton.ModelInfer, kpb.ModelInferRequest, KServeV2().route),
     ("Metadata", facts.METADATA, skeleton.Metadata, None, None),
 ]
 

@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from sluice.core.datatypes import DATATYPES
-from sluice.server.v1 import V1
+from sluice.server.v1 import SluiceV1
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec, facts, peek
+
+V1 = SluiceV1()  # the server's plain sluice.v1 protocol
 
 DTYPES = [d.dtype.newbyteorder("=") for d in DATATYPES.values()]
 

@@ -20,10 +20,12 @@ from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine, Instance
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Asked, Dataplane, Request
-from sluice.server.v1 import V1
+from sluice.server.v1 import SluiceV1
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 from tests.conftest import SAMPLES
+
+V1 = SluiceV1()  # the server's plain sluice.v1 protocol
 
 X = SAMPLES[0].input
 

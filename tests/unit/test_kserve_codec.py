@@ -27,13 +27,15 @@ from sluice.server.dataplane.plane import Dataplane
 from sluice.server.dataplane.repository import LoadReport
 from sluice.server.kserve import (
     INFER,
-    KSERVE,
     PLATFORM,
     REPOSITORY_OFF,
     KServeService,
+    KServeV2,
 )
 from sluice.server.service import Call, InferenceService
 from tests.conftest import SAMPLES
+
+KSERVE = KServeV2()  # the server's KServe v2 protocol, shared memory off
 
 InputTensor = kpb.ModelInferRequest.InferInputTensor
 

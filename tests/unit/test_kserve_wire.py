@@ -25,9 +25,11 @@ from sluice.server.dataplane.batcher import Batcher
 from sluice.server.dataplane.engine import Engine
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Request
-from sluice.server.kserve import KSERVE
+from sluice.server.kserve import KServeV2
 from sluice.wire import peek
 from tests.unit.test_kserve_codec import BAD, VALUES
+
+KSERVE = KServeV2()  # the server's KServe v2 protocol, shared memory off
 
 Infer = kpb.ModelInferRequest
 InputTensor = Infer.InferInputTensor

@@ -33,12 +33,13 @@ from sluice.core.shm import Regions
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.modelsettings import WireType
-from sluice.server.v1 import NO_SHARED_MEMORY, V1, WIRE_READ_FROM, SluiceV1, _specs
+from sluice.server.v1 import NO_SHARED_MEMORY, WIRE_READ_FROM, SluiceV1, _specs
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec, facts
 from sluice.wire.regions import RegionCalls, on_this_host
 
 SHARED = SluiceV1(shared_memory=True)
+V1 = SluiceV1()
 X = np.arange(12, dtype=np.float32).reshape(3, 4)
 
 

@@ -11,9 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.core.errors import InvalidInput
-from sluice.server.v1 import V1, WIRE_READ_FROM
+from sluice.server.v1 import WIRE_READ_FROM, SluiceV1
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
+
+V1 = SluiceV1()  # the server's plain sluice.v1 protocol
 
 
 def slow(body: bytes) -> tuple[dict[str, np.ndarray], list[str], bool]:
