@@ -256,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--shared-memory",
         action="store_true",
         help="send the tensors through POSIX shared memory this command creates (and removes) "
-        "instead of in the messages: for a server on this host started with --shared-memory",
+        "instead of in the messages: for a server or balancer on this host started with "
+        "--shared-memory",
     )
     health = client_command("health", cmd_health, "Show node, model and serving statistics.")
     metadata = client_command("metadata", cmd_metadata, "Show the model's inputs and outputs.")

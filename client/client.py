@@ -9,9 +9,10 @@ retry budget and call planner (sluice.routing.planner), and no extra hop.
 `AsyncSluiceClient` (asyncio) and `SluiceClient` (blocking, on grpc's blocking channels:
 no event loop or thread of its own) add only the sending.
 
-With `shared_memory=True` (one target, a server on this host started with --shared-memory),
-tensors travel in POSIX shared memory regions the client creates, registers and reuses
-(sluice.client.shm), the messages carrying only where they lie; `predict` returns the same
+With `shared_memory=True` (one target, a server or balancer on this host started with
+--shared-memory), tensors travel in POSIX shared memory regions the client creates,
+registers and reuses (sluice.client.shm), the messages carrying only where they lie;
+`predict` returns the same
 arrays. close() unregisters the regions and removes their objects.
 
 Plain values need their inputs' datatypes first: the model's Metadata, asked as a Predict
@@ -351,7 +352,8 @@ class AsyncSluiceClient(_Core):
     `shared_memory`: send tensors (inputs, and outputs once the model's sizes are known
     from a first answer of the same input shapes) through POSIX shared memory regions this
     client creates and registers, reused across calls, removed by close(); for one target,
-    a server on this host (127.0.0.1, localhost, [::1] or unix:; ValueError otherwise)
+    a server or balancer on this host (127.0.0.1, localhost, [::1] or unix:; ValueError
+    otherwise)
     started with --shared-memory."""
 
     def __init__(
