@@ -12,8 +12,7 @@ no event loop or thread of its own) add only the sending.
 With `shared_memory=True` (one target, a server or balancer on this host started with
 --shared-memory), tensors travel in POSIX shared memory regions the client creates,
 registers and reuses (sluice.client.shm), the messages carrying only where they lie;
-`predict` returns the same
-arrays. close() unregisters the regions and removes their objects.
+`predict` returns the same arrays. close() unregisters the regions and removes their objects.
 
 Plain values need their inputs' datatypes first: the model's Metadata, asked as a Predict
 is sent (several targets: through the planner, so a target that is down is passed over), within
