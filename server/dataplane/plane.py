@@ -304,10 +304,12 @@ def _steps(trip: Trip, clock: Callable[[], float]) -> None:
 
     tracing.timed(tracing.QUEUE_WAIT, ns(trip.arrival), ns(trip.taken))
     if trip.requests:  # it ran (an expired request waited, then was dropped unrun)
-        attributes: tracing.Attributes = {
+        attributes: dict[str, str | int | float | bool] = {
             tracing.BATCH_ROWS: trip.rows,
             tracing.BATCH_REQUESTS: trip.requests,
             tracing.BATCH_REASON: trip.reason,
             tracing.BATCH_INLINE: trip.inline,
         }
+        if trip.bucket is not None:  # padded inputs: the batch's length bucket
+            attributes[tracing.BATCH_BUCKET] = trip.bucket
         tracing.timed(tracing.BATCH_RUN, ns(trip.started), ns(trip.ended), attributes)

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import InvalidInput, LoadFailed
@@ -36,6 +37,7 @@ from sluice.server.dataplane.modelsettings import (
     parse_pad,
 )
 from sluice.server.dataplane.padding import Buckets, Padding, plan, run_lengths, tokens
+from sluice.server.dataplane.plane import _steps
 from sluice.server.dataplane.repository import load_model
 from sluice.server.modelconfig import convert, parse
 from sluice.server.settings import ServerSettings
@@ -485,8 +487,17 @@ async def test_the_batcher_counts_real_and_padded_positions_and_tells_the_bucket
     assert stats.by_bucket == {(16,): 2, (32,): 1}
 
 
-def test_a_batch_span_attribute_names_the_bucket() -> None:
-    assert tracing.BATCH_BUCKET == "sluice.batch.bucket"
+def test_a_padded_batch_span_names_its_bucket(spans: InMemorySpanExporter) -> None:
+    """The batch run's span carries the bucket of a padded request; an unpadded one none."""
+    for bucket in (64, None):
+        trip = Trip()
+        trip.ran(taken=1.0, started=1.0, ended=1.5, rows=2, requests=2, reason="full")
+        trip.bucket = bucket
+        _steps(trip, lambda: 2.0)
+    padded, plain = [s for s in spans.get_finished_spans() if s.name == tracing.BATCH_RUN]
+    assert padded.attributes is not None and plain.attributes is not None
+    assert padded.attributes[tracing.BATCH_BUCKET] == 64
+    assert tracing.BATCH_BUCKET not in plain.attributes
 
 
 # A small masked encoder, served
