@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from google.protobuf import text_format
 
@@ -178,39 +180,37 @@ def convert(message: pb.ModelConfig, source: str = "config.pbtxt", name: str = "
     )
 
 
-def _accepts(message: pb.ModelConfig, source: str) -> dict[str, tuple[WireType, ...]]:
-    """The wire types the config's `sluice.accept.INPUT` parameters give, by input name;
-    LoadFailed naming the parameter for one that does not parse."""
+T = TypeVar("T")
+
+
+def _by_input(
+    message: pb.ModelConfig, source: str, prefix: str, parse: Callable[[str], T]
+) -> dict[str, T]:
+    """What the config's `PREFIX.INPUT` parameters give, parsed, by input name; LoadFailed
+    naming the parameter for one that does not parse."""
     found = {}
     for key in sorted(message.parameters):
-        if not key.startswith(ACCEPT):
+        if not key.startswith(prefix):
             continue
-        name = key.removeprefix(ACCEPT)
+        name = key.removeprefix(prefix)
         if not name:
-            raise LoadFailed(f"{source}: parameter {key!r} names no input ({ACCEPT}INPUT)")
+            raise LoadFailed(f"{source}: parameter {key!r} names no input ({prefix}INPUT)")
         try:
-            found[name] = parse_wire_types(message.parameters[key].string_value)
+            found[name] = parse(message.parameters[key].string_value)
         except ValueError as exc:
             raise LoadFailed(f"{source}: parameter {key!r} (input {name!r}): {exc}") from None
     return found
+
+
+def _accepts(message: pb.ModelConfig, source: str) -> dict[str, tuple[WireType, ...]]:
+    """The wire types the config's `sluice.accept.INPUT` parameters give, by input name."""
+    return _by_input(message, source, ACCEPT, parse_wire_types)
 
 
 def _pads(message: pb.ModelConfig, source: str) -> dict[str, str]:
-    """The pad values the config's `sluice.pad.INPUT` parameters give, by input name;
-    LoadFailed naming the parameter for one that is no number (its datatype is checked when
-    the model loads)."""
-    found = {}
-    for key in sorted(message.parameters):
-        if not key.startswith(PAD):
-            continue
-        name = key.removeprefix(PAD)
-        if not name:
-            raise LoadFailed(f"{source}: parameter {key!r} names no input ({PAD}INPUT)")
-        try:
-            found[name] = parse_pad(message.parameters[key].string_value)
-        except ValueError as exc:
-            raise LoadFailed(f"{source}: parameter {key!r} (input {name!r}): {exc}") from None
-    return found
+    """The pad values the config's `sluice.pad.INPUT` parameters give, by input name (each
+    a number; its datatype is checked when the model loads)."""
+    return _by_input(message, source, PAD, parse_pad)
 
 
 def _lengths(message: pb.ModelConfig, source: str) -> tuple[tuple[int, ...] | None, int | None]:
