@@ -29,10 +29,12 @@ from sluice.server.dataplane.engine import Engine
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Dataplane
 from sluice.server.service import InferenceService
-from sluice.server.v1 import V1
+from sluice.server.v1 import SluiceV1
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 from tests.conftest import SAMPLES
+
+V1 = SluiceV1()  # the server's plain sluice.v1 protocol
 
 ACCEPTED = {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
 ACCEPTED_CODES = {Code.OK, *(Code[name] for name in ACCEPTED)}
