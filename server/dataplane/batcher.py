@@ -13,6 +13,10 @@ Padded requests (sluice.server.dataplane.padding) are compatible within one leng
 and a run's cost is counted in the positions it runs, padding included (rows x padded
 length): a request joins a batch only if the batch's run, longer by it, costs no more than
 running it alone would, so a padded batch is never slower than its requests one by one.
+That rule, not the budget, decides which waiting requests of the bucket join, whenever they
+arrived: a bucket's requests come a caller's cycle apart, spread over the other buckets, so
+few fall within the budget of one another, and one already queued adds no wait to the
+oldest's (it only lengthens the run by less than its own run alone).
 
 Deadlines are kept at both ends of the queue: a request that cannot be answered in time,
 given the rows ahead of it and the measured drain rate, is refused at the door (see
@@ -261,7 +265,7 @@ class BatchQueue:
             oldest = batch[0]
             if item.group != oldest.group:
                 keep.append(item)
-            elif item.arrival > oldest.arrival + self.budget_s:
+            elif not item.bucket and item.arrival > oldest.arrival + self.budget_s:
                 reason, closed = BUDGET, True
                 keep.append(item)
             elif rows + item.rows > self.max_rows:

@@ -21,6 +21,8 @@ from sluice.core.errors import InvalidInput, LoadFailed
 from sluice.runtime import tracing
 from sluice.server.dataplane import staging
 from sluice.server.dataplane.batcher import (
+    DRAINED,
+    FULL,
     Arrays,
     Batcher,
     BatchQueue,
@@ -399,6 +401,23 @@ def test_a_request_whose_padding_costs_more_than_it_saves_waits_for_another_batc
     taken = staged.take(1.0, price=price)
     assert taken is not None and len(taken.batch) == 3
     assert cost_of(taken.batch, to_bucket=True) == 24
+
+
+def test_waiting_requests_of_a_bucket_join_its_batch_however_far_apart_they_arrived() -> None:
+    """The budget is 10 ms; the bucket-32 requests arrived 50 ms apart, a bucket-8 one among
+    them. All waiting, they form one batch, up to the row limit; exact shapes still close
+    on the budget (test_batching)."""
+    queue = BatchQueue(max_rows=3, budget_s=0.010, max_queue=100)
+    for t, length in enumerate([20, 5, 30, 17, 25]):
+        queue.add(pending(t * 0.050, length))
+    price = affine(0.001, 0.0)
+    first = queue.take(1.0, price=price)
+    assert first is not None and first.reason == FULL
+    assert [p.lengths[0] for p in first.batch] == [20, 30, 17]
+    rest = []
+    while (taken := queue.take(1.0, price=price)) is not None:
+        rest.append(([p.lengths[0] for p in taken.batch], taken.reason))
+    assert rest == [([5], DRAINED), ([25], DRAINED)]
 
 
 @settings(max_examples=200, deadline=None)
