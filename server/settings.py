@@ -141,7 +141,10 @@ class ServerSettings(ProgramSettings):
     )
     batch_budget_ms: float = field(
         default=5.0,
-        metadata={"help": "a batch takes only requests that arrived within this of its oldest"},
+        metadata={
+            "help": "a batch takes only requests that arrived within this of its oldest "
+            "(padded requests: every waiting one of its length bucket)"
+        },
     )
     max_queue: int = field(
         default=1024, metadata={"help": "requests that may wait; beyond, RESOURCE_EXHAUSTED"}
