@@ -130,7 +130,7 @@ class Model:
         self._cast_now = bool(self._casts) and not engine.staged
         for instance in engine.instances:
             instance.casts = self._casts
-            instance.padding = self.padding
+        self.pad_with(self.padding)
         # Padded batches are priced as the instances run them: staged ones at the bucket.
         batcher.queue.to_bucket = engine.staged
         self._inputs_by_name = {s.name: s for s in self.inputs}
@@ -143,6 +143,12 @@ class Model:
 
     def __repr__(self) -> str:
         return f"Model({self.name!r}, version {self.version!r})"
+
+    def pad_with(self, plan: padding.Padding | None) -> None:
+        """Serve with `plan` (what warm-up learned of the outputs, before serving)."""
+        self.padding = plan
+        for instance in self.engine.instances:
+            instance.padding = plan
 
     def describe(self) -> str:
         """The settings this model serves with, as loaded (its config's over the server's):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -274,15 +274,64 @@ class Padding:
             shapes.append((name, staging.key_dtype(name, array, casts or {}), tuple(shape)))
         return bucket, tuple(sorted(shapes)), tuple(outputs)
 
-    def shaped(self, inputs: Mapping[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
-        """`inputs` (warm-up's zeros) with every padded axis `length` long, of zeros."""
+    def shaped(
+        self, inputs: Mapping[str, np.ndarray], length: int | Lengths
+    ) -> dict[str, np.ndarray]:
+        """`inputs` (warm-up's zeros) with every padded axis `length` long (a length per
+        dimension where given so), of zeros."""
+        lengths = (length,) * len(self.dims) if isinstance(length, int) else length
         shaped = dict(inputs)
         for name, axes in self.inputs.items():
             shape = list(inputs[name].shape)
-            for axis, _ in axes:
-                shape[axis] = length
+            for axis, dim in axes:
+                shape[axis] = lengths[dim]
             shaped[name] = np.zeros(shape, inputs[name].dtype)
         return shaped
+
+    def follow(
+        self,
+        outputs: Sequence[TensorSpec],
+        shapes_at: Callable[[Lengths], Mapping[str, tuple[int, ...]]],
+    ) -> Padding:
+        """This padding with the outputs whose dynamic axes run along the padded dimensions
+        under another name (an export that named its inputs' axes only calls an output's
+        `Addlast_hidden_state_dim_1`) cut back too: `shapes_at` gives the output shapes of a
+        run at the given lengths (two runs of zeros, at PROBES); an axis is cut back where
+        it is each length at both. Raises LoadFailed naming an output whose axis changes
+        with the lengths otherwise (cutting it back to a request's length would be wrong,
+        and returning it whole would leak the batch's length)."""
+        unmatched = {
+            s.name: [
+                a
+                for a in range(1, len(s.shape))
+                if s.shape[a] is None and a not in dict(self.outputs.get(s.name, ()))
+            ]
+            for s in outputs
+        }
+        unmatched = {name: axes for name, axes in unmatched.items() if axes}
+        if not unmatched:
+            return self
+        first, second = probes(len(self.dims))
+        at_first, at_second = shapes_at(first), shapes_at(second)
+        cuts = dict(self.outputs)
+        for name, axes in unmatched.items():
+            learned = []
+            for axis in axes:
+                sizes = (at_first[name][axis], at_second[name][axis])
+                if sizes[0] == sizes[1]:
+                    continue  # not along the lengths
+                dims = [d for d in range(len(self.dims)) if sizes == (first[d], second[d])]
+                if not dims:
+                    raise LoadFailed(
+                        f"output {name!r} dimension {axis} is {sizes[0]} long when the padded "
+                        f"inputs are {_lengths(first)} and {sizes[1]} when they are "
+                        f"{_lengths(second)}: it changes with the padded length but is not it, "
+                        "so a padded batch's answers cannot be cut back to each request's"
+                    )
+                learned.append((axis, dims[0]))
+            if learned:
+                cuts[name] = tuple(sorted((*cuts.get(name, ()), *learned)))
+        return replace(self, outputs=cuts)
 
     def fills(self, lengths: Lengths) -> dict[str, Pad]:
         """How staging.merge pads each padded input to `lengths`."""
@@ -295,6 +344,17 @@ class Padding:
         values = ", ".join(f"{n} with {self.values[n]!s}" for n in self.inputs)
         along = ", ".join(self.dims)
         return f"pads {values} along {along} to buckets of {self.buckets.describe()}"
+
+
+def probes(count: int) -> tuple[Lengths, Lengths]:
+    """The lengths of the two runs `Padding.follow` compares, for `count` padded dimensions:
+    each dimension its own pair, none 1 (an axis of 1 may be a broadcast)."""
+    first = tuple(2 + d for d in range(count))
+    return first, tuple(2 * n for n in first)
+
+
+def _lengths(lengths: Lengths) -> str:
+    return "x".join(map(str, lengths))
 
 
 def run_lengths(lengths: Sequence[Lengths], bucket: Lengths, to_bucket: bool) -> Lengths:

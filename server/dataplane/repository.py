@@ -160,10 +160,16 @@ def warm_up(model: Model) -> None:
     size's first run plans and searches for its algorithms, and takes its pinned staging
     buffers, one set per instance, which then wait in the pool) and check the outputs have
     the declared datatypes. Where staged runs pad inputs to length buckets, each size runs
-    at each bucket known (its own session on CUDA). Blocking: call it in a thread, before
-    the model serves."""
+    at each bucket known (its own session on CUDA). First, where inputs are padded, two runs
+    at different lengths tell which outputs' axes follow the length under another name
+    (padding.Padding.follow), to be cut back too. Blocking: call it in a thread, before the
+    model serves."""
     names = [s.name for s in model.outputs]
     engine = model.engine
+    if model.padding is not None:
+        model.pad_with(
+            model.padding.follow(model.outputs, lambda lengths: _shapes_at(model, lengths))
+        )
     padding = model.padding
     buckets = padding.buckets.listed() if padding is not None and engine.staged else ()
     for rows in engine.warm_rows():
@@ -183,6 +189,27 @@ def warm_up(model: Model) -> None:
                     engine.pool.give(buffer)
 
 
+def _shapes_at(model: Model, lengths: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The output shapes of one run of zeros, padded inputs at `lengths` (padding.follow's)."""
+    assert model.padding is not None
+    inputs = model.padding.shaped(zeros(model.inputs), lengths)
+    held: list[np.ndarray] = []
+    try:
+        results = _warm(
+            model,
+            model.engine.instances[0],
+            inputs,
+            [s.name for s in model.outputs],
+            1,
+            lengths,
+            held,
+        )
+    finally:
+        for buffer in held:
+            model.engine.pool.give(buffer)
+    return {name: array.shape for name, array in results.items()}
+
+
 def _warm(
     model: Model,
     instance: Instance,
@@ -191,9 +218,9 @@ def _warm(
     rows: int,
     lengths: tuple[int, ...],
     held: list[np.ndarray],
-) -> None:
+) -> dict[str, np.ndarray]:
     """One warm-up run, staged as requests are (padded inputs at `lengths`); the pooled
-    buffers it takes go to `held`."""
+    buffers it takes go to `held`, which the outputs may lie in."""
     try:
         staged = inputs
         if instance.stage_always:
@@ -210,6 +237,7 @@ def _warm(
             raise LoadFailed(
                 f"output {spec.name!r} is declared {spec.datatype} but a run of zeros gave {got}"
             )
+    return results
 
 
 @dataclass

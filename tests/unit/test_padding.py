@@ -522,11 +522,20 @@ def test_a_padded_batch_span_names_its_bucket(spans: InMemorySpanExporter) -> No
 # A small masked encoder, served
 
 
-def encoder(*, vocab: int = 50, hidden: int = 8, pooled_only: bool = False) -> bytes:
+def encoder(
+    *,
+    vocab: int = 50,
+    hidden: int = 8,
+    pooled_only: bool = False,
+    hidden_dim: str = SEQ,
+    doubled: bool = False,
+) -> bytes:
     """A masked self-attention encoder with seeded weights: input_ids and attention_mask
     INT64 [batch, sequence]; outputs hidden FP32 [batch, sequence, hidden] (token embedding,
     one attention whose padded keys get -1e9, residual, LayerNormalization) and pooled FP32
-    [batch, hidden], the mean over the real positions; `pooled_only`: pooled alone."""
+    [batch, hidden], the mean over the real positions; `pooled_only`: pooled alone.
+    `hidden_dim`: the name hidden's sequence dimension has; `doubled`: an output `twice`
+    too, hidden twice along the sequence [batch, 2 x sequence, hidden]."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(7)
@@ -575,7 +584,10 @@ def encoder(*, vocab: int = 50, hidden: int = 8, pooled_only: bool = False) -> b
     ]
     outputs = [info("pooled", TensorProto.FLOAT, ["batch", hidden])]
     if not pooled_only:
-        outputs.insert(0, info("hidden", TensorProto.FLOAT, ["batch", SEQ, hidden]))
+        outputs.insert(0, info("hidden", TensorProto.FLOAT, ["batch", hidden_dim, hidden]))
+    if doubled:
+        nodes.append(node("Concat", ["hidden", "hidden"], ["twice"], axis=1))
+        outputs.append(info("twice", TensorProto.FLOAT, ["batch", "twice_dim", hidden]))
     graph = helper.make_graph(nodes, "encoder", inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8  # what the installed ONNX Runtime reads
@@ -660,6 +672,33 @@ def test_random_lengths_and_orders_get_their_own_answers(
             await model.close()
 
     asyncio.run(check())
+
+
+async def test_an_output_along_the_length_under_another_name_is_cut_back_too(
+    tmp_path: Path,
+) -> None:
+    """Exports that name their inputs' axes only name an output's on their own: warm-up
+    learns from two runs which of its axes follow the padded length."""
+    path = tmp_path / "exported.onnx"
+    path.write_bytes(encoder(hidden_dim="Addlast_hidden_state_dim_1"))
+    model = await load_model("exported", 1, path, PADDED)
+    try:
+        requests = texts([5, 12, 3, 9])
+        alone = [(await model.run(r, [], None))[0] for r in requests]
+        for want, got in zip(alone, await gathered(model, requests), strict=True):
+            assert_close(got["hidden"], want["hidden"])
+        assert model.padding is not None and model.padding.outputs["hidden"] == ((1, 0),)
+    finally:
+        await model.close()
+
+
+async def test_an_output_that_changes_with_the_length_but_is_not_it_is_refused_at_load(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "doubled.onnx"
+    path.write_bytes(encoder(doubled=True))
+    with pytest.raises(LoadFailed, match=r"output 'twice' dimension 1 is 4 long .* 2 .* 8 .* 4"):
+        await load_model("doubled", 1, path, PADDED)
 
 
 @pytest.fixture(scope="module")
