@@ -122,7 +122,8 @@ class ServerSettings(ProgramSettings):
         default=0,
         metadata={
             "help": "the longest length a padded input takes (0: the largest of --buckets, "
-            "or any without them); longer requests are refused with INVALID_ARGUMENT",
+            "or 512 without them); longer requests are refused with INVALID_ARGUMENT. A "
+            "repository model's config sets its own (parameter sluice.max_length)",
         },
     )
     workers: str = field(

@@ -33,14 +33,21 @@ Lengths = tuple[int, ...]
 Axes = tuple[tuple[int, int], ...]
 
 
+# The longest length taken where neither the longest nor buckets are given: ONNX states no
+# model's longest (a position table's size is not reliably findable), and without a bound
+# every new length bucket is a new shape (on CUDA a session of its own, kept).
+DEFAULT_MAX_LENGTH = 512
+
+
 @dataclass(frozen=True)
 class Buckets:
     """The lengths padding rounds up to: `sizes` (ascending) where given, else powers of two,
     the last one `longest` itself; a length above `longest` (0: the largest size, or no
-    bound without sizes) has none."""
+    bound without sizes) has none. `defaulted`: `longest` is DEFAULT_MAX_LENGTH, not given."""
 
     sizes: tuple[int, ...] = ()
     longest: int = 0
+    defaulted: bool = False
 
     @property
     def limit(self) -> int:
@@ -124,7 +131,8 @@ def plan(
     raises LoadFailed naming the input and dimension where it does not fit: an input the model
     lacks, a marked input with no dynamic non-batch dimension or one unnamed, marked inputs
     that pad different dimensions, an unmarked input along a padded one, a pad value its
-    datatype cannot hold."""
+    datatype cannot hold. Neither `buckets` nor `max_length`: powers of two up to
+    DEFAULT_MAX_LENGTH."""
     if not pads:
         return None
     try:
@@ -178,6 +186,7 @@ def plan(
                     f"input {first.name!r} is padded along: mark it for padding too, with "
                     "its own pad value"
                 )
+    defaulted = not buckets and not max_length
     values = {}
     for spec in marked:
         try:
@@ -189,7 +198,7 @@ def plan(
         {s.name: _axes(s, dims) for s in marked},
         values,
         {s.name: axes for s in outputs if (axes := _axes(s, dims))},
-        Buckets(buckets, max_length),
+        Buckets(buckets, max_length or (0 if buckets else DEFAULT_MAX_LENGTH), defaulted),
     )
 
 
@@ -243,7 +252,14 @@ class Padding:
                 raise InvalidInput(
                     f"input {first[dim]!r} has length {length} along {self.dims[dim]!r}, above "
                     f"the longest this model takes, {self.buckets.limit}"
-                    + ("" if self.buckets.longest else " (its largest length bucket)")
+                    + (
+                        " (the default: --max-length, or sluice.max_length in its config, "
+                        "takes longer)"
+                        if self.buckets.defaulted
+                        else ""
+                        if self.buckets.longest
+                        else " (its largest length bucket)"
+                    )
                 )
             bucket.append(found)
         return measured, tuple(bucket)

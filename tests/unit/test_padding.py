@@ -6,6 +6,7 @@ masked encoder whose batched answers equal its answers alone."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -38,7 +39,14 @@ from sluice.server.dataplane.modelsettings import (
     parse_buckets,
     parse_pad,
 )
-from sluice.server.dataplane.padding import Buckets, Padding, plan, run_lengths, tokens
+from sluice.server.dataplane.padding import (
+    DEFAULT_MAX_LENGTH,
+    Buckets,
+    Padding,
+    plan,
+    run_lengths,
+    tokens,
+)
 from sluice.server.dataplane.plane import _steps
 from sluice.server.dataplane.repository import load_model
 from sluice.server.modelconfig import convert, parse
@@ -251,6 +259,27 @@ def test_a_request_longer_than_the_longest_is_refused_naming_the_input(
         text_plan(**kwargs).measure(request(33))
     with pytest.raises(InvalidInput, match=words):
         text_plan(**kwargs).measure(request(33))
+
+
+def test_without_a_longest_or_buckets_lengths_stop_at_the_default_named_in_the_refusal() -> None:
+    """Unbounded, every new length would be a new shape (on CUDA a session, kept)."""
+    padding = text_plan()
+    assert padding.buckets.limit == DEFAULT_MAX_LENGTH == 512
+    assert padding.buckets.listed()[-1] == 512  # warm-up runs each of these
+    assert padding.measure(request(512))[1] == (512,)
+    with pytest.raises(
+        InvalidInput,
+        match=r"input 'input_ids' has length 700 along 'sequence', above the longest this "
+        r"model takes, 512 \(the default: --max-length, or sluice.max_length in its config",
+    ):
+        padding.measure(request(700))
+    # A longest or buckets given, they bound alone.
+    assert text_plan(max_length=1000).measure(request(700))[1] == (1000,)
+    assert text_plan(buckets=(16, 1024)).measure(request(700))[1] == (1024,)
+    help_text = next(
+        f.metadata["help"] for f in dataclasses.fields(ServerSettings) if f.name == "max_length"
+    )
+    assert f"or {DEFAULT_MAX_LENGTH} without them" in help_text
 
 
 def test_requests_group_within_a_bucket_and_by_their_other_shapes() -> None:
