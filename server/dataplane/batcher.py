@@ -39,6 +39,7 @@ import numpy as np
 from sluice.core.errors import DeadlineExpired, Overloaded
 from sluice.core.tenants import PRIORITIES
 from sluice.server.dataplane.admission import Admission, Ahead
+from sluice.server.dataplane.buffers import bucket
 from sluice.server.dataplane.padding import Lengths, run_lengths, tokens
 
 Arrays = dict[str, np.ndarray]
@@ -365,6 +366,9 @@ class Batcher:
         # rows and wall seconds.
         self.on_wait: Callable[[float], None] | None = None
         self.on_run: Callable[[int, float], None] | None = None
+        # The runners pad a batch's rows to a power of two (staged engines: models.Model
+        # sets it), so a padded batch's positions run count those rows too.
+        self.pad_rows = False
 
     async def submit(
         self,
@@ -473,10 +477,6 @@ class Batcher:
             cost = cost_of(taken.batch, self.queue.to_bucket)
             self._running_cost += cost
             self._count(runner, [p.rows for p in taken.batch], taken.reason)
-            first = taken.batch[0]
-            if first.bucket:
-                real = sum(tokens(p.rows, p.lengths) for p in taken.batch)
-                self._padded(first.bucket, real, cost)
             task = asyncio.create_task(self._run(runner, taken, now, cost))
             self._tasks.add(task)  # held until done: a task nobody holds can be collected
             task.add_done_callback(self._tasks.discard)
@@ -510,6 +510,11 @@ class Batcher:
             ended = self.clock()
             took = ended - started
             self.admission.observe(took, cost)
+            if batch[0].bucket:  # what ran, once it ran: padding rows too where runs pad them
+                real = sum(tokens(p.rows, p.lengths) for p in batch)
+                run_rows = bucket(rows) if self.pad_rows else rows
+                ran = tokens(run_rows, padded_to(batch, self.queue.to_bucket))
+                self._padded(batch[0].bucket, real, ran)
             if self.on_run is not None:
                 self.on_run(rows, took)
             for item, result in zip(batch, results, strict=True):

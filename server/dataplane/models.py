@@ -133,6 +133,7 @@ class Model:
         self.pad_with(self.padding)
         # Padded batches are priced as the instances run them: staged ones at the bucket.
         batcher.queue.to_bucket = engine.staged
+        batcher.pad_rows = engine.padded
         self._inputs_by_name = {s.name: s for s in self.inputs}
         self._output_names = [s.name for s in self.outputs]
         self._batchable = engine.batchable

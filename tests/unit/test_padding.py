@@ -18,7 +18,7 @@ from hypothesis.extra import numpy as hnp
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from sluice.core.datatypes import DATATYPES
-from sluice.core.errors import InvalidInput, LoadFailed
+from sluice.core.errors import InvalidInput, LoadFailed, ModelFailed
 from sluice.runtime import tracing
 from sluice.server.dataplane import staging
 from sluice.server.dataplane.batcher import (
@@ -535,6 +535,42 @@ async def test_the_batcher_counts_real_and_padded_positions_and_tells_the_bucket
     assert stats.by_bucket == {(16,): 2, (32,): 1}
 
 
+class Failing(Echo):
+    async def run(self, batch: Sequence[Pending]) -> list[Arrays]:
+        raise ModelFailed("no")
+
+
+async def test_positions_are_counted_once_run_with_the_rows_the_run_padded() -> None:
+    """A failed run counts nothing; runs that pad their rows (staged) count those rows."""
+    padding = text_plan(buckets=(16, 32))
+
+    async def submit(batcher: Batcher, length: int) -> Arrays:
+        inputs = request(length)
+        lengths, bucket = padding.measure(inputs)
+        group = padding.group_key(inputs, ["pooled"], bucket)
+        return await batcher.submit(
+            inputs, ["pooled"], rows=1, group=group, lengths=lengths, bucket=bucket
+        )
+
+    failing = Batcher([Failing()], max_rows=8, budget_s=1.0)
+    with pytest.raises(ModelFailed):
+        await submit(failing, 5)
+    assert (failing.stats.real_tokens, failing.stats.padded_tokens) == (0, 0)
+    assert not failing.stats.by_bucket
+
+    runner = Echo()
+    batcher = Batcher([runner], max_rows=8, budget_s=1.0)
+    batcher.queue.to_bucket = batcher.pad_rows = True
+    tasks = [asyncio.create_task(submit(batcher, n)) for n in (3, 10, 12, 5)]
+    for _ in range(5):  # every task submits: the first runs, three wait
+        await asyncio.sleep(0)
+    runner.gate.set()
+    await asyncio.gather(*tasks)
+    assert runner.batches == [[(3,)], [(10,), (12,), (5,)]]
+    assert batcher.stats.real_tokens == 3 + 10 + 12 + 5
+    assert batcher.stats.padded_tokens == 16 + 4 * 16  # three rows run as four, at the bucket
+
+
 def test_a_padded_batch_span_names_its_bucket(spans: InMemorySpanExporter) -> None:
     """The batch run's span carries the bucket of a padded request; an unpadded one none."""
     for bucket in (64, None):
@@ -756,8 +792,10 @@ async def test_staged_runs_pad_to_the_bucket_and_cut_back(models: dict[str, Path
                 assert_close(got[output], want[output])
         stats = model.batcher.stats
         assert set(stats.by_bucket) == {(8,), (32,)}
-        # Alone or not, each run ran its bucket's positions.
-        assert stats.padded_tokens == sum(8 if n <= 8 else 32 for n in [3, 8, 20, 5, 31, 2] * 2)
+        # Alone or not, each run ran its bucket's positions, on rows padded to a power of
+        # two: alone six runs; together the first alone, 8, 5 and 2 (as four rows), 20 and 31.
+        alone_tokens = sum(8 if n <= 8 else 32 for n in [3, 8, 20, 5, 31, 2])
+        assert stats.padded_tokens == alone_tokens + 8 + 4 * 8 + 2 * 32
     finally:
         engine.close()
 
