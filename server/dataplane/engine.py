@@ -253,15 +253,14 @@ class Instance:
             # are ONNX Runtime's own arrays, which views keep alive.
             pooled = self._row_shapes if out_buffers else {}
             owned = [name for name in results if name not in pooled]
+            cuts = self.padding.outputs if self.padding is not None and cut else None
             try:
-                split = staging.split(
-                    results,
-                    rows,
-                    views=owned,
-                    cuts=self.padding.outputs if self.padding is not None and cut else None,
-                    lengths=[p.lengths for p in batch],
-                    padded=lengths,
-                )
+                if len(batch) > 1:
+                    split = staging.split(
+                        results, rows, owned, cuts, [p.lengths for p in batch], lengths
+                    )
+                else:  # alone, padded: no rows to split (its first dimension may not be any)
+                    split = [staging.cut(results, owned, cuts, batch[0].lengths, lengths)]
             except ValueError as exc:  # the model's outputs are not what it declares
                 for buffer in out_buffers:
                     self.pool.give(buffer)

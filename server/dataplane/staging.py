@@ -161,24 +161,62 @@ def split(
                 "the model's first dimension is not the batch"
             )
         axes = cuts.get(name, ()) if cuts else ()
-        for axis, dim in axes:
-            if array.shape[axis] != padded[dim]:
-                raise ValueError(
-                    f"output {name!r} has {array.shape[axis]} positions in dimension {axis} "
-                    f"for inputs padded to {padded[dim]} there; it cannot be cut back"
-                )
+        _check_cut(name, array, axes, padded)
         offset = 0
         for i, (result, n) in enumerate(zip(results, rows, strict=True)):
             rows_of_one = array[offset : offset + n]
             offset += n
-            if axes and any(lengths[i][dim] != padded[dim] for _, dim in axes):
-                index = [slice(None)] * array.ndim
-                for axis, dim in axes:
-                    index[axis] = slice(0, lengths[i][dim])
-                result[name] = rows_of_one[tuple(index)].copy()
-                continue
-            result[name] = rows_of_one if name in views else rows_of_one.copy()
+            result[name] = _cut(
+                rows_of_one, axes, lengths[i] if axes else (), padded, name in views
+            )
     return results
+
+
+def cut(
+    outputs: Mapping[str, np.ndarray],
+    views: Collection[str] = (),
+    cuts: Cuts | None = None,
+    lengths: tuple[int, ...] = (),
+    padded: tuple[int, ...] = (),
+) -> dict[str, np.ndarray]:
+    """One request's outputs, run alone at the `padded` lengths, each in `cuts` cut back to
+    its `lengths`, copies or views as `split` makes them; no rows are split off, so outputs
+    whose first dimension is not the batch (a static one, none at all) come back whole."""
+    result = {}
+    for name, array in outputs.items():
+        axes = cuts.get(name, ()) if cuts else ()
+        _check_cut(name, array, axes, padded)
+        result[name] = _cut(array, axes, lengths, padded, name in views)
+    return result
+
+
+def _check_cut(
+    name: str, array: np.ndarray, axes: tuple[tuple[int, int], ...], padded: tuple[int, ...]
+) -> None:
+    for axis, dim in axes:
+        if axis >= array.ndim or array.shape[axis] != padded[dim]:
+            found = array.shape[axis] if axis < array.ndim else "no"
+            raise ValueError(
+                f"output {name!r} has {found} positions in dimension {axis} "
+                f"for inputs padded to {padded[dim]} there; it cannot be cut back"
+            )
+
+
+def _cut(
+    array: np.ndarray,
+    axes: tuple[tuple[int, int], ...],
+    lengths: tuple[int, ...],
+    padded: tuple[int, ...],
+    view: bool,
+) -> np.ndarray:
+    """One request's part of an output, cut back along `axes` to its `lengths` (a copy, unless
+    it fills them)."""
+    if axes and any(lengths[dim] != padded[dim] for _, dim in axes):
+        index = [slice(None)] * array.ndim
+        for axis, dim in axes:
+            index[axis] = slice(0, lengths[dim])
+        return array[tuple(index)].copy()
+    return array if view else array.copy()
 
 
 def rows_of(inputs: Mapping[str, np.ndarray]) -> int | None:

@@ -800,6 +800,63 @@ async def test_staged_runs_pad_to_the_bucket_and_cut_back(models: dict[str, Path
         engine.close()
 
 
+def unbatched() -> bytes:
+    """input_ids INT64 [1, sequence] (no batch dimension to share); outputs doubled FP32
+    [1, sequence], total FP32 [] (the ids' sum) and pair FP32 [2] (the sum twice)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    node = helper.make_node
+    nodes = [
+        node("Cast", ["input_ids"], ["f"], to=TensorProto.FLOAT),
+        node("Mul", ["f", "two"], ["doubled"]),
+        node("ReduceSum", ["f"], ["total"], keepdims=0),
+        node("Reshape", ["total", "one"], ["total1"]),
+        node("Concat", ["total1", "total1"], ["pair"], axis=0),
+    ]
+    initializers = [
+        numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+        numpy_helper.from_array(np.array([1], np.int64), "one"),
+    ]
+    info = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        nodes,
+        "unbatched",
+        [info("input_ids", TensorProto.INT64, [1, SEQ])],
+        [
+            info("doubled", TensorProto.FLOAT, [1, SEQ]),
+            info("total", TensorProto.FLOAT, []),
+            info("pair", TensorProto.FLOAT, [2]),
+        ],
+        initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+async def test_a_staged_request_alone_is_cut_back_without_splitting_rows(tmp_path: Path) -> None:
+    """As on CUDA, a model without a batch dimension: its outputs of a static first dimension
+    other than 1, or of none, come back whole; those along the length, cut back."""
+    from sluice.server.dataplane.engine import Engine
+    from sluice.server.dataplane.models import Model
+    from sluice.server.dataplane.repository import warm_up
+
+    path = tmp_path / "unbatched.onnx"
+    path.write_bytes(unbatched())
+    engine = Engine(path, device="cpu", stage=True, max_batch=1, lengths=True)
+    try:
+        model = Model(engine, Batcher(engine.instances), pads={"input_ids": "0"}, buckets=(8,))
+        warm_up(model)
+        ids = np.array([[3, 1, 4, 1, 5]], np.int64)
+        answer, _ = await model.run({"input_ids": ids}, [], None)
+        assert answer["doubled"].tolist() == [[6.0, 2.0, 8.0, 2.0, 10.0]]
+        assert answer["total"].shape == () and float(answer["total"]) == 14.0
+        assert answer["pair"].tolist() == [14.0, 14.0]
+        assert model.batcher.stats.padded_tokens == 8  # it ran at its bucket
+    finally:
+        engine.close()
+
+
 async def test_bad_requests_are_refused_naming_the_input_and_leave_the_rest_be(
     models: dict[str, Path],
 ) -> None:
