@@ -2,11 +2,13 @@
 any work is queued for it. Transport-free; times are on the caller's clock.
 
 Little's law on the visible queue: a new request finishes after the runs now going, then
-the runs the queued requests make (batches of up to `max_rows`; a larger request is a run of
-its own) in waves over the instances, then its own run. A run's cost is
-measured, not configured: its wall time as the batcher saw it (thread hops and a busy CPU
-included), fitted as fixed + per-row seconds over the recent runs (decaying averages), so
-a queue that will drain in large batches is not priced as many runs of one row. A request
+the runs the queued requests make (batches of up to `max_rows` rows; a larger request is a
+run of its own) in waves over the instances, then its own run. Work is counted in the
+batcher's cost units: rows, or where inputs are padded positions (rows times the lengths
+they run at). A run's cost is measured, not configured: its wall time as the batcher saw it
+(thread hops and a busy CPU included), fitted as fixed + per-unit seconds over the recent
+runs (decaying averages), so a queue that will drain in large batches is not priced as many
+runs of one row. A request
 that cannot make it is refused at once with RESOURCE_EXHAUSTED, so it costs the server
 almost nothing and its caller can go elsewhere while it still has time; one admitted is one
 the server expects to answer."""
@@ -34,11 +36,11 @@ class Admission:
         # Decaying moments of (rows, seconds) per run, for the fit.
         self._rows = self._seconds = self._rows2 = self._rows_seconds = 0.0
 
-    def observe(self, seconds: float, rows: int) -> None:
-        """One run of `rows` rows took `seconds` of wall time."""
+    def observe(self, seconds: float, cost: int) -> None:
+        """One run of `cost` (rows, or padded positions) took `seconds` of wall time."""
         self.runs += 1
         weight = WEIGHT if self.runs > 1 else 1.0
-        x = float(max(rows, 1))
+        x = float(max(cost, 1))
         self._rows += weight * (x - self._rows)
         self._seconds += weight * (seconds - self._seconds)
         self._rows2 += weight * (x * x - self._rows2)
@@ -51,34 +53,44 @@ class Admission:
             self.row_s = 0.0  # and admitted; the check at dequeue still catches it)
         self.fixed_s = max(0.0, self._seconds - self.row_s * self._rows)
 
-    def run_s(self, rows: float) -> float:
-        """Seconds one run of `rows` rows is expected to take."""
-        return self.fixed_s + self.row_s * rows
+    def run_s(self, cost: float) -> float:
+        """Seconds one run of `cost` (rows, or padded positions) is expected to take."""
+        return self.fixed_s + self.row_s * cost
 
-    def expected_s(self, ahead: Ahead, rows: int) -> float:
-        """Seconds until a request of `rows` rows, with `ahead` before it, is answered."""
-        seconds = self.run_s(ahead.running_rows / ahead.busy) if ahead.busy else 0.0
-        if ahead.queued and ahead.queued_rows:
-            runs = min(ahead.queued, math.ceil(ahead.queued_rows / self.max_rows))
+    def expected_s(self, ahead: Ahead, cost: int) -> float:
+        """Seconds until a request of `cost`, with `ahead` before it, is answered."""
+        seconds = self.run_s(ahead.running_cost / ahead.busy) if ahead.busy else 0.0
+        if ahead.queued and ahead.queued_cost:
+            # Batches take rows: their count is the rows over a batch's, whatever the lengths.
+            rows = ahead.queued_rows or ahead.queued_cost
+            runs = min(ahead.queued, math.ceil(rows / self.max_rows))
             waves = math.ceil(runs / self.instances)
-            seconds += waves * self.run_s(ahead.queued_rows / runs)
-        return seconds + self.run_s(rows)
+            seconds += waves * self.run_s(ahead.queued_cost / runs)
+        return seconds + self.run_s(cost)
 
-    def admit(self, now: float, deadline: float | None, ahead: Ahead, rows: int) -> None:
-        """Raise Overloaded unless the request can be answered by `deadline`. With nothing
-        ahead it is always let in: it delays nobody, and its run keeps the estimate fresh (a
-        server that refused everything would never learn it had become fast again)."""
+    def admit(
+        self,
+        now: float,
+        deadline: float | None,
+        ahead: Ahead,
+        cost: int,
+        unit: str = "rows",
+    ) -> None:
+        """Raise Overloaded unless the request of `cost` (in `unit`: rows, or positions where
+        inputs are padded) can be answered by `deadline`. With nothing ahead it is always let
+        in: it delays nobody, and its run keeps the estimate fresh (a server that refused
+        everything would never learn it had become fast again)."""
         if deadline is None or not (ahead.busy or ahead.queued) or self.runs < WARMUP:
             return
-        expected = self.expected_s(ahead, rows)
+        expected = self.expected_s(ahead, cost)
         left = deadline - now
         if expected > left:
             self.refused += 1
-            held = ahead.queued_rows + ahead.running_rows
+            held = ahead.queued_cost + ahead.running_cost
             raise Overloaded(
                 f"overloaded: the server cannot answer within the deadline (about "
-                f"{expected * 1000:.1f} ms of work for {held} rows ahead and this request, "
-                f"{max(left, 0.0) * 1000:.1f} ms left); retry later or elsewhere"
+                f"{expected * 1000:.1f} ms of work for {held} {unit} ahead and this request's "
+                f"{cost}, {max(left, 0.0) * 1000:.1f} ms left); retry later or elsewhere"
             )
 
 
@@ -87,6 +99,7 @@ class Ahead:
     """The work before a new request: runs going now, and the queue."""
 
     busy: int = 0  # instances running a batch
-    running_rows: int = 0
+    running_cost: int = 0  # their cost: rows, or padded positions
     queued: int = 0  # requests waiting
-    queued_rows: int = 0
+    queued_cost: int = 0
+    queued_rows: int = 0  # the rows of those requests (0: their cost, where nothing pads)

@@ -181,6 +181,10 @@ class BatchQueue:
         queues = self._classes[: priority + 1]
         return sum(map(len, queues)), sum(self._costs[: priority + 1])
 
+    def rows_ahead(self, priority: int) -> int:
+        """The rows of the requests `ahead` counts."""
+        return sum(self._rows[: priority + 1])
+
     def add(self, item: Pending) -> Pending | None:
         """Queue `item`; the request shed to make room for it, if one was (its caller must
         be told). Overloaded when the queue is full of work at least as urgent."""
@@ -395,12 +399,13 @@ class Batcher:
             trip.bucket = bucket_label(bucket)
         if deadline is not None and not (self._idle and not len(self.queue)):
             # Admission prices work in the cost model's units: rows, padded to their bucket
-            # where padded (Pending.cost). Its batch count, those units over the rows a batch
-            # takes, then counts a run per padded request or so: their fixed costs in full.
+            # where padded (Pending.cost); it counts the batches by rows.
             queued, queued_cost = self.queue.ahead(priority)
-            ahead = Ahead(self.busy, self._running_cost, queued, queued_cost)
+            queued_rows = self.queue.rows_ahead(priority)
+            ahead = Ahead(self.busy, self._running_cost, queued, queued_cost, queued_rows)
+            unit = "positions" if bucket else "rows"
             try:
-                self.admission.admit(now, deadline, ahead, tokens(rows, bucket))
+                self.admission.admit(now, deadline, ahead, tokens(rows, bucket), unit)
             except Overloaded:
                 self.stats.rejected += 1
                 raise

@@ -412,11 +412,27 @@ def test_the_run_cost_fit_tells_fixed_from_per_row_seconds() -> None:
     assert admission.row_s == pytest.approx(0.0005, rel=0.01)
     # 30 one-row requests queued: four runs of 7.5 rows in two waves over two instances
     # (5.75 ms each), then its own run of 2 rows (3 ms).
-    ahead = Ahead(queued=30, queued_rows=30)
+    ahead = Ahead(queued=30, queued_cost=30, queued_rows=30)
     assert admission.expected_s(ahead, 2) == pytest.approx(2 * 0.00575 + 0.003, rel=0.02)
     # One request of 64 rows running: a run of its own, whatever --max-batch says.
-    running = Ahead(busy=1, running_rows=64)
+    running = Ahead(busy=1, running_cost=64)
     assert admission.expected_s(running, 1) == pytest.approx(0.034 + 0.0025, rel=0.02)
+
+
+def test_padded_work_ahead_is_batched_by_rows_and_told_in_positions() -> None:
+    """Where inputs are padded, the cost is positions; a batch still takes `max_rows` rows."""
+    admission = Admission(instances=1, max_rows=8)
+    for positions in [32, 256, 128, 64, 256, 32, 192, 96] * 10:
+        admission.observe(0.005 + 0.0001 * positions, positions)
+    assert admission.fixed_s == pytest.approx(0.005, rel=0.01)
+    # Eight one-row requests of bucket 32 queued: one run of 256 positions (30.6 ms), not
+    # eight of 32 (65.6 ms), then its own run of 32 (8.2 ms).
+    ahead = Ahead(queued=8, queued_cost=256, queued_rows=8)
+    assert admission.expected_s(ahead, 32) == pytest.approx(0.0306 + 0.0082, rel=0.02)
+    with pytest.raises(
+        Overloaded, match=r"of work for 256 positions ahead and this request's 32, 10.0 ms left"
+    ):
+        admission.admit(0.0, 0.010, ahead, 32, "positions")
 
 
 async def test_a_cancelled_waiter_leaves_no_work_ahead_of_others() -> None:
