@@ -4,8 +4,11 @@ so drift on a shared machine hits each alike; medians across rounds."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -83,3 +86,20 @@ def save(result: dict[str, Any], out: str) -> str:
     if out:
         Path(out).write_text(text + "\n")
     return text
+
+
+def context(note: str) -> dict[str, Any]:
+    """What a scenario's figures were measured on: the commit, the cores, the load average
+    (1, 5 and 15 minutes) before it (`loadavg_rounds` for each round's, appended by the
+    scenario), when it started, and the caller's note."""
+    described = subprocess.run(
+        ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
+    )
+    return {
+        "commit": described.stdout.strip() or "unknown",
+        "cpus": os.cpu_count(),
+        "loadavg_before": list(os.getloadavg()),
+        "loadavg_rounds": [],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "note": note,
+    }

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 import urllib.request
@@ -69,20 +68,6 @@ from perf.tensors_figures import IMAGE, ort_alone, rotated, served_threads
 from sluice import SluiceClient, models
 from sluice.client.shm import signature
 from sluice.perf.sweep import duration
-
-
-def context(note: str) -> dict[str, Any]:
-    described = subprocess.run(
-        ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
-    )
-    return {
-        "commit": described.stdout.strip() or "unknown",
-        "cpus": os.cpu_count(),
-        "loadavg_before": list(os.getloadavg()),
-        "loadavg_rounds": [],
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "note": note,
-    }
 
 
 def model_seconds(port: int) -> tuple[float, float]:
@@ -212,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check(args.rounds, args.threads)
     seconds, warmup = duration(args.duration), duration(args.warmup)
-    ctx = context(args.note)
+    ctx = paired.context(args.note)
     squeeze = make_squeezenet.cached(IMAGE[2])
     rng = np.random.default_rng(0)
     bodies = {

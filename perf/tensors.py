@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -53,20 +51,6 @@ from perf.tensors_figures import (
     summarize,
 )
 from sluice import models
-
-
-def context(note: str) -> dict[str, Any]:
-    """What the figures were measured on."""
-    described = subprocess.run(
-        ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
-    )
-    return {
-        "commit": described.stdout.strip() or "unknown",
-        "cpus": os.cpu_count(),
-        "loadavg_before": os.getloadavg()[0],
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "note": note,
-    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "1" not in hop_levels:
         raise SystemExit("--hop-levels must include 1 (the added p50 is read at c=1)")
     engines = engines_of(args.engines)
-    ctx = context(args.note)
+    ctx = paired.context(args.note)
     pool, squeeze = make_pool.cached(IMAGE[2]), make_squeezenet.cached(IMAGE[2])
     array = np.random.default_rng(0).standard_normal(IMAGE, dtype=np.float32)
     with ExitStack() as stack:
@@ -176,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     extra = [*common, "-c", cell.levels, *cell.args]
                     runs[engine][name].append(paired.sweep_once(addresses[cell.target], extra))
                 print(f"tensors round {r + 1}/{args.rounds}: {engine} done", file=sys.stderr)
-    ctx["loadavg_after"] = os.getloadavg()[0]
+    ctx["loadavg_after"] = list(os.getloadavg())
     ort_figures = ort_summary(ort_runs)
     hop = f"c{hop_levels[-1]}"
     sweeps = {e: summarize(runs[e], plan) for e in engines}

@@ -332,7 +332,7 @@ def markdown(result: dict[str, Any]) -> str:
     ort_figures = result["ort_alone"]
     lines = [
         f"`{result['command']}` at {ctx['commit']}, {ctx['started']}, {ctx['cpus']} CPUs, "
-        f"load average {ctx['loadavg_before']:.2f} before and {ctx['loadavg_after']:.2f} "
+        f"load average {ctx['loadavg_before'][0]:.2f} before and {ctx['loadavg_after'][0]:.2f} "
         f"after; {result['rounds']} alternating rounds, medians."
         + (f" {ctx['note']}" if ctx["note"] else ""),
         "",

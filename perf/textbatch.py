@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -173,20 +172,6 @@ def run_async(coroutine: Any) -> Any:
         return runner.run(coroutine)
 
 
-def context(note: str) -> dict[str, Any]:
-    described = subprocess.run(
-        ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
-    )
-    return {
-        "commit": described.stdout.strip() or "unknown",
-        "cpus": os.cpu_count(),
-        "loadavg_before": list(os.getloadavg()),
-        "loadavg_rounds": [],
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "note": note,
-    }
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m perf.textbatch",
@@ -232,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = Path(args.model) if args.model else make_text.cached()
     if not model.is_file():
         raise SystemExit(f"--model {model}: no such file")
-    ctx = context(args.note)
+    ctx = paired.context(args.note)
     alone = tf.session(str(model), args.threads)
     try:
         inputs = tf.text_inputs(alone)
