@@ -238,8 +238,7 @@ class Dataplane:
         priority: int,
         lease: Lease | None,
     ) -> Entry:
-        # A protocol is handed a lease only for a body that names regions.
-        request = protocol.decode(body) if lease is None else protocol.decode(body, lease)
+        request = protocol.decode(body, lease)  # a lease only for a body that names regions
         run = _RunSpans(model) if tracing.ON and tracing.recording() else None
         try:
             outputs, nonfinite = await model.run(

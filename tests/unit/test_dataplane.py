@@ -15,12 +15,13 @@ import pytest
 
 from sluice import models
 from sluice.core.errors import DeadlineExpired, InvalidInput, ModelNotFound
+from sluice.core.shm import Lease
 from sluice.server.dataplane.batcher import Arrays, Batcher, Pending
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine, Instance
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Asked, Dataplane, Request
-from sluice.server.v1 import SluiceV1
+from sluice.server.v1 import Options, SluiceV1
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 from tests.conftest import SAMPLES
@@ -48,7 +49,7 @@ class Raw:
     def route(self, body: bytes) -> Asked:
         return Asked()
 
-    def decode(self, body: bytes) -> Request[None]:
+    def decode(self, body: bytes, lease: object = None) -> Request[None]:
         self.decoded += 1
         return Request({"input": np.frombuffer(body, np.float32).reshape(-1, 64)}, ["label"], None)
 
@@ -67,11 +68,11 @@ class CountingV1:
     def route(self, body: bytes) -> Asked:
         return V1.route(body)
 
-    def decode(self, body: bytes) -> Request[bool]:
+    def decode(self, body: bytes, lease: Lease | None = None) -> Request[Options]:
         self.decoded += 1
-        return V1.decode(body)
+        return V1.decode(body, lease)
 
-    def encode(self, model: Model, request: Request[bool], outputs: Arrays) -> bytes:
+    def encode(self, model: Model, request: Request[Options], outputs: Arrays) -> bytes:
         return V1.encode(model, request, outputs)
 
 

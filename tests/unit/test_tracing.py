@@ -514,7 +514,7 @@ class Raw:
     def route(self, body: bytes) -> Asked:
         return Asked()
 
-    def decode(self, body: bytes) -> Request[None]:
+    def decode(self, body: bytes, lease: object = None) -> Request[None]:
         return Request({"input": np.frombuffer(body, np.float32).reshape(1, 64)}, (), None)
 
     def encode(self, model: Model, request: Request[None], outputs: dict[str, np.ndarray]) -> bytes:
