@@ -285,10 +285,13 @@ class BatchQueue:
                     peak = tuple(map(max, peak, item.lengths))
         self._size += len(keep) - len(self._classes[cls])
         self._classes[cls] = keep
-        kept = sum(item.rows for item in keep)
+        kept = cost = 0
+        for item in keep:  # one pass; an unpadded request costs its rows
+            kept += item.rows
+            cost += item.cost if item.bucket else item.rows
         self.rows += kept - self._rows[cls]
         self._rows[cls] = kept
-        self._costs[cls] = sum(item.cost for item in keep)
+        self._costs[cls] = cost
         for item in batch:
             item.taken = True
         if not batch:
