@@ -6,6 +6,7 @@ body's digest without parsing anything."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -362,19 +363,19 @@ class InferenceService:
     async def infer(self, body: bytes, protocol: WireProtocol[Any], call: Call) -> bytes:
         """One inference call of any protocol, its trailers added to `call`; with shared
         memory on, it holds a lease on its caller's regions until it is answered."""
-        lease = None if self.regions is None else self.regions.lease(tenant_name(call.account))
-        try:
-            entry, cached = await self.plane.infer(
-                body,
-                protocol,
-                deadline=call.deadline,
-                cache=not call.no_cache,
-                priority=call.priority,
-                lease=lease,
-            )
-        finally:
-            if lease is not None:  # the dataplane released one it used; not one it never took
-                lease.release()
+        leases = (
+            None
+            if self.regions is None
+            else functools.partial(self.regions.lease, tenant_name(call.account))
+        )
+        entry, cached = await self.plane.infer(
+            body,
+            protocol,
+            deadline=call.deadline,
+            cache=not call.no_cache,
+            priority=call.priority,
+            lease=leases,
+        )
         if entry.nonfinite:
             call.trailers.append(("x-nonfinite-inputs", ",".join(entry.nonfinite)))
         if cached is not None:

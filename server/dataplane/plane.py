@@ -94,14 +94,14 @@ class Dataplane:
         deadline: float | None = None,
         cache: bool = True,
         priority: int = 0,
-        lease: Lease | None = None,
+        lease: Callable[[], Lease] | None = None,
     ) -> tuple[Entry, Cached]:
         """The answer to one request body, and whether the cache gave it (`cache=False`
         keeps the call out of the cache and single-flight, as does a body that names
         shared memory). A model run waits in the batcher's `priority` class (a computation
-        shared by single-flight: its first caller's). `lease`: the call's hold on its
-        caller's shared memory regions (None: the node takes none), released once the
-        answer is encoded."""
+        shared by single-flight: its first caller's). `lease`: takes the call's hold on
+        its caller's shared memory regions (None: the node takes none), asked only for a
+        body that names regions, as its run begins; released once the answer is encoded."""
         if deadline is not None and deadline <= self.clock():
             raise DeadlineExpired(EXPIRED)
         asked = protocol.route(body)
@@ -206,7 +206,7 @@ class Dataplane:
         protocol: WireProtocol[Opts],
         deadline: float | None,
         priority: int,
-        lease: Lease | None,
+        lease: Callable[[], Lease] | None,
     ) -> tuple[Entry, Cached]:
         return await self._entry(model, body, protocol, deadline, priority, lease), None
 
@@ -217,8 +217,9 @@ class Dataplane:
         protocol: WireProtocol[Opts],
         deadline: float | None,
         priority: int,
-        lease: Lease | None = None,
+        leases: Callable[[], Lease] | None = None,
     ) -> Entry:
+        lease = None if leases is None else leases()
         try:
             entry = await self._answer(model, body, protocol, deadline, priority, lease)
         except BaseException:

@@ -6,6 +6,7 @@ refusal, each its status and words, through a grpc.aio server on this loop."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import mmap
 import os
@@ -242,7 +243,7 @@ async def test_a_cancelled_call_writes_nothing_into_its_region(
     body = request(shared_input(), outputs=(Output(name="label", parameters=placed("out", 64)),))
     lease = regions.lease("")
     try:
-        call = asyncio.ensure_future(plane.infer(body, KServeV2(True), lease=lease))
+        call = asyncio.ensure_future(plane.infer(body, KServeV2(True), lease=lambda: lease))
         await held(plane)
         call.cancel()
         outputs.map[:] = b"NEWDATA!" * 8  # the caller's next use of its region
@@ -319,12 +320,14 @@ async def test_a_write_back_that_fails_fails_the_call_and_masks_no_error(
         fits = Output(name="label", parameters=placed("out", LABELS))
         with pytest.raises(SluiceError, match="could not be written: No space"):
             await plane.infer(
-                request(shared_input(), outputs=(fits,)), protocol, lease=regions.lease("")
+                request(shared_input(), outputs=(fits,)), protocol, lease=lambda: regions.lease("")
             )
         small = Output(name="probabilities", parameters=placed("out", 16, 1024))
         with pytest.raises(InvalidInput, match="should be at least 160 bytes"):  # not masked
             await plane.infer(
-                request(shared_input(), outputs=(fits, small)), protocol, lease=regions.lease("")
+                request(shared_input(), outputs=(fits, small)),
+                protocol,
+                lease=lambda: regions.lease(""),
             )
     finally:
         regions.close()
@@ -349,7 +352,9 @@ async def test_inputs_and_outputs_in_shared_memory_answer_as_onnxruntime(
     for _ in range(2):  # never a cache hit: the regions, not the body, hold the answer
         lease = regions.lease("")
         entry, cached = await plane.infer(
-            request(shared_input(), outputs=both, id="a"), protocol, lease=lease
+            request(shared_input(), outputs=both, id="a"),
+            protocol,
+            lease=functools.partial(lambda held: held, lease),
         )
         assert cached is None and lease._released  # released once the outputs are written
         response = kpb.ModelInferResponse.FromString(entry.body)
@@ -395,7 +400,7 @@ async def test_shared_memory_beside_raw_values(
         ],
         raw_input_contents=[X.tobytes()],
     ).SerializeToString()
-    entry, _ = await plane.infer(raw, KServeV2(True), lease=regions.lease(""))
+    entry, _ = await plane.infer(raw, KServeV2(True), lease=lambda: regions.lease(""))
     response = kpb.ModelInferResponse.FromString(entry.body)
     label, probabilities = truth(reference)
     assert response.raw_output_contents[0] == b""
