@@ -225,7 +225,7 @@ async def test_a_602_kb_image_answers_in_regions_as_onnxruntime(
 def test_the_sluice_client_with_shared_memory_answers_through_the_balancer(
     balancer: Process,
 ) -> None:
-    mine = f"{client_shm.PREFIX}{os.getpid()}"
+    mine = f"{client_shm.PREFIX}{os.getpid()}-"  # not another pid that begins with ours
     with (
         SluiceClient(balancer.address) as plain,
         SluiceClient(balancer.address, shared_memory=True) as client,

@@ -33,7 +33,12 @@ X = np.concatenate([s.input for s in SAMPLES[:5]])  # FP32 [5, 64]
 
 def objects(pid: int | None = None) -> set[str]:
     """The client objects in /dev/shm of process `pid` (None: this one; 0: any)."""
-    mine = f"{client_shm.PREFIX}{os.getpid() if pid is None else pid or ''}"
+    # The pid's own objects: PREFIX + pid + '-' (pid 12's name would also match pid 123's).
+    mine = (
+        f"{client_shm.PREFIX}{os.getpid() if pid is None else pid}-"
+        if pid != 0
+        else client_shm.PREFIX
+    )
     return {n for n in os.listdir(client_shm.ROOT) if n.startswith(mine)}
 
 

@@ -10,6 +10,7 @@ import gc
 import itertools
 import mmap
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -982,7 +983,10 @@ def truncated_under(root: Path, key: str, mode: str) -> subprocess.CompletedProc
     )
     try:
         assert child.stdout is not None
-        ready = child.stdout.readline()
+        # A child that hangs before it says so fails the test rather than holding it.
+        waited, _, _ = select.select([child.stdout], [], [], 60)
+        ready = child.stdout.readline() if waited else ""
+
         if ready == "ready\n":
             fd = os.open(root / key[1:], os.O_RDWR)
             try:
