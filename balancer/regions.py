@@ -231,6 +231,8 @@ def _infer_body(
     `lease`: shared memory is off, and a region named is refused."""
     refs = [
         regions.triton_ref(t.parameters, regions.input_label(t), lease, NO_SHARED_MEMORY)
+        if t.parameters  # the label only for a tensor that has parameters
+        else None
         for t in request.inputs
     ]
     given = list(request.raw_input_contents)

@@ -100,6 +100,8 @@ class KServeV2:
         # Request-level parameters (Triton's priority, sequence ids, ...) change nothing here.
         places = [
             regions.triton_ref(t.parameters, regions.input_label(t), lease, NO_SHARED_MEMORY)
+            if t.parameters  # the label only for a tensor that has parameters
+            else None
             for t in request.inputs
         ]
         regions.check_raw_entries(len(raw), places.count(None))

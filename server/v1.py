@@ -57,7 +57,9 @@ class SluiceV1:
         return Asked(read.model, read.version, None, shared)
 
     def decode(self, body: bytes, lease: Lease | None = None) -> Request[Options]:
-        if len(body) >= WIRE_READ_FROM:  # straight off the wire, where it can
+        # Straight off the wire where it can (a body that names regions, which has a lease,
+        # goes to the parser: the wire read would give it up)
+        if lease is None and len(body) >= WIRE_READ_FROM:
             try:
                 read = codec.decode_predict(body)  # None for one that names shared memory
             except codec.TensorError as exc:

@@ -557,7 +557,7 @@ class Regions:
             copies, lease._copies = lease._copies, []
         # The outputs land before their ranges are free to other calls, and while the lease
         # still holds their regions' fds (an unregistered region's too, as in mapped mode).
-        failed = [_written(c) for c in copies if ok and c.write and c.wrote] if copies else []
+        failed = [_written(c) for c in copies if ok and c.write and c.wrote]
         with self._lock:
             closing: list[_Region] = []
             for region in lease._held:

@@ -644,7 +644,6 @@ class Writes:
                 raise too_small(name, place, len(data[name]))
         self.placed = placed
         self.data = data
-        self._landed = False
 
     def size(self, name: str) -> int:
         """The bytes output `name` takes in its region."""
@@ -658,10 +657,7 @@ class Writes:
         }
 
     def land(self) -> None:
-        """Write each output into its view (once)."""
-        if self._landed:
-            return
-        self._landed = True
+        """Write each output into its view."""
         for name, place in self.placed.items():
             data = self.data[name]
             place.view[: len(data)] = data
