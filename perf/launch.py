@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from sluice.perf.target import cpu_seconds  # a process's utime + stime, one reader of /proc
 from sluice.runtime.launch import BIN, wait_serving
 
 __all__ = [
@@ -28,7 +29,6 @@ __all__ = [
     "server_argv",
     "wait_serving",
 ]
-TICK = os.sysconf("SC_CLK_TCK")
 
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 
@@ -161,12 +161,3 @@ def children(pid: int) -> list[int]:
         if int(fields[1]) == pid and fields[0] != "Z":
             found.append(int(stat.parent.name))
     return sorted(found)
-
-
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """User + system CPU time of these processes so far (Linux /proc)."""
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / TICK

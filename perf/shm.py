@@ -34,7 +34,6 @@ import argparse
 import os
 import sys
 import time
-import urllib.request
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -58,7 +57,7 @@ from perf.shm_figures import (
     check,
     goals,
     markdown,
-    model_seconds_in,
+    model_seconds,
     ort_summary,
     per_call,
     summarize,
@@ -68,12 +67,6 @@ from perf.tensors_figures import IMAGE, ort_alone, rotated, served_threads
 from sluice import SluiceClient, models
 from sluice.client.shm import signature
 from sluice.perf.sweep import duration
-
-
-def model_seconds(port: int) -> tuple[float, float]:
-    """The server's model wall time so far and its runs (its Prometheus histogram)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        return model_seconds_in(reply.read().decode())
 
 
 @dataclass

@@ -4,8 +4,8 @@ process, so the unit tier can check the arithmetic."""
 
 from __future__ import annotations
 
-import os
 import statistics
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from perf.tensors_figures import difference, goal, ms
+from sluice.perf.target import TICK
 
-TICK = os.sysconf("SC_CLK_TCK")
 DIGITS = (1, 64)  # the digits model's input: a tiny body
 ORT_THREADS = (1, 2)
 SLACK_MS = 0.1  # the first goal's headroom over ONNX Runtime alone + the echo floor
@@ -277,3 +277,9 @@ def check(rounds: int, threads: str) -> None:
         raise SystemExit("--rounds must be at least 1")
     if threads != "auto" and not (threads.isdigit() and int(threads) >= 1):
         raise SystemExit(f"--threads must be a number of threads or auto, not {threads!r}")
+
+
+def model_seconds(port: int) -> tuple[float, float]:
+    """The server's model wall time so far and its runs (its Prometheus histogram)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return model_seconds_in(reply.read().decode())

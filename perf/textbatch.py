@@ -50,7 +50,7 @@ from perf import make_text, paired
 from perf import textbatch_figures as tf
 from perf.launch import Process, children, cpu_seconds, running, server_argv
 from perf.observe import free_port
-from perf.shm import model_seconds
+from perf.shm_figures import model_seconds
 from perf.tensors_figures import rotated
 from sluice.client import AsyncSluiceClient
 from sluice.perf.sweep import duration
