@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,13 +44,18 @@ def shared_server() -> Iterator[Process]:
 def run_check(python: Path, address: str, mode: str, tmp_path: Path) -> dict[str, Any]:
     path = tmp_path / "input.npy"
     np.save(path, X)
-    out = subprocess.run(
-        [python, str(CHECK), address, "digits", str(path), mode],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    prefix = f"/sluice-tritonclient-{uuid.uuid4().hex}"
+    try:
+        out = subprocess.run(
+            [python, str(CHECK), address, "digits", str(path), mode, prefix],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+    finally:  # a check killed by the timeout never reached its own clean-up
+        for left in Path("/dev/shm").glob(f"{prefix[1:]}-*"):
+            left.unlink(missing_ok=True)
     assert out.returncode == 0, out.stderr
     found: dict[str, Any] = json.loads(out.stdout)
     return found
