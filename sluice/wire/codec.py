@@ -368,11 +368,21 @@ def _header(
     label: str, datatype: str, shape: tuple[int, ...]
 ) -> tuple[DataType, tuple[int, ...], int]:
     """The datatype, shape and element count a tensor declares, checked against themselves."""
+    return datatype_named(label, datatype), shape, element_count(label, shape)
+
+
+def datatype_named(label: str, datatype: str) -> DataType:
+    """The datatype a tensor names; TensorError for one the API does not have."""
     dt = DATATYPES.get(datatype)
     if dt is None:
         raise TensorError(
             f"{label} has unknown datatype {datatype!r}; expected one of {', '.join(DATATYPES)}"
         )
+    return dt
+
+
+def element_count(label: str, shape: tuple[int, ...]) -> int:
+    """The element count of a shape; TensorError where no message could carry the array."""
     if len(shape) > facts.MAX_RANK:
         raise TensorError(
             f"{label} has {len(shape)} dimensions; at most {facts.MAX_RANK} are allowed"
@@ -386,7 +396,7 @@ def _header(
             f"{label} has shape {list(shape)}, over {MAX_ELEMENTS} elements; "
             "no message can carry it"
         )
-    return dt, shape, count
+    return count
 
 
 def _raw(

@@ -11,7 +11,6 @@ both programs' words, for their other calls too."""
 from __future__ import annotations
 
 import ipaddress
-import math
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
@@ -260,13 +259,10 @@ def input_datatype(label: str, tensor: Input) -> DataType:
         raise InvalidInput(
             f"{label} is BYTES, which Sluice does not serve: its models take numeric tensors"
         )
-    dt = DATATYPES.get(tensor.datatype)
-    if dt is None:
-        raise InvalidInput(
-            f"{label} has unknown datatype {tensor.datatype!r}; "
-            f"expected one of {', '.join(DATATYPES)}"
-        )
-    return dt
+    try:
+        return codec.datatype_named(label, tensor.datatype)
+    except codec.TensorError as exc:
+        raise InvalidInput(str(exc)) from None
 
 
 # KServe's typed fields are sluice.v1's, renamed: int_data is int_contents, and so on.
@@ -329,22 +325,10 @@ def check_raw_entries(raw: int, unplaced: int) -> None:
 def element_count(label: str, shape: tuple[int, ...]) -> int:
     """The element count of a shape, refused when no array could have it (sluice.v1's
     bounds, sluice.wire.codec)."""
-    if len(shape) > facts.MAX_RANK:
-        raise InvalidInput(
-            f"{label} has {len(shape)} dimensions; at most {facts.MAX_RANK} are allowed"
-        )
-    if any(d < 0 for d in shape):
-        raise InvalidInput(f"{label} has a negative dimension in shape {list(shape)}")
-    count = math.prod(shape)
-    # An empty shape is judged by its other dimensions.
-    if count > codec.MAX_ELEMENTS or (
-        not count and math.prod(d for d in shape if d) > codec.MAX_ELEMENTS
-    ):
-        raise InvalidInput(
-            f"{label} has shape {list(shape)}, over {codec.MAX_ELEMENTS} elements; "
-            "no message can carry it"
-        )
-    return count
+    try:
+        return codec.element_count(label, shape)
+    except codec.TensorError as exc:
+        raise InvalidInput(str(exc)) from None
 
 
 def triton_ref(
