@@ -247,13 +247,12 @@ def _raw(
 def _array(
     label: str, data: bytes | memoryview, dt: DataType, shape: tuple[int, ...], where: str
 ) -> np.ndarray:
-    """A view of `data` as the input's array; a copy where it is not aligned."""
-    array = np.frombuffer(data, dtype=dt.dtype)
-    if not array.flags.aligned:  # a view at an odd offset: kernels want it aligned
-        array = array.copy()
-    if dt.dtype.kind == "b" and array.view(np.uint8).max(initial=0) > 1:
-        raise InvalidInput(f"{label} is BOOL but {where} bytes other than 0 and 1")
-    return array.reshape(shape)
+    """A view of `data` as the input's array (codec.view_of); a copy where it is not
+    aligned."""
+    try:
+        return codec.view_of(label, data, dt, shape, where)
+    except codec.TensorError as exc:
+        raise InvalidInput(str(exc)) from None
 
 
 # The servicer.

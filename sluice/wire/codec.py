@@ -408,13 +408,21 @@ def _raw(
             f"{label} has {len(raw)} bytes of raw_data but {dt.name} "
             f"shape {list(shape)} needs {expected} ({count} x {dt.dtype.itemsize} bytes)"
         )
-    array = np.frombuffer(raw, dtype=dt.dtype)
+    return view_of(label, raw, dt, shape, "its raw_data holds")
+
+
+def view_of(
+    label: str, data: bytes | memoryview, dt: DataType, shape: tuple[int, ...], where: str
+) -> np.ndarray:
+    """A view of `data` as the tensor's array; TensorError for BOOL bytes other than 0 and 1
+    (`where`: whose bytes they are, "its raw_data holds")."""
+    array = np.frombuffer(data, dtype=dt.dtype)
     # A view at an odd offset (a body not written by encode_predict): ORT runs it, but
     # slower and rounded differently, so it gets an aligned copy.
     if not array.flags.aligned:
         array = array.copy()
     if dt.dtype.kind == "b" and array.view(np.uint8).max(initial=0) > 1:
-        raise TensorError(f"{label} is BOOL but its raw_data holds bytes other than 0 and 1")
+        raise TensorError(f"{label} is BOOL but {where} bytes other than 0 and 1")
     return array.reshape(shape)
 
 
