@@ -192,7 +192,7 @@ class Model:
         outputs asked for (all when none are named) and the inputs that held NaN or infinity.
         The batcher fills in `trip`, if given, with the request's queue wait and batch (for
         tracing)."""
-        nonfinite = self.check(inputs)
+        nonfinite = self._fits(inputs)  # padded lengths are measured below, once
         if self._cast_now:
             inputs = self.cast(inputs)
         names = self.select(outputs)
@@ -226,6 +226,13 @@ class Model:
         hold NaN or infinity (allowed, but worth telling the caller). An input sent in one
         of its wire types is checked as sent: the cast keeps NaN and infinity and makes
         none (`wire_inputs`), and integers hold neither (that check costs nothing)."""
+        nonfinite = self._fits(inputs)
+        if self.padding is not None:  # padded inputs agree in length, within the longest
+            self.padding.measure(inputs)
+        return nonfinite
+
+    def _fits(self, inputs: Mapping[str, np.ndarray]) -> list[str]:
+        """`check` but for the padded lengths, which `run` measures itself."""
         unknown = [n for n in inputs if n not in self._inputs_by_name]
         if unknown:
             raise InvalidInput(
@@ -266,8 +273,6 @@ class Model:
                 )
             if holds_nonfinite(array):
                 nonfinite.append(spec.name)
-        if self.padding is not None:  # padded inputs agree in length, within the longest
-            self.padding.measure(inputs)
         return nonfinite
 
     def cast(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
