@@ -38,7 +38,8 @@ from sluice.core.tenants import HEADER, INTERACTIVE, Account, Tenants, tenant_na
 from sluice.runtime import door, spans, tracing
 from sluice.runtime.door import OPEN, TENANT
 from sluice.runtime.status import status_of
-from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL, bucket_label
+from sluice.server.dataplane import padding
+from sluice.server.dataplane.batcher import BUDGET, DRAINED, FULL
 from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Dataplane, WireProtocol
 from sluice.server.settings import ServerSettings
@@ -469,7 +470,7 @@ def _batcher_stats(model: Model) -> pb.BatcherStats:
         padding_efficiency=batcher.padding_efficiency,
         buckets=model.padding.buckets.listed() if model.padding is not None else (),
         max_length=model.padding.buckets.limit if model.padding is not None else 0,
-        bucket_batches={str(bucket_label(b)): n for b, n in batcher.by_bucket.items()},
+        bucket_batches={str(padding.label(b)): n for b, n in batcher.by_bucket.items()},
     )
 
 

@@ -40,7 +40,7 @@ from sluice.core.errors import DeadlineExpired, Overloaded
 from sluice.core.tenants import PRIORITIES
 from sluice.server.dataplane.admission import Admission, Ahead
 from sluice.server.dataplane.buffers import bucket
-from sluice.server.dataplane.padding import Lengths, run_lengths, tokens
+from sluice.server.dataplane.padding import Lengths, label, run_lengths, tokens
 
 Arrays = dict[str, np.ndarray]
 FULL, BUDGET, DRAINED = "full", "budget", "drained"
@@ -87,13 +87,6 @@ class Trip:
     ) -> None:
         self.taken, self.started, self.ended = taken, started, ended
         self.rows, self.requests, self.reason = rows, requests, reason
-
-
-def bucket_label(bucket: Lengths) -> int | str | None:
-    """A bucket as `Trip.bucket` holds it."""
-    if not bucket:
-        return None
-    return bucket[0] if len(bucket) == 1 else "x".join(map(str, bucket))
 
 
 @dataclass(eq=False)
@@ -399,7 +392,7 @@ class Batcher:
         now = self.clock()
         if trip is not None:
             trip.arrival = now
-            trip.bucket = bucket_label(bucket)
+            trip.bucket = label(bucket)
         if deadline is not None and not (self._idle and not len(self.queue)):
             # Admission prices work in the cost model's units: rows, padded to their bucket
             # where padded (Pending.cost); it counts the batches by rows.

@@ -340,8 +340,8 @@ class Padding:
                 if not dims:
                     raise LoadFailed(
                         f"output {name!r} dimension {axis} is {sizes[0]} long when the padded "
-                        f"inputs are {_lengths(first)} and {sizes[1]} when they are "
-                        f"{_lengths(second)}: it changes with the padded length but is not it, "
+                        f"inputs are {label(first)} and {sizes[1]} when they are "
+                        f"{label(second)}: it changes with the padded length but is not it, "
                         "so a padded batch's answers cannot be cut back to each request's"
                     )
                 learned.append((axis, dims[0]))
@@ -369,8 +369,12 @@ def probes(count: int) -> tuple[Lengths, Lengths]:
     return first, tuple(2 * n for n in first)
 
 
-def _lengths(lengths: Lengths) -> str:
-    return "x".join(map(str, lengths))
+def label(lengths: Lengths) -> int | str | None:
+    """Lengths as spans, Health and messages show them: the length where one dimension is
+    padded, the lengths joined by "x" where several are (None: unpadded)."""
+    if not lengths:
+        return None
+    return lengths[0] if len(lengths) == 1 else "x".join(map(str, lengths))
 
 
 def run_lengths(lengths: Sequence[Lengths], bucket: Lengths, to_bucket: bool) -> Lengths:
