@@ -229,12 +229,7 @@ def _infer_body(
     (protobuf writes the rest; the entries, its last field, are framed here so that each is
     copied once, into the body), and the views its outputs are to be written into. No
     `lease`: shared memory is off, and a region named is refused."""
-    refs = [
-        regions.triton_ref(t.parameters, regions.input_label(t), lease, NO_SHARED_MEMORY)
-        if t.parameters  # the label only for a tensor that has parameters
-        else None
-        for t in request.inputs
-    ]
+    refs = regions.triton_inputs(request.inputs, lease, NO_SHARED_MEMORY)
     given = list(request.raw_input_contents)
     regions.check_raw_entries(len(given), refs.count(None))
     entries: list[bytes | memoryview] = []

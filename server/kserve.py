@@ -98,12 +98,7 @@ class KServeV2:
         request, raw = read_infer(body)
         model = request.model_name
         # Request-level parameters (Triton's priority, sequence ids, ...) change nothing here.
-        places = [
-            regions.triton_ref(t.parameters, regions.input_label(t), lease, NO_SHARED_MEMORY)
-            if t.parameters  # the label only for a tensor that has parameters
-            else None
-            for t in request.inputs
-        ]
+        places = regions.triton_inputs(request.inputs, lease, NO_SHARED_MEMORY)
         regions.check_raw_entries(len(raw), places.count(None))
         inputs: dict[str, np.ndarray] = {}
         at = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import urllib.parse
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -329,6 +329,17 @@ def element_count(label: str, shape: tuple[int, ...]) -> int:
         return codec.element_count(label, shape)
     except codec.TensorError as exc:
         raise InvalidInput(str(exc)) from None
+
+
+def triton_inputs(
+    inputs: Sequence[Input], lease: Lease | None, refusal: str
+) -> list[codec.Ref | None]:
+    """Where each of a ModelInferRequest's inputs lies in a region (None: in the body); the
+    label is made only for one with parameters (the common input has none)."""
+    return [
+        triton_ref(t.parameters, input_label(t), lease, refusal) if t.parameters else None
+        for t in inputs
+    ]
 
 
 def triton_ref(
