@@ -13,27 +13,44 @@ from grpc_health.v1 import health, health_pb2
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 
 class HealthService(health.aio.HealthServicer):  # type: ignore[misc,name-defined]
     def __init__(self) -> None:
         super().__init__()
-        self._closing = asyncio.Event()
+        self._closing = False
+        self._changed = asyncio.Event()  # set, and replaced, at each change of status
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:
-        watching = asyncio.ensure_future(super().Watch(request, context))
-        closing = asyncio.ensure_future(self._closing.wait())
-        try:
-            await asyncio.wait([watching, closing], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (watching, closing):
-                task.cancel()
+        """The status now and at each change; once shut down, the last one, then the end.
+        Never cancelled mid-write, as a wrapper of grpc's Watch was: a handler that returns
+        with a write pending fails its call in grpc core (TOO_MANY_OPERATIONS) and the call
+        never ends, so the server waited out its grace for it."""
+        last = None
+        while True:
+            changed = self._changed
+            status = self._server_status.get(request.service, SERVICE_UNKNOWN)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if self._closing:
+                return
+            await changed.wait()
+
+    async def set(self, service: str, status: int) -> None:
+        await super().set(service, status)
+        self._change()
 
     async def shut_down(self) -> None:
         """NOT_SERVING for good, told to every watcher, then every Watch stream ends."""
         await self.enter_graceful_shutdown()
-        await asyncio.sleep(0)  # let each watcher write the NOT_SERVING it was woken for
-        self._closing.set()
+        self._closing = True
+        self._change()
+
+    def _change(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
 
 class Readiness:
