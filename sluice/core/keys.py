@@ -13,10 +13,12 @@ NO_CACHE_VALUE = "no-cache"
 # Callers may give their own affinity key; calls with the same key go to the same server.
 AFFINITY_HEADER = "x-affinity-key"
 PREDICT = "/sluice.v1.Inference/Predict"
-# A trailer on a call refused before any work because its server (or every server behind a
-# balancer) is at its limit: RESOURCE_EXHAUSTED that another server with headroom may take.
+# A trailer on a call refused before any work, which another server may take: its server (or
+# every server behind a balancer) is at its limit (RESOURCE_EXHAUSTED), or it is draining
+# (UNAVAILABLE).
 REFUSED_HEADER = "x-refused"
 OVERLOADED = "overloaded"
+DRAINING = "draining"
 # A trailer on a call refused for its tenant's rate quota: milliseconds until it may pass.
 RETRY_AFTER_HEADER = "retry-after-ms"
 

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sluice.core.errors import SluiceError
+from sluice.runtime.gate import Gate
 from sluice.runtime.health import HealthService
 
 # grpc core holds each call that arrives before the application asks for one (grpc.aio asks
@@ -32,13 +33,14 @@ Methods: TypeAlias = "Mapping[str, grpc.RpcMethodHandler[bytes, bytes]]"
 
 def new_server(
     services: Mapping[str, Methods],
+    gate: Gate,
     *,
     max_message_bytes: int,
     reuseport: bool,
     max_pending_calls: int = MAX_PENDING_CALLS,
 ) -> tuple[grpc.aio.Server, HealthService]:
-    """A server with `services` (full service name -> its handlers by method name), health,
-    and reflection of all of them."""
+    """A server with `services` (full service name -> its handlers by method name; the unary
+    ones behind `gate`), health, and reflection of all of them."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -58,7 +60,7 @@ def new_server(
     # Registered, not generic: grpc core matches each method itself. Generic handlers are
     # asked in turn, and a call of the second service paid ~5% of its throughput for it.
     for name, methods in services.items():
-        server.add_registered_method_handlers(name, dict(methods))  # type: ignore[attr-defined]
+        server.add_registered_method_handlers(name, gate.handlers(methods))  # type: ignore[attr-defined]
     health = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

@@ -25,6 +25,7 @@ from sluice.core.stats import ServingStats
 from sluice.core.tenants import Tenants
 from sluice.core.words import counted
 from sluice.runtime import config, door, metrics, refusals, tracing
+from sluice.runtime.gate import Gate
 from sluice.runtime.health import Readiness
 from sluice.runtime.listener import Methods, bind, check_port_free, new_server
 from sluice.runtime.process import event_loop, return_large_blocks, setup_logging
@@ -102,8 +103,10 @@ async def _serve(
     """Listen, serve until stopped, drain up to the program's close steps; its workers."""
     settings, log = program.settings, program.log
     reuseport = program.processes > 1 or is_worker
+    gate = Gate(f"{settings.node_id} is draining: another node may take the call")
     server, health = new_server(
         program.services,
+        gate,
         max_message_bytes=settings.max_message_bytes,
         reuseport=reuseport,
         max_pending_calls=settings.max_pending_calls,
@@ -145,7 +148,8 @@ async def _serve(
     if program.drain_delay_s:
         await asyncio.sleep(program.drain_delay_s)
     program.refusing()
-    await server.stop(settings.grace_s)
+    # Calls in flight end and their replies are read before grpc closes the connections.
+    await server.stop(await gate.drain(settings.grace_s))
     for task in background:
         task.cancel()
     return workers

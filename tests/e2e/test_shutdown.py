@@ -50,6 +50,46 @@ def test_signal_drains_in_flight_calls_then_exits_zero(
     assert "stopped after" in server.log()
 
 
+def test_while_draining_new_calls_are_refused_retryable_and_in_flight_ones_answered(
+    reference: ort.InferenceSession,
+) -> None:
+    """Past the signal the server keeps its connections (grpc would close each as its last
+    call ends, resetting a caller still reading that reply): a new call gets the draining
+    refusal, with the trailer that lets a balancer or client retry it elsewhere."""
+    rng = np.random.default_rng(1)
+    batches = [rng.uniform(0, 16, (ROWS, 64)).astype(np.float32) for _ in range(CALLS)]
+    x = SAMPLES[0].input
+    refusals: list[grpc.RpcError] = []
+    with running_server("--instances", "1", "--grace-s", "60") as server:
+        client = SluiceClient(server.address, timeout=60)
+        client.predict({"input": x})  # the connection is up before the signal
+        with ThreadPoolExecutor(CALLS) as pool:
+            futures = [pool.submit(client.predict, {"input": b}) for b in batches]
+            wait_arrived(server.address, CALLS + 1)
+            server.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            # Until the signal is seen: calls before it are answered, those after refused.
+            while not refusals and not all(f.done() for f in futures):
+                assert time.monotonic() < deadline, "no call was refused while draining"
+                try:
+                    client.predict({"input": x}, no_cache=True, timeout=10)
+                except grpc.RpcError as exc:
+                    refusals.append(exc)
+            results = [f.result(timeout=60) for f in futures]
+        assert server.proc.wait(60) == 0, server.log()
+        server.close()
+        client.close()
+    assert refusals, "the calls in flight ended before the drain refused one"
+    refused = refusals[0]
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused
+    assert "is draining: another node may take the call" in (refused.details() or "")
+    assert ("x-refused", "draining") in tuple(refused.trailing_metadata() or ())  # type: ignore[attr-defined]
+    for batch, result in zip(batches, results, strict=True):
+        np.testing.assert_array_equal(
+            result["label"], reference.run(["label"], {"input": batch})[0]
+        )
+
+
 def test_refuses_to_share_a_taken_port() -> None:
     with running_server() as first:
         port = first.address.rsplit(":", 1)[1]
