@@ -61,6 +61,7 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         tenants=tenants,
         max_message_bytes=settings.max_message_bytes,
         regions=regions,
+        hedge=settings.hedge,
     )
     readiness = Readiness(pool.serving)
     membership = Membership(

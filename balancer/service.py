@@ -45,6 +45,7 @@ from sluice.core.stats import ServingStats, health_fields
 from sluice.core.tenants import HEADER, Account, Tenants, tenant_name
 from sluice.core.versions import version_key
 from sluice.routing.budget import RetryBudget
+from sluice.routing.hedge import HedgeSettings, Hedging
 from sluice.routing.planner import Observer, Planner, rule_of
 from sluice.routing.pool import Backend, Pool, Want
 from sluice.runtime import door, spans, tracing
@@ -116,6 +117,7 @@ class BalancerService:
         tenants: Tenants | None = None,
         max_message_bytes: int = 0,
         regions: Regions | None = None,
+        hedge: HedgeSettings | None = None,
     ) -> None:
         self.tenants = tenants  # None: auth off
         # The regions callers register here (--shared-memory; None: off, and refused).
@@ -133,7 +135,12 @@ class BalancerService:
         self.clock = clock
         self.stats = ServingStats(clock=clock)
         # A stream that broke before the reply fails its calls with StreamBroken.
-        self.planner = Planner(pool, budget, Reply, broken=(StreamBroken,), clock=clock)
+        # --hedge-after-ms: every call's attempts (PredictStream's messages and fan-out's
+        # chunks too: each is a planner call) may be hedged.
+        self.hedging = None if hedge is None else Hedging(hedge, clock)
+        self.planner = Planner(
+            pool, budget, Reply, broken=(StreamBroken,), clock=clock, hedging=self.hedging
+        )
 
     def methods(self) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]:
         """sluice.v1.Inference's handlers by method name."""

@@ -34,16 +34,18 @@ each attempt and of the answer; with none, a driver does no more than check for 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from sluice.core.errors import Code, status_name
 from sluice.core.words import counted
 from sluice.routing.budget import RetryBudget
+from sluice.routing.hedge import Hedging
 from sluice.routing.limit import Limits
 from sluice.routing.pool import ANY, Backend, Pool, Want
 
@@ -168,6 +170,7 @@ class Attempt:
     backend: Backend
     timeout: float | None  # the time left before the caller's deadline
     sent: float
+    hedge: bool = False  # a second copy of an attempt still out (sluice.routing.hedge)
 
 
 class Observer(Protocol[R_contra]):
@@ -288,8 +291,12 @@ class Plan(Generic[R]):
             # turn, and a misspelt name would spend the retry budget others need.
             if attempt.backend.models is None:
                 return answer
-        elif answer.code == 0 and self._planner.limits:
-            self._planner.limits.answered(attempt.backend)
+        elif answer.code == 0:
+            planner = self._planner
+            if planner.limits:
+                planner.limits.answered(attempt.backend)
+            if planner.hedging is not None:
+                planner.hedging.answered(planner.clock() - attempt.sent)
         if not rule.retry:
             return answer
         self._failed(attempt, f"{status_name(answer.code)}: {answer.message}")
@@ -309,35 +316,84 @@ class Plan(Generic[R]):
         return None
 
     def abandon(self, attempt: Attempt) -> None:
-        """The attempt ended with no verdict on its backend (the caller cancelled, or the
-        transport itself failed): the error goes on to the caller."""
+        """The attempt ended with no verdict on its backend (the caller cancelled, the
+        transport itself failed, or another attempt answered first): its slot is given back."""
         self._planner.pool.finish(attempt.backend, self._planner.clock() - attempt.sent, "neutral")
+
+    def hedgeable(self, after: float) -> bool:
+        """Whether the call has more than `after` seconds left (a hedge sent after that long
+        must still have time to answer)."""
+        return self.deadline is None or self.deadline - self._planner.clock() > after
+
+    def hedge(self) -> Attempt | None:
+        """A second copy of the call, whose attempt is still out: to a backend not tried yet
+        (for a keyed call, the next on its ring) that is usable and below its learned limit,
+        the hedge budget allowing; None when there is none (the call waits for its
+        attempt). Told to the observer as `step` tells an attempt."""
+        planner = self._planner
+        hedging, clock, pool, limits = planner.hedging, planner.clock, planner.pool, planner.limits
+        left = None if self.deadline is None else self.deadline - clock()
+        if hedging is None or (left is not None and left <= 0):
+            return None
+        full = [b for b in pool.backends.values() if limits.full(b)] if limits else []
+        backend = pool.choose(self.key, self.tried + full, self.want).backend
+        if backend is None or not hedging.budget.withdraw() or not pool.start(backend):
+            return None
+        self.tried.append(backend)
+        hedging.sent += 1
+        hedge = Attempt(backend, left, clock(), hedge=True)
+        self._started(hedge)
+        return hedge
+
+    def cancelled(self, attempt: Attempt, error: BaseException | None = None) -> None:
+        """The attempt was cancelled, unanswered, because another answered first (or, with
+        `error`, because the call left with it): no verdict on its backend, its slot given
+        back; told to the observer."""
+        self.abandon(attempt)
+        if error is None and self._planner.hedging is not None:
+            self._planner.hedging.cancelled += 1
+        if self._observer is not None:
+            self._observer.attempt_ended(attempt, None, error or asyncio.CancelledError())
 
     def step(self) -> Attempt | R:
         """`next()`, an attempt told to the observer. Should the observer raise, the attempt
         is abandoned (its backend's slot, taken by `Pool.start`, given back) and the error
         goes on."""
         step = self.next()
-        observer = self._observer
-        if observer is not None and isinstance(step, Attempt):
-            try:
-                observer.attempt_started(step)
-            except BaseException:
-                self.abandon(step)
-                raise
+        if isinstance(step, Attempt):
+            self._started(step)
         return step
+
+    def _started(self, attempt: Attempt) -> None:
+        observer = self._observer
+        if observer is not None:
+            try:
+                observer.attempt_started(attempt)
+            except BaseException:
+                self.abandon(attempt)
+                raise
 
     def replied(self, attempt: Attempt, reply: R) -> Attempt | R:
         """`answered`, then told to the observer; then the next step, or the answer."""
+        final = self.settled(attempt, reply)
+        return self.step() if final is None else final
+
+    def settled(self, attempt: Attempt, reply: R) -> R | None:
+        """`answered`, then told to the observer."""
         final = self.answered(attempt, reply)
         if self._observer is not None:
             self._observer.attempt_ended(attempt, reply, None)
-        return self.step() if final is None else final
+        return final
 
     def raised(self, attempt: Attempt, error: BaseException) -> Attempt | R:
         """`failed` for TimeoutError or a `broken` error, then told to the observer; then
         the next step, or the answer. Any other error (the caller cancelled, the transport
         failed) abandons the attempt, is told, and is raised again."""
+        final = self.errored(attempt, error)
+        return self.step() if final is None else final
+
+    def errored(self, attempt: Attempt, error: BaseException) -> R | None:
+        """`raised` without the next step: the planner's answer, or None to try another."""
         known = isinstance(error, self._planner._known)
         final = None
         if known:
@@ -348,7 +404,7 @@ class Plan(Generic[R]):
             self._observer.attempt_ended(attempt, None, error)
         if not known:
             raise error
-        return self.step() if final is None else final
+        return final
 
     def ended(self, answer: R) -> R:
         """The call's `answer`, told to the observer."""
@@ -422,9 +478,11 @@ class Planner(Generic[R]):
         *,
         broken: tuple[type[BaseException], ...] = (),
         clock: Callable[[], float] = time.monotonic,
+        hedging: Hedging | None = None,
     ) -> None:
         self.pool = pool
         self.budget = budget
+        self.hedging = hedging  # None: no hedges (`run_sync` never sends any)
         self.reply = reply
         self.broken = broken
         self.clock = clock
@@ -451,6 +509,8 @@ class Planner(Generic[R]):
         call (as span code inside an attempt did), once the plan has recorded the attempt."""
         plan = Plan(self, key, deadline, want, observer)
         try:
+            if self.hedging is not None:
+                return plan.ended(await self._hedged(plan, attempt, self.hedging))
             step = plan.step()
             while isinstance(step, Attempt):
                 try:
@@ -464,6 +524,75 @@ class Planner(Generic[R]):
             raise
         return plan.ended(step)
 
+    async def _hedged(
+        self,
+        plan: Plan[R],
+        attempt: Callable[[Backend, float | None], Awaitable[R]],
+        hedging: Hedging,
+    ) -> R:
+        """`run`'s loop with hedging: each attempt is a task, and while one is out alone and
+        unanswered after the hedge delay (the call having more time left than that), one
+        hedge goes (at most one a call). The first OK answer wins; the attempt still out is
+        cancelled and recorded neutrally. An attempt whose outcome would be retried while
+        another is out is not: the other is already its retry. A failure that is the
+        call's answer (the caller's error, a timeout) waits for an attempt still out,
+        which may yet answer OK; when none is left, it is the answer."""
+        out: dict[asyncio.Future[R], Attempt] = {}
+        timer: asyncio.Future[None] | None = None
+        fallback: R | None = None  # a final answer that is not OK, while another is out
+        hedged = False
+        hedging.budget.deposit()  # each call earns `ratio` of a hedge
+        step: Attempt | R | None = plan.step()
+        try:
+            while True:
+                if isinstance(step, Attempt):
+                    out[asyncio.ensure_future(attempt(step.backend, step.timeout))] = step
+                elif step is not None:
+                    return step
+                step = None
+                if timer is None and not hedged and len(out) == 1:
+                    after = hedging.delay()
+                    if after is not None and plan.hedgeable(after):
+                        timer = asyncio.ensure_future(hedging.sleep(after))
+                waiting: set[asyncio.Future[Any]] = {*out, *([timer] if timer else [])}
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if timer is not None and timer in done:
+                    timer, hedged = None, True
+                    step = plan.hedge()
+                    continue
+                winner: R | None = None
+                for task in [t for t in out if t in done]:
+                    sent = out.pop(task)
+                    try:
+                        final = plan.settled(sent, task.result())
+                    except BaseException as exc:
+                        final = plan.errored(sent, exc)  # raises what is not the planner's
+                    if final is not None and final.code == 0 and winner is None:
+                        winner = final
+                        hedging.won += sent.hedge
+                    elif final is not None and fallback is None:
+                        fallback = final
+                if winner is not None:
+                    return winner
+                if out:
+                    continue  # what is still out is the retry, or may yet answer OK
+                if timer is not None:
+                    timer.cancel()
+                    timer = None
+                step = fallback if fallback is not None else plan.step()
+        except BaseException as exc:  # the caller cancelled, or the transport failed
+            for task, sent in out.items():
+                _cancel(task)
+                plan.cancelled(sent, exc)
+            out.clear()
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            for task, sent in out.items():  # answered by another
+                _cancel(task)
+                plan.cancelled(sent)
+
     def run_sync(
         self,
         key: int | None,
@@ -474,7 +603,8 @@ class Planner(Generic[R]):
         observer: Observer[R] | None = None,
     ) -> R:
         """`run` for blocking transports; `lock` guards each step (not the sending, nor the
-        observer: it is the call's own)."""
+        observer: it is the call's own). It sends no hedges: a blocking caller has no second
+        attempt to wait on beside the first (the blocking client refuses the option)."""
         with lock:
             plan = LockedPlan(self, key, deadline, want, observer, lock)
         try:
@@ -490,3 +620,14 @@ class Planner(Generic[R]):
             plan.left(exc)
             raise
         return plan.ended(step)
+
+
+def _cancel(task: asyncio.Future[Any]) -> None:
+    """Cancel an attempt still out; what it may raise yet is read, not reported as unread."""
+    task.cancel()
+    task.add_done_callback(_retrieved)
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
