@@ -13,23 +13,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
 from sluice.balancer.settings import BalancerSettings
+from sluice.core.stats import ServingStats
 from sluice.runtime import config
+from sluice.runtime.metrics import ServingCollector
+from sluice.server.dataplane.cache import LRUCache
+from sluice.server.dataplane.models import Models
+from sluice.server.metrics import DataplaneCollector
 from sluice.server.settings import ServerSettings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "sluice.json"
+# Overlays of deploy/ with an autoscaler on the servers: users pick one.
+OVERLAYS = (DEPLOY / "autoscaling" / "hpa", DEPLOY / "autoscaling" / "keda")
 
 # Fixed, so a new kubernetes-validate release cannot change the verdict: the oldest
 # Kubernetes minor the manifests promise to work on, and a recent one. Both ship with
 # kubernetes-validate >= 1.33 (it bundles 1.25 onwards).
 KUBERNETES_VERSIONS = ("1.30", "1.33")
 # Custom resources: no schema in Kubernetes' own; checked by hand below.
-CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PodMonitor")}
+CUSTOM_RESOURCES = {
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+}
 KUSTOMIZATION = ("kustomize.config.k8s.io/v1beta1", "Kustomization")
 # A Kustomize component: patches that a kustomization may add (gpu/, the servers on GPUs).
 COMPONENT = ("kustomize.config.k8s.io/v1alpha1", "Component")
@@ -75,9 +86,16 @@ class Doc:
         return f"{self.path.relative_to(DEPLOY)}#{self.index}:{self.body['kind']}/{name}"
 
 
+# YAML under deploy/ that is no Kubernetes object: checked on its own (or by its owner).
+ADAPTER_VALUES = DEPLOY / "autoscaling" / "hpa" / "prometheus-adapter-values.yaml"
+NOT_KUBERNETES = {DEPLOY / "compose.yaml", ADAPTER_VALUES}
+
+
 def load_docs() -> list[Doc]:
     docs = []
     for path in sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")]):
+        if path in NOT_KUBERNETES:
+            continue
         for index, body in enumerate(yaml.safe_load_all(path.read_text())):
             if body is not None:
                 docs.append(Doc(path, index, body))
@@ -159,9 +177,11 @@ def test_deploy_holds_the_expected_objects() -> None:
     assert kinds == [
         ("Deployment", "sluice-balancer"),
         ("Deployment", "sluice-server"),
+        ("HorizontalPodAutoscaler", "sluice-server"),
         ("PodDisruptionBudget", "sluice-balancer"),
         ("PodDisruptionBudget", "sluice-server"),
         ("PodMonitor", "sluice"),
+        ("ScaledObject", "sluice-server"),
         ("Service", "sluice"),
         ("Service", "sluice-servers"),
     ]
@@ -185,7 +205,10 @@ def test_manifest_validates_against_kubernetes_schema(doc: Doc, version: str) ->
 def test_custom_resources_are_the_known_ones() -> None:
     """kubernetes-validate has no schema for CRDs: name them, so no other kind slips by."""
     custom = [d for d in OBJECTS if d.key in CUSTOM_RESOURCES]
-    assert [d.path.relative_to(DEPLOY).as_posix() for d in custom] == ["monitoring/podmonitor.yaml"]
+    assert [d.path.relative_to(DEPLOY).as_posix() for d in custom] == [
+        "autoscaling/keda/scaledobject.yaml",
+        "monitoring/podmonitor.yaml",
+    ]
     for doc in custom:
         with pytest.raises(kubernetes_validate.SchemaNotFoundError):
             kubernetes_validate.validate(doc.body, KUBERNETES_VERSIONS[0], strict=True)
@@ -193,10 +216,11 @@ def test_custom_resources_are_the_known_ones() -> None:
 
 def test_kustomizations_list_every_manifest_beside_them() -> None:
     kustomizations = [d for d in DOCS if d.key == KUSTOMIZATION]
-    assert {d.path.parent for d in kustomizations} == {DEPLOY, DEPLOY / "monitoring"}
+    assert {d.path.parent for d in kustomizations} == {DEPLOY, DEPLOY / "monitoring", *OVERLAYS}
     for doc in kustomizations:
         here = doc.path.parent
-        listed = {(here / r).resolve() for r in doc.body["resources"]}
+        # An overlay's base is deploy/ itself, checked as a kustomization of its own.
+        listed = {(here / r).resolve() for r in doc.body["resources"]} - {DEPLOY}
         beside = {d.path.resolve() for d in OBJECTS if d.path.parent == here}
         assert listed == beside, f"{doc.path}: resources must be exactly {sorted(beside)}"
     # CRDs stay out of the default `kubectl apply -k deploy/`: it must work without them.
@@ -216,17 +240,20 @@ def test_kustomization_image_is_the_one_the_deployments_run() -> None:
 
 
 def json_patch(body: dict[str, Any], operations: list[dict[str, Any]]) -> dict[str, Any]:
-    """`body` with RFC 6902 add and replace operations applied, as Kustomize applies them."""
+    """`body` with RFC 6902 add, replace and remove operations applied, as Kustomize applies
+    them."""
     result = copy.deepcopy(body)
     for operation in operations:
-        assert operation["op"] in ("add", "replace"), operation
+        assert operation["op"] in ("add", "replace", "remove"), operation
         *parents, last = [
             part.replace("~1", "/").replace("~0", "~") for part in operation["path"][1:].split("/")
         ]
         box: Any = result
         for part in parents:
             box = box[int(part)] if isinstance(box, list) else box[part]
-        if isinstance(box, list):
+        if operation["op"] == "remove":
+            del box[int(last) if isinstance(box, list) else last]
+        elif isinstance(box, list):
             at = len(box) if last == "-" else int(last)
             if operation["op"] == "add":
                 box.insert(at, operation["value"])
@@ -556,3 +583,279 @@ def test_dashboard_queries_only_sluice_metrics_and_shows_them_all() -> None:
         match = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", query)
         assert match and match[1] in METRICS, query
     assert used == METRICS, f"no panel shows {sorted(METRICS - used)}"
+
+
+# -- autoscaling -----------------------------------------------------------------------------
+
+
+def exported_server_metrics() -> set[str]:
+    """The sample names a server's registry holds (its collectors, idle): read from the code,
+    so renaming a metric fails the autoscaling checks that name it."""
+    collectors = (ServingCollector(ServingStats()), DataplaneCollector(Models(), LRUCache(1, 1)))
+    return {s.name for c in collectors for family in c.collect() for s in family.samples}
+
+
+SERVER_METRICS = exported_server_metrics()
+HPA = only("HorizontalPodAutoscaler", "sluice-server")
+SCALED = only("ScaledObject", "sluice-server")
+ADAPTER_RULES: list[dict[str, Any]] = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["custom"]
+
+
+def overlay(here: Path) -> tuple[dict[str, Any], list[Doc]]:
+    """An overlay's server Deployment, its patches applied, and its own objects."""
+    (kustomization,) = [d.body for d in DOCS if d.path == here / "kustomization.yaml"]
+    base, own = kustomization["resources"]
+    assert (here / base).resolve() == DEPLOY, "an overlay of deploy/, the base applied whole"
+    deployment = SERVER
+    for patch in kustomization["patches"]:
+        target = patch["target"]
+        assert (target["kind"], target["name"]) == ("Deployment", "sluice-server"), target
+        deployment = json_patch(deployment, yaml.safe_load(patch["patch"]))
+    return deployment, [d for d in OBJECTS if d.path == here / own]
+
+
+def pod_name_matches(pattern: str, deployment: str) -> bool:
+    """Whether a PromQL `pod=~` regex (anchored, as PromQL anchors it) matches the names of
+    a Deployment's pods: NAME-<replicaset hash>-<suffix>."""
+    return re.fullmatch(pattern, f"{deployment}-7d9f8b6c5d-x2k4q") is not None
+
+
+def test_pod_names_match() -> None:
+    assert pod_name_matches(r"sluice-server-.+", "sluice-server")
+    assert not pod_name_matches(r"sluice-server-.+", "sluice-balancer")
+
+
+@pytest.mark.parametrize("here", OVERLAYS, ids=lambda p: p.name)
+def test_an_overlay_is_deploy_with_one_autoscaler_owning_the_servers(here: Path) -> None:
+    deployment, own = overlay(here)
+    assert "replicas" not in deployment["spec"], "the autoscaler sets it, not each apply"
+    for version in KUBERNETES_VERSIONS:
+        assert kubernetes_validate.validate(deployment, version, strict=True) == version
+    (scaler,) = [d.body for d in own]
+    assert scaler["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")
+    target = scaler["spec"]["scaleTargetRef"]
+    assert (target.get("apiVersion", "apps/v1"), target.get("kind", "Deployment")) == (
+        SERVER["apiVersion"],
+        SERVER["kind"],
+    )
+    assert target["name"] == SERVER["metadata"]["name"]
+
+
+def test_deploy_itself_has_no_autoscaler() -> None:
+    """`kubectl apply -k deploy/` runs 3 servers, fixed; an autoscaler is an overlay's."""
+    scalers = [d for d in OBJECTS if d.body["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")]
+    assert sorted(d.path.parent for d in scalers) == sorted(OVERLAYS)
+    assert SERVER["spec"]["replicas"] == HPA["spec"]["minReplicas"]
+
+
+def test_the_adapter_rule_serves_the_metric_the_hpa_reads() -> None:
+    (rule,) = ADAPTER_RULES
+    series = re.fullmatch(r"(\w+)\{([^}]*)\}", rule["seriesQuery"])
+    assert series, rule["seriesQuery"]
+    name, matchers = series[1], series[2]
+    assert name in SERVER_METRICS, f"{name} is not exported by the server"
+    # The labels that tie a series to its pod, and nothing the HPA does not ask about.
+    overrides = rule["resources"]["overrides"]
+    assert overrides == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+    assert set(re.findall(r'(\w+)!=""', matchers)) == set(overrides)
+    # The adapter renames the series by `matches` and `as`: the name the HPA asks for.
+    served = re.sub(rule["name"]["matches"], rule["name"]["as"], name)
+    assert served != name
+    (metric,) = HPA["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    assert metric["pods"]["metric"]["name"] == served
+    # The query, as the adapter fills it in for the pods the HPA asks about.
+    query = (
+        rule["metricsQuery"]
+        .replace("<<.Series>>", name)
+        .replace("<<.LabelMatchers>>", 'namespace="default",pod=~"sluice-server-a|sluice-server-b"')
+        .replace("<<.GroupBy>>", "pod")
+    )
+    assert "<<" not in query, query
+    assert promql_metrics(query) == {name}
+    assert re.search(rf"\brate\({name}\{{", query), "a rate of the sum: mean calls in flight"
+    assert re.match(r"sum by \(pod\) ", query), "one value per pod, whatever its labels"
+
+
+def test_the_hpa_targets_a_value_per_server() -> None:
+    (metric,) = HPA["spec"]["metrics"]
+    target = metric["pods"]["target"]
+    assert target["type"] == "AverageValue"
+    assert float(target["averageValue"]) > 0
+    assert 1 <= HPA["spec"]["minReplicas"] < HPA["spec"]["maxReplicas"]
+
+
+def behaviors() -> list[dict[str, Any]]:
+    return [
+        HPA["spec"]["behavior"],
+        SCALED["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"],
+    ]
+
+
+@pytest.mark.parametrize("behavior", behaviors(), ids=["hpa", "keda"])
+def test_scale_down_waits_for_each_drain(behavior: dict[str, Any]) -> None:
+    down = behavior["scaleDown"]
+    # Several minutes of agreement first: a dip in load does not cost a server's cache.
+    assert down["stabilizationWindowSeconds"] >= 120
+    grace = SERVER["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    drain = flags(container(SERVER)["args"])
+    assert grace > float(drain["--drain-delay-s"]) + float(drain["--grace-s"])
+    # One server leaves per period, and a period outlasts a whole drain: drains never
+    # overlap, whatever the policies' other choices (Min picks the most cautious one).
+    policies = down["policies"]
+    assert policies and all(p["type"] == "Pods" and p["value"] == 1 for p in policies)
+    assert all(p["periodSeconds"] > grace for p in policies)
+    assert down.get("selectPolicy", "Max") != "Disabled"
+    # Scale-up is not held back by a window (new servers take minutes to start anyway).
+    assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
+
+
+def test_the_server_budget_is_an_absolute_count_below_the_minimum() -> None:
+    """A PDB in percent or minAvailable moves with the replicas an autoscaler sets; one
+    server at a time, below the fewest the autoscalers keep, always lets a drain proceed."""
+    budget = only("PodDisruptionBudget", "sluice-server")["spec"]
+    assert "minAvailable" not in budget
+    assert budget["maxUnavailable"] == 1
+    assert budget["maxUnavailable"] < min(
+        HPA["spec"]["minReplicas"], SCALED["spec"]["minReplicaCount"]
+    )
+
+
+# What the ScaledObject may hold: the fields of KEDA 2.x's CRD (keda.sh_scaledobjects.yaml)
+# that these manifests use, strict, so a misspelt or misplaced field fails here as
+# kubernetes-validate fails one of Kubernetes' own.
+SCALED_OBJECT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "keda.sh/v1alpha1"},
+        "kind": {"const": "ScaledObject"},
+        "metadata": {"type": "object"},
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["scaleTargetRef", "triggers"],
+            "properties": {
+                "scaleTargetRef": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["name"],
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "name": {"type": "string"},
+                        "envSourceContainerName": {"type": "string"},
+                    },
+                },
+                "pollingInterval": {"type": "integer", "minimum": 1},
+                "cooldownPeriod": {"type": "integer"},
+                "initialCooldownPeriod": {"type": "integer"},
+                "idleReplicaCount": {"type": "integer"},
+                "minReplicaCount": {"type": "integer", "minimum": 0},
+                "maxReplicaCount": {"type": "integer", "minimum": 1},
+                "fallback": {"type": "object"},
+                "advanced": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "restoreToOriginalReplicaCount": {"type": "boolean"},
+                        "horizontalPodAutoscalerConfig": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {
+                                "name": {"type": "string"},
+                                "behavior": {"type": "object"},
+                            },
+                        },
+                        "scalingModifiers": {"type": "object"},
+                    },
+                },
+                "triggers": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["type", "metadata"],
+                        "properties": {
+                            "type": {"type": "string"},
+                            "name": {"type": "string"},
+                            "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                            "useCachedMetrics": {"type": "boolean"},
+                            "authenticationRef": {"type": "object"},
+                            # KEDA reads every trigger setting as a string.
+                            "metadata": {
+                                "type": "object",
+                                "additionalProperties": {"type": "string"},
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+# The prometheus scaler's settings (KEDA's docs, scalers/prometheus).
+PROMETHEUS_TRIGGER = {
+    "serverAddress",
+    "query",
+    "threshold",
+    "activationThreshold",
+    "ignoreNullValues",
+    "namespace",
+    "customHeaders",
+    "queryParameters",
+    "unsafeSsl",
+}
+
+
+def test_the_scaled_object_fits_kedas_crd() -> None:
+    jsonschema.validate(SCALED, SCALED_OBJECT_SCHEMA)
+    broken = copy.deepcopy(SCALED)
+    broken["spec"]["minReplicas"] = 3  # the HPA's word, not KEDA's
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, SCALED_OBJECT_SCHEMA)
+    # Its behavior is an HPA's: check it with Kubernetes' own schema, in an HPA.
+    as_hpa = copy.deepcopy(HPA)
+    as_hpa["spec"]["behavior"] = SCALED["spec"]["advanced"]["horizontalPodAutoscalerConfig"][
+        "behavior"
+    ]
+    for version in KUBERNETES_VERSIONS:
+        assert kubernetes_validate.validate(as_hpa, version, strict=True) == version
+
+
+def test_the_scaled_object_is_the_hpa_in_kedas_words() -> None:
+    spec = SCALED["spec"]
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (
+        HPA["spec"]["minReplicas"],
+        HPA["spec"]["maxReplicas"],
+    )
+    assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == HPA["spec"]["behavior"]
+    assert spec["minReplicaCount"] >= 1, "a server takes minutes to load: no scale to zero"
+    (trigger,) = spec["triggers"]
+    assert trigger["type"] == "prometheus"
+    settings = trigger["metadata"]
+    assert set(settings) <= PROMETHEUS_TRIGGER, sorted(set(settings) - PROMETHEUS_TRIGGER)
+    assert settings["serverAddress"].startswith("http")
+    # Per server, as the HPA's target: the sum divided by the replicas.
+    assert trigger["metricType"] == "AverageValue"
+    (metric,) = HPA["spec"]["metrics"]
+    assert float(settings["threshold"]) == float(metric["pods"]["target"]["averageValue"])
+    assert settings["ignoreNullValues"] == "false", "no answer must not read as idle"
+
+
+def test_the_scaled_object_queries_the_servers_metric() -> None:
+    (trigger,) = SCALED["spec"]["triggers"]
+    query = trigger["metadata"]["query"]
+    names = promql_metrics(query)
+    assert names <= SERVER_METRICS, f"not exported by the server: {sorted(names - SERVER_METRICS)}"
+    # The same series as the adapter rule, summed over the servers' pods only.
+    (rule,) = ADAPTER_RULES
+    assert names == {rule["seriesQuery"].split("{")[0]}
+    assert re.fullmatch(r"sum\(rate\(\w+\{[^}]*\}\[1m\]\)\)", query), query
+    pods = re.search(r'pod=~"([^"]+)"', query)
+    assert pods, "without a pod matcher the balancers' calls would count too"
+    assert pod_name_matches(pods[1], SERVER["metadata"]["name"])
+    assert not pod_name_matches(pods[1], BALANCER["metadata"]["name"])
+    assert re.search(r'namespace="[^"]+"', query), "one namespace's servers only"
