@@ -1,0 +1,426 @@
+"""Hedged requests in the call planner, under a fake clock, a fake sleep (the hedge delay ends
+when the test says) and attempts the test answers one by one: when a hedge goes and where,
+which answer wins, what the loser's backend is told, the budget, the deadline, and the auto
+delay."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from sluice.core.errors import Code
+from sluice.routing.breaker import BreakerSettings
+from sluice.routing.budget import RetryBudget
+from sluice.routing.hedge import MIN_SAMPLES, HedgeSettings, Hedging
+from sluice.routing.planner import Attempt, Planner, ReplyLike
+from sluice.routing.pool import Backend, Pool
+from sluice.wire.mux import Reply
+
+DELAY = 0.005
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Timer:
+    """The hedge delay's sleep: it ends when the test `fire`s it (the clock moved on)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.waits: list[float] = []
+        self._fired: asyncio.Event | None = None
+
+    async def __call__(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        self._fired = asyncio.Event()
+        await self._fired.wait()
+
+    def fire(self) -> None:
+        assert self._fired is not None, "no hedge delay is running"
+        self.clock.now += self.waits[-1]
+        self._fired.set()
+
+
+class Gated:
+    """Attempts that wait until the test answers them (`answer`), recording each as (address,
+    timeout) and each cancelled one."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, float | None]] = []
+        self.cancelled: list[str] = []
+        self._pending: dict[str, asyncio.Future[Reply]] = {}
+
+    async def __call__(self, backend: Backend, timeout: float | None) -> Reply:
+        self.sent.append((backend.address, timeout))
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._pending[backend.address] = future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.cancelled.append(backend.address)
+            raise
+
+    def answer(self, address: str, reply: Reply | BaseException) -> None:
+        future = self._pending.pop(address)
+        if isinstance(reply, BaseException):
+            future.set_exception(reply)
+        else:
+            future.set_result(reply)
+
+
+class Told:
+    """An observer that writes down what it is told."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, bool, str]] = []
+
+    def attempt_started(self, attempt: Attempt) -> None:
+        self.events.append(("started", attempt.backend.address, attempt.hedge, ""))
+
+    def attempt_ended(
+        self, attempt: Attempt, reply: ReplyLike | None, error: BaseException | None
+    ) -> None:
+        what = type(error).__name__ if reply is None else str(reply.code)
+        self.events.append(("ended", attempt.backend.address, attempt.hedge, what))
+
+    def ended(self, answer: ReplyLike | None, error: BaseException | None) -> None:
+        self.events.append(("answer", "", False, "" if answer is None else str(answer.code)))
+
+
+def hedged(
+    clock: FakeClock,
+    addresses: Sequence[str] = ("a:1", "b:1", "c:1"),
+    *,
+    after_s: float | None = DELAY,
+    ratio: float = 0.1,
+    min_per_s: float = 1.0,
+) -> tuple[Planner[Reply], Timer]:
+    pool = Pool(
+        breaker=BreakerSettings(failures_to_open=2, jitter=0.0),
+        clock=clock,
+        rng=random.Random(7),
+        table_size=101,
+    )
+    pool.set_addresses(addresses)
+    timer = Timer(clock)
+    hedging = Hedging(HedgeSettings(after_s, ratio, min_per_s), clock, timer)
+    return Planner(pool, RetryBudget(clock=clock), Reply, clock=clock, hedging=hedging), timer
+
+
+def ok(body: bytes = b"answer") -> Reply:
+    return Reply(0, "", body)
+
+
+async def settle() -> None:
+    """Let every task that can run, run."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def counts(p: Planner[Reply]) -> tuple[int, int, int]:
+    hedging = p.hedging
+    assert hedging is not None
+    return hedging.sent, hedging.won, hedging.cancelled
+
+
+def in_flight(p: Planner[Reply]) -> list[int]:
+    return [b.in_flight for b in p.pool.backends.values()]
+
+
+async def first_then_hedge(
+    p: Planner[Reply], timer: Timer, gated: Gated, key: int | None = 42, **kw: object
+) -> asyncio.Task[Reply]:
+    """A call whose first attempt is out, then hedged: both are out when this returns."""
+    sent, waits = len(gated.sent), len(timer.waits)
+    call = asyncio.ensure_future(p.run(key, p.clock() + 1.0, gated, **kw))  # type: ignore[arg-type]
+    await settle()
+    assert len(gated.sent) == sent + 1 and timer.waits[waits:] == [DELAY]
+    timer.fire()
+    await settle()
+    assert len(gated.sent) == sent + 2
+    return call
+
+
+def plenty(p: Planner[Reply]) -> None:
+    """Budget for every hedge the test asks for."""
+    assert p.hedging is not None
+    p.hedging.budget.tokens = p.hedging.budget.max_tokens
+
+
+async def test_a_slow_attempt_is_hedged_elsewhere_and_the_first_ok_answer_wins() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock)
+    gated = Gated()
+    call = await first_then_hedge(p, timer, gated)
+    (first, _), (second, left) = gated.sent
+    assert second != first
+    assert left == pytest.approx(1.0 - DELAY)  # the time left when the hedge went
+    gated.answer(second, ok(b"hedge"))
+    answer = await call
+    await settle()
+    assert answer.body == b"hedge"
+    assert gated.cancelled == [first]
+    assert counts(p) == (1, 1, 1)
+    loser = p.pool.backends[first]
+    # The loser's slot is given back, with no verdict on it.
+    assert in_flight(p) == [0, 0, 0]
+    assert loser.failures == 0 and loser.latency.samples == 0
+
+
+async def test_an_attempt_that_answers_within_the_delay_is_not_hedged() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock)
+    gated = Gated()
+    call = asyncio.ensure_future(p.run(42, clock() + 1.0, gated))
+    await settle()
+    assert timer.waits == [DELAY]  # the delay began, and ends with the answer
+    gated.answer(gated.sent[0][0], ok())
+    assert (await call).code == 0
+    assert len(gated.sent) == 1 and counts(p) == (0, 0, 0)
+
+
+async def test_the_first_attempt_answering_first_cancels_the_hedge() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock)
+    gated = Gated()
+    call = await first_then_hedge(p, timer, gated)
+    (first, _), (second, _) = gated.sent
+    gated.answer(first, ok(b"first"))
+    assert (await call).body == b"first"
+    await settle()
+    assert gated.cancelled == [second]
+    assert counts(p) == (1, 0, 1)
+    assert in_flight(p) == [0, 0, 0]
+
+
+async def test_a_keyed_calls_hedge_goes_to_the_next_backend_on_its_ring() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock)
+    plenty(p)
+    gated = Gated()
+    for key in range(8):
+        first = p.pool.choose(key).backend
+        assert first is not None
+        expected = p.pool.choose(key, [first]).backend
+        assert expected is not None
+        call = await first_then_hedge(p, timer, gated, key)
+        assert [a for a, _ in gated.sent[-2:]] == [first.address, expected.address]
+        gated.answer(expected.address, ok())
+        await call
+        await settle()
+
+
+async def test_a_call_with_less_time_left_than_the_delay_is_not_hedged() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock)
+    gated = Gated()
+    call = asyncio.ensure_future(p.run(42, clock() + DELAY / 2, gated))
+    await settle()
+    assert timer.waits == []  # no hedge delay even started
+    gated.answer(gated.sent[0][0], ok())
+    await call
+    assert len(gated.sent) == 1 and counts(p) == (0, 0, 0)
+
+
+async def test_a_spent_hedge_budget_sends_no_hedge() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock, ratio=0.0, min_per_s=0.0)
+    assert p.hedging is not None
+    p.hedging.budget.tokens = 0.0
+    gated = Gated()
+    call = asyncio.ensure_future(p.run(42, clock() + 1.0, gated))
+    await settle()
+    timer.fire()
+    await settle()
+    assert len(gated.sent) == 1 and p.hedging.budget.refused == 1
+    gated.answer(gated.sent[0][0], ok())
+    assert (await call).code == 0
+    assert counts(p) == (0, 0, 0)
+
+
+async def test_hedges_are_at_most_the_ratio_of_calls_plus_the_floor() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock, ratio=0.1, min_per_s=0.0)
+    assert p.hedging is not None
+    p.hedging.budget.tokens = 0.0
+    gated = Gated()
+    for _ in range(40):  # every call slow: each asks for a hedge
+        call = asyncio.ensure_future(p.run(None, clock() + 1.0, gated))
+        await settle()
+        timer.fire()
+        await settle()
+        gated.answer(gated.sent[-1][0], ok())
+        await call
+        await settle()
+    assert 3 <= counts(p)[0] <= 4  # 10% of 40 (the tenth of a token added up in floats)
+
+
+async def test_a_hedge_never_goes_to_an_open_breaker_or_a_full_backend() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock, ("a:1", "b:1", "c:1"))
+    pool = p.pool
+    first = pool.choose(42).backend
+    assert first is not None
+    others = [b for b in pool.backends.values() if b is not first]
+    pool.max_ejection_percent = 100.0
+    others[0].breaker.eject()  # OPEN
+    # The other at its learned limit: it holds one call and its limit is one.
+    pool.start(others[1])
+    p.limits.refused(others[1], clock(), clock())
+    assert p.limits.full(others[1])
+    gated = Gated()
+    call = asyncio.ensure_future(p.run(42, clock() + 1.0, gated))
+    await settle()
+    timer.fire()
+    await settle()
+    assert [a for a, _ in gated.sent] == [first.address]
+    assert counts(p) == (0, 0, 0)
+    gated.answer(first.address, ok())
+    assert (await call).code == 0
+
+
+async def test_a_failure_while_the_hedge_is_out_is_not_retried_again() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock)
+    gated = Gated()
+    call = await first_then_hedge(p, timer, gated)
+    (first, _), (second, _) = gated.sent
+    gated.answer(first, Reply(int(Code.UNAVAILABLE), "gone"))  # would be retried
+    await settle()
+    assert len(gated.sent) == 2  # the hedge is its retry
+    assert p.budget.retries == 0
+    gated.answer(second, ok(b"hedge"))
+    assert (await call).body == b"hedge"
+    assert counts(p) == (1, 1, 0)
+    assert p.pool.backends[first].failures == 1  # its own failure still counts
+
+
+async def test_when_both_fail_the_call_is_retried_once_more_within_the_budget() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock)
+    gated = Gated()
+    call = await first_then_hedge(p, timer, gated)
+    (first, _), (second, _) = gated.sent
+    gated.answer(first, Reply(int(Code.UNAVAILABLE), "gone"))
+    gated.answer(second, Reply(int(Code.UNAVAILABLE), "gone too"))
+    await settle()
+    assert len(gated.sent) == 3 and p.budget.retries == 1
+    third = gated.sent[2][0]
+    assert third not in (first, second)
+    gated.answer(third, ok(b"third"))
+    assert (await call).body == b"third"
+
+
+async def test_a_final_failure_waits_for_the_attempt_still_out() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock)
+    gated = Gated()
+    call = await first_then_hedge(p, timer, gated)
+    (first, _), (second, _) = gated.sent
+    gated.answer(first, Reply(int(Code.INTERNAL), "model failed"))
+    await settle()
+    assert not call.done()
+    gated.answer(second, ok(b"hedge"))
+    assert (await call).body == b"hedge"
+    plenty(p)
+    # Had the hedge failed too, the first final answer would have been the call's.
+    call = await first_then_hedge(p, timer, gated)
+    (first, _), (second, _) = gated.sent[-2:]
+    gated.answer(first, Reply(int(Code.INVALID_ARGUMENT), "bad input"))
+    gated.answer(second, Reply(int(Code.INVALID_ARGUMENT), "bad input too"))
+    answer = await call
+    assert (answer.code, answer.message) == (Code.INVALID_ARGUMENT, "bad input")
+
+
+async def test_a_cancelled_call_cancels_both_attempts_with_no_verdict() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock)
+    gated = Gated()
+    told = Told()
+    call = await first_then_hedge(p, timer, gated, observer=told)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await settle()
+    assert sorted(gated.cancelled) == sorted(a for a, _ in gated.sent)
+    assert in_flight(p) == [0, 0, 0]
+    assert all(b.failures == 0 for b in p.pool.backends.values())
+    assert counts(p) == (1, 0, 0)  # the caller's cancel is no hedge's loss
+    assert [e[0] for e in told.events] == ["started", "started", "ended", "ended", "answer"]
+
+
+async def test_the_observer_is_told_of_the_hedge_and_of_the_attempt_cancelled() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock)
+    gated = Gated()
+    told = Told()
+    call = await first_then_hedge(p, timer, gated, observer=told)
+    (first, _), (second, _) = gated.sent
+    gated.answer(second, ok())
+    await call
+    assert told.events == [
+        ("started", first, False, ""),
+        ("started", second, True, ""),
+        ("ended", second, True, "0"),
+        ("ended", first, False, "CancelledError"),
+        ("answer", "", False, "0"),
+    ]
+
+
+async def test_auto_hedges_after_the_p95_of_recent_answers_once_it_has_enough() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock, after_s=None)
+    hedging = p.hedging
+    assert hedging is not None
+    gated = Gated()
+    for i in range(MIN_SAMPLES):
+        assert hedging.delay() is None
+        call = asyncio.ensure_future(p.run(None, clock() + 1.0, gated))
+        await settle()
+        assert timer.waits == []  # not known yet: no hedge
+        clock.now += 0.001 * (i + 1)  # 1 ms .. 20 ms
+        gated.answer(gated.sent[-1][0], ok())
+        await call
+    assert hedging.delay() == pytest.approx(0.020)  # the 95th percentile of 1..20 ms
+    call = asyncio.ensure_future(p.run(None, clock() + 1.0, gated))
+    await settle()
+    assert timer.waits == [pytest.approx(0.020)]
+    gated.answer(gated.sent[-1][0], ok())
+    await call
+
+
+def test_the_auto_delay_follows_the_window_of_recent_answers() -> None:
+    hedging = Hedging(HedgeSettings(None))
+    for _ in range(400):
+        hedging.answered(0.100)
+    for _ in range(400):  # the slow past leaves the window
+        hedging.answered(0.002)
+    assert hedging.delay() == pytest.approx(0.002)
+
+
+@pytest.mark.parametrize(
+    ("text", "after_s"),
+    [("5", 0.005), ("2.5", 0.0025), ("auto", None), (" AUTO ", None)],
+)
+def test_hedge_after_ms_reads_a_number_or_auto(text: str, after_s: float | None) -> None:
+    settings = HedgeSettings.parse(text)
+    assert settings is not None and settings.after_s == after_s
+
+
+@pytest.mark.parametrize("text", ["", "0", "off"])
+def test_hedging_is_off_by_default_and_with_zero(text: str) -> None:
+    assert HedgeSettings.parse(text) is None
+
+
+@pytest.mark.parametrize("text", ["-1", "soon", "nan", "inf"])
+def test_a_bad_hedge_delay_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="--hedge-after-ms"):
+        HedgeSettings.parse(text)
