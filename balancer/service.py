@@ -599,9 +599,20 @@ class BalancerService:
                 shed=self.planner.limits.shed,
             ),
         )
+        if self.hedging is not None:
+            hedged(response.balancer, self.hedging)
         if self.tenants is not None:
             response.tenants.extend(door.statuses(self.tenants, account))
         return response.SerializeToString()
+
+
+def hedged(stats: pb.BalancerStats, hedging: Hedging) -> None:
+    """BalancerStats' hedging fields, as `hedging` counts them."""
+    stats.hedges = hedging.sent
+    stats.hedges_won = hedging.won
+    stats.hedges_cancelled = hedging.cancelled
+    stats.hedges_refused = hedging.budget.refused
+    stats.hedge_after_ms = (hedging.delay() or 0.0) * 1000
 
 
 def _answered(placing: Placing, reply: Reply) -> Reply:

@@ -131,6 +131,8 @@ def rule_of(code: int, retryable: bool = False) -> Rule:
 
 
 NO_LOCK: AbstractContextManager[object] = nullcontext()
+# What cancelled an attempt that another attempt of its call answered before (a hedge's).
+LOST = "another attempt answered first"
 _UNAVAILABLE = int(Code.UNAVAILABLE)
 _DEADLINE_EXCEEDED = int(Code.DEADLINE_EXCEEDED)
 _RESOURCE_EXHAUSTED = int(Code.RESOURCE_EXHAUSTED)
@@ -353,7 +355,7 @@ class Plan(Generic[R]):
         if error is None and self._planner.hedging is not None:
             self._planner.hedging.cancelled += 1
         if self._observer is not None:
-            self._observer.attempt_ended(attempt, None, error or asyncio.CancelledError())
+            self._observer.attempt_ended(attempt, None, error or asyncio.CancelledError(LOST))
 
     def step(self) -> Attempt | R:
         """`next()`, an attempt told to the observer. Should the observer raise, the attempt

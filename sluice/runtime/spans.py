@@ -10,19 +10,22 @@ attempts carry, in place of the caller's."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Mapping
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
 from sluice.core.errors import status_name
-from sluice.routing.planner import Attempt, ReplyLike
+from sluice.routing.planner import LOST, Attempt, ReplyLike
 from sluice.routing.pool import Backend
 from sluice.runtime import tracing
 
 NODE_ID = "sluice.node_id"  # on the SERVER span: the hop's node id
 ATTEMPTS = "sluice.attempts"  # on the SERVER span: how many attempts the call took
 RETRYABLE = "sluice.retryable"  # on an attempt's span: its answer was a refusal before work
+HEDGE = "sluice.hedge"  # on an attempt's span: a second copy of an attempt still out
+CANCELLED = "sluice.cancelled"  # on an attempt's span: why it was cancelled unanswered
 Metadata = Mapping[str, str] | Iterable[tuple[str, str | bytes]]
 
 
@@ -83,9 +86,10 @@ def served(
 
 class Attempts:
     """A planner Observer: a CLIENT span `name` per attempt, child of `parent` (the call's),
-    with the routing decision `route(backend)` tells (how, why; a retry says after what), its
-    context put into `headers` before the attempt is sent. At the end, `parent` gets the
-    number of attempts."""
+    with the routing decision `route(backend)` tells (how, why; a retry says after what, a
+    hedge (`sluice.hedge`) which attempt was still out), its context put into `headers`
+    before the attempt is sent. Two may be out at once (a hedge beside its attempt). At the
+    end, `parent` gets the number of attempts."""
 
     __slots__ = ("_sending", "headers", "name", "parent", "route", "tried")
 
@@ -100,33 +104,39 @@ class Attempts:
         self.parent = parent
         self.headers = headers
         self.route = route
-        self.tried: list[str] = []  # each attempt so far: "address: outcome"
-        self._sending: tracing.Opened | None = None
+        self.tried: list[str] = []  # each attempt ended so far: "address: outcome"
+        self._sending: dict[int, tuple[Attempt, tracing.Opened]] = {}  # by id of the attempt
 
     def attempt_started(self, attempt: Attempt) -> None:
         backend = attempt.backend
         routing, why = self.route(backend)
-        if self.tried:
+        out = [a.backend.address for a, _ in self._sending.values()]
+        if attempt.hedge and out:
+            why = f"hedge beside {out[0]}, not answered yet; {why}"
+        elif self.tried:
             why = f"retry after {self.tried[-1]}; {why}"
         attributes: tracing.Attributes = {
             "server.address": backend.address,
-            "sluice.attempt": len(self.tried) + 1,
+            "sluice.attempt": len(self.tried) + len(out) + 1,
             "sluice.routing": routing,
             "sluice.routing.why": why,
+            **({HEDGE: True} if attempt.hedge else {}),
         }
         sending = tracing.opened(self.name, attributes, kind=SpanKind.CLIENT, parent=self.parent)
-        self._sending = sending
+        self._sending[id(attempt)] = (attempt, sending)
         tracing.inject(self.headers)  # the attempt's span is the current one
 
     def attempt_ended(
         self, attempt: Attempt, reply: ReplyLike | None, error: BaseException | None
     ) -> None:
-        sending = self._sending
-        assert sending is not None, "an attempt ended that never started"
-        self._sending = None
+        started = self._sending.pop(id(attempt), None)
+        assert started is not None, "an attempt ended that never started"
+        sending = started[1]
         address = attempt.backend.address
         if reply is None:  # the planner decides what it means
             self.tried.append(f"{address}: {type(error).__name__}")
+            if isinstance(error, asyncio.CancelledError) and str(error) == LOST:
+                sending.span.set_attribute(CANCELLED, LOST)
             sending.end(error)
             return
         self.tried.append(f"{address}: {status_name(reply.code)}")

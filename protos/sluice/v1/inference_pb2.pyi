@@ -374,18 +374,28 @@ class BackendStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., health: _Optional[str] = ..., breaker: _Optional[str] = ..., in_flight: _Optional[int] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., ewma_ms: _Optional[float] = ..., share: _Optional[float] = ..., limit: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class BalancerStats(_message.Message):
-    __slots__ = ("calls", "retries", "retries_refused", "unavailable", "shed")
+    __slots__ = ("calls", "retries", "retries_refused", "unavailable", "shed", "hedges", "hedges_won", "hedges_cancelled", "hedges_refused", "hedge_after_ms")
     CALLS_FIELD_NUMBER: _ClassVar[int]
     RETRIES_FIELD_NUMBER: _ClassVar[int]
     RETRIES_REFUSED_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     SHED_FIELD_NUMBER: _ClassVar[int]
+    HEDGES_FIELD_NUMBER: _ClassVar[int]
+    HEDGES_WON_FIELD_NUMBER: _ClassVar[int]
+    HEDGES_CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    HEDGES_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    HEDGE_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     calls: int
     retries: int
     retries_refused: int
     unavailable: int
     shed: int
-    def __init__(self, calls: _Optional[int] = ..., retries: _Optional[int] = ..., retries_refused: _Optional[int] = ..., unavailable: _Optional[int] = ..., shed: _Optional[int] = ...) -> None: ...
+    hedges: int
+    hedges_won: int
+    hedges_cancelled: int
+    hedges_refused: int
+    hedge_after_ms: float
+    def __init__(self, calls: _Optional[int] = ..., retries: _Optional[int] = ..., retries_refused: _Optional[int] = ..., unavailable: _Optional[int] = ..., shed: _Optional[int] = ..., hedges: _Optional[int] = ..., hedges_won: _Optional[int] = ..., hedges_cancelled: _Optional[int] = ..., hedges_refused: _Optional[int] = ..., hedge_after_ms: _Optional[float] = ...) -> None: ...
 
 class BatcherStats(_message.Message):
     __slots__ = ("batches", "requests", "rows", "mean_batch_size", "flush_full", "flush_budget", "flush_drained", "queue_depth", "rejected", "expired", "max_batch", "budget_ms", "instances", "busy_instances", "instance_batches", "real_tokens", "padded_tokens", "padding_efficiency", "buckets", "max_length", "bucket_batches")
