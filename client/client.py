@@ -5,7 +5,8 @@ declares for their input (asked once per model and version, never for arrays).
 One client core (`_Core`): targets, request building, routing and decoding. Given one
 target (a server or a balancer) a client sends each call straight there; given several
 servers it balances them itself (proxyless), with the balancer's own pool, breakers,
-retry budget and call planner (sluice.routing.planner), and no extra hop.
+retry budget and call planner (sluice.routing.planner), and no extra hop. Only the asyncio
+client hedges (`hedge_after_ms`); the blocking one refuses the option.
 `AsyncSluiceClient` (asyncio) and `SluiceClient` (blocking, on grpc's blocking channels:
 no event loop or thread of its own) add only the sending.
 
@@ -49,6 +50,7 @@ from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, PREDICT, affinity_
 from sluice.core.tenants import authorization
 from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
+from sluice.routing.hedge import HedgeSettings, Hedging
 from sluice.routing.planner import Planner
 from sluice.routing.pool import Backend, Pool
 from sluice.runtime import tracing
@@ -158,12 +160,31 @@ def auth_metadata(api_key: str) -> Metadata:
     return (authorization(api_key),) if api_key else ()
 
 
-def router(targets: Sequence[str], breaker: BreakerSettings | None = None) -> Planner[Reply]:
-    """The client's own balancing over several servers: a pool and a retry budget of its own,
-    driven by the shared planner."""
+def router(
+    targets: Sequence[str],
+    breaker: BreakerSettings | None = None,
+    hedge: HedgeSettings | None = None,
+) -> Planner[Reply]:
+    """The client's own balancing over several servers: a pool and a retry budget of its own
+    (and, with `hedge`, hedging), driven by the shared planner."""
     pool = Pool(breaker=breaker)
     pool.set_addresses(targets)
-    return Planner(pool, RetryBudget(), Reply)
+    return Planner(pool, RetryBudget(), Reply, hedging=None if hedge is None else Hedging(hedge))
+
+
+def hedge_of(hedge_after_ms: float | str | None, targets: Sequence[str]) -> HedgeSettings | None:
+    """The settings of a client's `hedge_after_ms` (None or 0: off; ms, or "auto"), which
+    needs several targets: one target has no other to hedge to (a balancer hedges itself,
+    with --hedge-after-ms). ValueError otherwise."""
+    if hedge_after_ms is None:
+        return None
+    hedge = HedgeSettings.parse(str(hedge_after_ms))
+    if hedge is not None and len(targets) < 2:
+        raise ValueError(
+            "hedge_after_ms needs several targets (servers this client balances); "
+            "for a balancer, start it with --hedge-after-ms"
+        )
+    return hedge
 
 
 class _Core:
@@ -193,10 +214,12 @@ class _Core:
         api_key: str,
         shown: diagnose.Shown | None,
         hints: diagnose.Audience,
+        hedge: HedgeSettings | None = None,
     ) -> None:
         """`methods`: each target's raw-bytes Predict callables (one per channel, used in
         turn); `askers`: its raw-bytes Metadata callable; `shown`: the TLS its channels
-        offer; `hints`: whose options a failed call's hint names."""
+        offer; `hints`: whose options a failed call's hint names; `hedge`: hedging (several
+        targets only)."""
         self._shown = shown
         self._hints = hints
         self._declared = {}
@@ -206,7 +229,7 @@ class _Core:
         self._auth = auth_metadata(api_key)
         self._senders = {t: itertools.cycle(ms) for t, ms in methods.items()}
         self._askers = dict(askers)
-        self._router = router(self.targets) if len(self.targets) > 1 else None
+        self._router = router(self.targets, hedge=hedge) if len(self.targets) > 1 else None
         self._clock = time.monotonic if self._router is None else self._router.clock
 
     def _deadline(self, timeout: float | None) -> Deadline:
@@ -353,7 +376,12 @@ class AsyncSluiceClient(_Core):
     client creates and registers, reused across calls, removed by close(); for one target,
     a server or balancer on this host (127.0.0.1, localhost, [::1] or unix:; ValueError
     otherwise)
-    started with --shared-memory."""
+    started with --shared-memory.
+
+    `hedge_after_ms` (several targets; None or 0: off): a call whose attempt has not
+    answered after this many ms (or "auto": the p95 of recent answers) sends one hedge to
+    another server, and the first OK answer wins (sluice.routing.hedge). ValueError with
+    one target: a balancer hedges itself (--hedge-after-ms)."""
 
     def __init__(
         self,
@@ -370,17 +398,19 @@ class AsyncSluiceClient(_Core):
         api_key: str = "",
         hints: diagnose.Audience = diagnose.Audience.PYTHON,
         shared_memory: bool = False,
+        hedge_after_ms: float | str | None = None,
     ) -> None:
         targets = target_list(target)
         if shared_memory:
             check_target(targets)
+        hedge = hedge_of(hedge_after_ms, targets)
         security = ClientTLS.of(
             tls=tls, ca=tls_ca, cert=tls_cert, key=tls_key, server_name=server_name
         )
         settings = channel_options(max_message_bytes, options)
         channels = {t: [aio_channel(t, security, settings)] for t in targets}
         shown = diagnose.Shown(tls=security is not None, certificate=bool(tls_cert))
-        self._attach(channels, timeout, api_key, owned=True, shown=shown, hints=hints)
+        self._attach(channels, timeout, api_key, owned=True, shown=shown, hints=hints, hedge=hedge)
         self._memory = SharedMemory() if shared_memory else None
 
     @classmethod
@@ -390,6 +420,7 @@ class AsyncSluiceClient(_Core):
         *,
         timeout: float | None = 10.0,
         api_key: str = "",
+        hedge_after_ms: float | str | None = None,
     ) -> Self:
         """A client over channels the caller made and closes, several per target if it likes
         (used in turn); for the load generator's connection counts."""
@@ -401,6 +432,7 @@ class AsyncSluiceClient(_Core):
             owned=False,
             shown=None,
             hints=diagnose.Audience.PYTHON,
+            hedge=hedge_of(hedge_after_ms, list(channels)),
         )
         return client
 
@@ -413,10 +445,11 @@ class AsyncSluiceClient(_Core):
         owned: bool,
         shown: diagnose.Shown | None,
         hints: diagnose.Audience,
+        hedge: HedgeSettings | None = None,
     ) -> None:
         methods = {t: [ch.unary_unary(PREDICT, **RAW) for ch in chs] for t, chs in channels.items()}
         askers = {t: chs[0].unary_unary(METADATA, **RAW) for t, chs in channels.items()}
-        self._start(methods, askers, timeout, api_key, shown, hints)
+        self._start(methods, askers, timeout, api_key, shown, hints, hedge)
         self._channels = channels
         self._owned = owned
         self._stub = pb_grpc.InferenceStub(channels[self.target][0])
@@ -643,7 +676,9 @@ class AsyncSluiceClient(_Core):
 
 class SluiceClient(_Core):
     """Blocking client with the same methods and options as AsyncSluiceClient (but
-    call_raw), on grpc's blocking channels. Safe to use from several threads at once."""
+    call_raw, and hedging), on grpc's blocking channels. Safe to use from several threads at
+    once. It does not hedge (a blocking call has no second attempt to wait on beside its
+    first): `hedge_after_ms` is refused with ValueError, naming AsyncSluiceClient."""
 
     def __init__(
         self,
@@ -660,10 +695,15 @@ class SluiceClient(_Core):
         api_key: str = "",
         hints: diagnose.Audience = diagnose.Audience.PYTHON,
         shared_memory: bool = False,
+        hedge_after_ms: float | str | None = None,
     ) -> None:
         targets = target_list(target)
         if shared_memory:
             check_target(targets)
+        if hedge_of(hedge_after_ms, targets) is not None:
+            raise ValueError(
+                "SluiceClient does not hedge: use AsyncSluiceClient for hedge_after_ms"
+            )
         security = ClientTLS.of(
             tls=tls, ca=tls_ca, cert=tls_cert, key=tls_key, server_name=server_name
         )
