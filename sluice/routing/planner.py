@@ -354,6 +354,11 @@ class Plan(Generic[R]):
         self.abandon(attempt)
         if error is None and self._planner.hedging is not None:
             self._planner.hedging.cancelled += 1
+            if not attempt.hedge:
+                # It took longer than the hedge and its delay: a lower bound of its latency,
+                # so least-loaded choice shuns a paused backend (its calls, all hedged and
+                # cancelled, would otherwise teach it nothing).
+                attempt.backend.latency.observe(self._planner.clock() - attempt.sent)
         if self._observer is not None:
             self._observer.attempt_ended(attempt, None, error or asyncio.CancelledError(LOST))
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 
 from sluice.core.errors import Code
-from sluice.routing.breaker import BreakerSettings
+from sluice.routing.breaker import BreakerSettings, State
 from sluice.routing.budget import RetryBudget
 from sluice.routing.hedge import MIN_SAMPLES, HedgeSettings, Hedging
 from sluice.routing.planner import Attempt, Planner, ReplyLike
@@ -170,9 +170,11 @@ async def test_a_slow_attempt_is_hedged_elsewhere_and_the_first_ok_answer_wins()
     assert gated.cancelled == [first]
     assert counts(p) == (1, 1, 1)
     loser = p.pool.backends[first]
-    # The loser's slot is given back, with no verdict on it.
+    # The loser's slot is given back, with no verdict on it; least-loaded choice learns that
+    # it took at least the delay.
     assert in_flight(p) == [0, 0, 0]
-    assert loser.failures == 0 and loser.latency.samples == 0
+    assert loser.failures == 0 and loser.breaker.state is State.CLOSED
+    assert loser.latency.current() == pytest.approx(DELAY)
 
 
 async def test_an_attempt_that_answers_within_the_delay_is_not_hedged() -> None:
@@ -199,6 +201,7 @@ async def test_the_first_attempt_answering_first_cancels_the_hedge() -> None:
     assert gated.cancelled == [second]
     assert counts(p) == (1, 0, 1)
     assert in_flight(p) == [0, 0, 0]
+    assert p.pool.backends[second].latency.samples == 0  # a hedge cut short tells nothing
 
 
 async def test_a_keyed_calls_hedge_goes_to_the_next_backend_on_its_ring() -> None:
