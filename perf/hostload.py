@@ -4,7 +4,7 @@ one Sluice client given every --target (two balancers: the client's own planner 
 one that is down), each call kept with its start, latency, status and the node that answered;
 the first target's Health is sampled meanwhile, to time when a backend leaves or joins.
 
-It waits until the first target reports --ready backends serving, prints `started T0`
+It waits until every target reports --ready backends serving, prints `started T0`
 (time.monotonic(), one clock for every process of the machine), loads for --seconds, and
 writes its records and samples as JSON to --out."""
 
@@ -64,7 +64,9 @@ async def load(args: argparse.Namespace) -> dict[str, Any]:
         AsyncSluiceClient(args.target) as client,
         AsyncSluiceClient(args.target[0]) as watcher,
     ):
-        await wait_ready(watcher, args.ready, args.ready_s)
+        for target in args.target:
+            async with AsyncSluiceClient(target) as each:
+                await wait_ready(each, args.ready, args.ready_s)
         sampler = asyncio.create_task(sample(watcher, samples, stop))
         t0 = time.monotonic()
         print(f"started {t0}", flush=True)

@@ -7,6 +7,7 @@ deleting the namespace removes them too) and are removed when the block ends.
   loss(host, 0.05)             5% of the packets into host dropped at random
   delay(lab, host, 0.05)       host's TCP replies held 50 ms (NFQUEUE to perf.delayq)
   rate(host, "1mbit")          host's outgoing rate limited (tc tbf)
+  readdress(host, ip)          host's address replaced (a pod rescheduled)
 
 Record set changes are `Lab.set_records`; a balancer restart is its Process's kill and a
 new `Lab.balancer`."""
@@ -80,7 +81,7 @@ def delay(lab: Lab, host: Host, seconds: float) -> Iterator[None]:
         yield from _rules(host, [[*rule, *queue]])
     finally:
         reader.kill()
-        reader.wait(timeout=30)
+        reader.communicate(timeout=30)
 
 
 @contextmanager
@@ -104,3 +105,11 @@ def rate(host: Host, limit: str) -> Iterator[None]:
         yield
     finally:
         host.run("tc", "qdisc", "del", "dev", "eth0", "root", check=False)
+
+
+def readdress(host: Host, ip: str) -> None:
+    """The host's address replaced by `ip` (what listened on the old one must be gone)."""
+    # The old one goes first: deleting a subnet's primary address deletes the others too.
+    host.run("ip", "addr", "del", f"{host.ip}/24", "dev", "eth0")
+    host.run("ip", "addr", "add", f"{ip}/24", "dev", "eth0")
+    host.ip = ip
