@@ -29,6 +29,23 @@ server's message limit, which sent would end the stream it shares), is the answe
 nothing of the backend: the attempt is withdrawn (`Pool.withdraw`: not one of its calls, no
 verdict, no latency sample), and it is not retried.
 
+With hedging (`Hedging`, sluice.routing.hedge; --hedge-after-ms), an attempt still
+unanswered after the delay gets one hedge: a copy of the call to a backend not tried yet
+(`Pool.choose` with those tried and those at their learned limit excluded: for a keyed call
+the next on its ring; never one OPEN or ejected), when the call has more time left than the
+delay and the hedge budget a token. The first OK answer is the call's, the other attempt is
+cancelled: no verdict on its backend, its slot given back; a first attempt cut short tells
+its backend's latency estimate only how long it went unanswered. One answer per call: an
+outcome that would be retried while the other attempt is out is not (that attempt is its
+retry), and a final failure waits for the other, which may still answer OK. Hedges have a
+budget of their own, apart from the retry budget, so that a pause, which holds many calls at
+once, cannot spend the tokens broken streams need; each is bounded and counted apart. Only
+`run` hedges: `run_sync` has no second attempt to wait beside the first (the blocking client
+refuses the option). Over the balancer's multiplexed streams a cancelled attempt's caller
+stops waiting, but its server, asked over a stream with no per-call cancel, still runs it
+(the result cache makes a duplicate cheap). Every planner call may be hedged: PredictStream's
+messages and fan-out's chunks are planner calls too.
+
 What else watches a call (tracing, metrics) hangs on this one loop as an `Observer`, told of
 each attempt and of the answer; with none, a driver does no more than check for one."""
 
@@ -516,8 +533,13 @@ class Planner(Generic[R]):
         call (as span code inside an attempt did), once the plan has recorded the attempt."""
         plan = Plan(self, key, deadline, want, observer)
         try:
-            if self.hedging is not None:
-                return plan.ended(await self._hedged(plan, attempt, self.hedging))
+            hedging = self.hedging
+            if hedging is not None:
+                hedging.budget.deposit()  # each call earns `ratio` of a hedge
+                after = hedging.delay()
+                # A call with less time left than the delay is not hedged, nor sent as one.
+                if after is not None and plan.hedgeable(after):
+                    return plan.ended(await self._hedged(plan, attempt, hedging, after))
             step = plan.step()
             while isinstance(step, Attempt):
                 try:
@@ -536,6 +558,7 @@ class Planner(Generic[R]):
         plan: Plan[R],
         attempt: Callable[[Backend, float | None], Awaitable[R]],
         hedging: Hedging,
+        after: float,
     ) -> R:
         """`run`'s loop with hedging: each attempt is a task, and while one is out alone and
         unanswered after the hedge delay (the call having more time left than that), one
@@ -548,7 +571,6 @@ class Planner(Generic[R]):
         timer: asyncio.Future[None] | None = None
         fallback: R | None = None  # a final answer that is not OK, while another is out
         hedged = False
-        hedging.budget.deposit()  # each call earns `ratio` of a hedge
         step: Attempt | R | None = plan.step()
         try:
             while True:
@@ -557,10 +579,8 @@ class Planner(Generic[R]):
                 elif step is not None:
                     return step
                 step = None
-                if timer is None and not hedged and len(out) == 1:
-                    after = hedging.delay()
-                    if after is not None and plan.hedgeable(after):
-                        timer = asyncio.ensure_future(hedging.sleep(after))
+                if timer is None and not hedged and len(out) == 1 and plan.hedgeable(after):
+                    timer = asyncio.ensure_future(hedging.sleep(after))
                 waiting: set[asyncio.Future[Any]] = {*out, *([timer] if timer else [])}
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if timer is not None and timer in done:
