@@ -43,7 +43,7 @@ def test_scenario_prints_its_table_with_no_failed_steady_call(tmp_path: Path) ->
     done = subprocess.run(
         [
             sys.executable, "-m", "perf.hedge", "--rounds", "1", "--duration", "0.5s",
-            "--capacity", "300", "--inputs", "32", "--out", str(out),
+            "--capacity", "300", "--inputs", "32", "--warmup", "0.3s", "--out", str(out),
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -62,3 +62,5 @@ def test_scenario_prints_its_table_with_no_failed_steady_call(tmp_path: Path) ->
             assert f["upstream_attempts"] >= f["calls"], name
     assert figures["paused"]["stopped_share"][0] > 0  # the victim was paused in its window
     assert figures["healthy"]["stopped_share"] == [0.0]
+    if result["hedging"]:  # the balancer's hedge counters read from its Health
+        assert set(figures["hedge-5ms"]["hedges"]) >= {"hedges", "hedges_won"}
