@@ -8,6 +8,7 @@ deleting the namespace removes them too) and are removed when the block ends.
   delay(lab, host, 0.05)       host's TCP replies held 50 ms (NFQUEUE to perf.delayq)
   rate(host, "1mbit")          host's outgoing rate limited (tc tbf)
   readdress(host, ip)          host's address replaced (a pod rescheduled)
+  reaches(host, peer)          whether host can open a TCP connection to peer's server port
 
 Record set changes are `Lab.set_records`; a balancer restart is its Process's kill and a
 new `Lab.balancer`."""
@@ -113,3 +114,9 @@ def readdress(host: Host, ip: str) -> None:
     host.run("ip", "addr", "del", f"{host.ip}/24", "dev", "eth0")
     host.run("ip", "addr", "add", f"{ip}/24", "dev", "eth0")
     host.ip = ip
+
+
+def reaches(host: Host, peer: Host, timeout_s: float = 1.0) -> bool:
+    connect = f"exec 3<>/dev/tcp/{peer.ip}/{PORT}"
+    done = host.run("timeout", str(timeout_s), "bash", "-c", connect, check=False)
+    return done.returncode == 0
