@@ -1,12 +1,20 @@
 # Sluice image: `sluice-server` by default (the bundled model unless SLUICE_MODEL points
 # elsewhere); run `sluice-balancer` from the same image for the balancer.
 #
+# BASE is any Debian-like image with python3 (3.11 or later), its venv module and
+# ca-certificates: by default the one scripts/make-base makes from Debian's packages where no
+# registry is reachable; `--build-arg BASE=python:3.11-slim` where one is. PIP_CA (PEM text)
+# is trusted by pip beside the base's CAs, for a network whose proxy signs with its own:
+#   docker build --network host --build-arg PIP_CA="$(cat /usr/local/share/ca-certificates/*.crt)" -t sluice .
+#
 # The first stage builds the wheel. sluice/ links the top-level folders into the one `sluice`
 # namespace (sluice/server -> ../server, sluice/v1 -> ../protos/sluice/v1, ...): copy them
 # together, each at its own path, or the wheel lacks a package. perf/ (the benchmarks) is not
 # part of the product and is not copied. tests/e2e/test_install.py builds the wheel from
 # exactly these COPY lines.
-FROM python:3.11-slim AS build
+ARG BASE=sluice-base:bookworm
+FROM ${BASE} AS build
+ARG PIP_CA=
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY sluice sluice
@@ -14,7 +22,9 @@ COPY protos protos
 COPY server server
 COPY balancer balancer
 COPY client client
-RUN pip wheel --no-cache-dir --no-deps -w /wheels .
+RUN if [ -n "$PIP_CA" ]; then printf '%s\n' "$PIP_CA" | cat /etc/ssl/certs/ca-certificates.crt - >/tmp/ca.pem \
+ && export PIP_CERT=/tmp/ca.pem; fi \
+ && python3 -m venv /tmp/venv && /tmp/venv/bin/pip wheel --no-cache-dir --no-deps -w /wheels .
 
 # The image holds the installed wheel and no source tree, so it runs what a user's
 # `pip install sluice[cpu]` runs: the model and its samples come from the package. EXTRAS
@@ -24,11 +34,18 @@ RUN pip wheel --no-cache-dir --no-deps -w /wheels .
 # and cuDNN libraries from pip and CuPy (about 3 GB); the host needs NVIDIA's driver (release
 # 580 or later) and container toolkit (`docker run --gpus all`, or a Kubernetes GPU request:
 # deploy/gpu/).
-FROM python:3.11-slim
+# The program lives in a virtual environment of its own (/opt/sluice, first on PATH): a
+# Debian python3 refuses installs into the system's (PEP 668).
+FROM ${BASE}
 ARG EXTRAS=cpu
+ARG PIP_CA=
+ENV PATH=/opt/sluice/bin:$PATH
 COPY --from=build /wheels /wheels
-RUN whl=$(ls /wheels/*.whl) && pip install --no-cache-dir "${whl}${EXTRAS:+[$EXTRAS]}" \
- && rm -rf /wheels \
+RUN if [ -n "$PIP_CA" ]; then printf '%s\n' "$PIP_CA" | cat /etc/ssl/certs/ca-certificates.crt - >/tmp/ca.pem \
+ && export PIP_CERT=/tmp/ca.pem; fi \
+ && python3 -m venv /opt/sluice && whl=$(ls /wheels/*.whl) \
+ && pip install --no-cache-dir "${whl}${EXTRAS:+[$EXTRAS]}" \
+ && rm -rf /wheels /tmp/ca.pem \
  && python -c "from sluice.models import DIGITS, samples; assert DIGITS.is_file() and len(samples()) == 10" \
  && sluice perf --help >/dev/null
 WORKDIR /app
