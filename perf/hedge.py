@@ -271,13 +271,19 @@ class Counters:
     """What a balancer's Health says about its upstream attempts, and the CPU so far of
     the balancer and the servers."""
 
+    received: int  # calls the balancer took in (its own count: at overload, fewer than sent)
     attempts: int
     hedges: dict[str, int]
     cpu_s: float
 
     def minus(self, before: Counters) -> Counters:
         hedges = {k: v - before.hedges.get(k, 0) for k, v in self.hedges.items()}
-        return Counters(self.attempts - before.attempts, hedges, self.cpu_s - before.cpu_s)
+        return Counters(
+            self.received - before.received,
+            self.attempts - before.attempts,
+            hedges,
+            self.cpu_s - before.cpu_s,
+        )
 
 
 async def counters(balancer: Process, servers: Sequence[Process]) -> Counters:
@@ -288,7 +294,8 @@ async def counters(balancer: Process, servers: Sequence[Process]) -> Counters:
     names = [f.name for f in stats.DESCRIPTOR.fields if f.name.startswith("hedges")]
     hedges = {n: int(getattr(stats, n)) for n in names}
     pids = [balancer.pid, *(s.pid for s in servers)]
-    return Counters(sum(b.calls for b in health.backends), hedges, cpu_seconds(pids))
+    attempts = sum(b.calls for b in health.backends)
+    return Counters(health.requests, attempts, hedges, cpu_seconds(pids))
 
 
 @dataclass
@@ -363,6 +370,8 @@ def figures(
         not equal(c.reply, inputs.want[c.k % len(inputs.want)]) for c in ok if c.reply is not None
     )
     attempts = sum(w.counted.attempts for w in windows)
+    received = sum(w.counted.received for w in windows)
+    rounds = [pct([c.latency for c in w.calls if c.status == "OK"], 99.9) for w in windows]
     hedges: Counter[str] = Counter()
     for w in windows:
         hedges.update(w.counted.hedges)
@@ -372,9 +381,10 @@ def figures(
         "p99_ms": pct(latencies, 99),
         "p999_ms": pct(latencies, 99.9),
         "max_ms": max(latencies) * 1000 if latencies else None,
-        "p999_ms_rounds": [
-            pct([c.latency for c in w.calls if c.status == "OK"], 99.9) for w in windows
-        ],
+        "p999_ms_rounds": rounds,
+        "p999_ms_median": float(np.median([r for r in rounds if r is not None]))
+        if any(r is not None for r in rounds)
+        else None,
         "calls": len(calls),
         "errors": len(calls) - len(ok),
         "statuses": dict(Counter(c.status for c in calls if c.status != "OK")),
@@ -382,6 +392,11 @@ def figures(
         "answers_wrong": wrong,
         "upstream_attempts": attempts,
         "extra_upstream": attempts / len(calls) - 1 if calls else None,
+        "balancer_received": received,
+        "extra_upstream_of_received": attempts / received - 1 if received else None,
+        "hedge_share_of_received": hedges["hedges"] / received
+        if received and "hedges" in hedges
+        else None,
         "hedges": dict(hedges),
         "cpu_us_per_call": sum(w.counted.cpu_s for w in windows) / len(calls) * 1e6
         if calls
@@ -437,21 +452,25 @@ async def settled(balancer: Process, count: int, timeout: float = 20.0) -> None:
 
 
 def goals(result: Mapping[str, Any]) -> dict[str, bool | None]:
-    """Issue 26's goals, None where a configuration did not run."""
+    """Issue 26's goals, None where a configuration did not run. p99.9 is taken both over
+    all rounds' calls pooled and as the median of the rounds' own (a round that a neighbour
+    on the shared machine stalled moves the pooled tail, not the median)."""
     figs = result["figures"]
-    healthy = figs["healthy"]["p999_ms"]
+    healthy = figs["healthy"]
     found: dict[str, bool | None] = {}
     for name in ("hedge-5ms", "hedge-auto"):
         f = figs.get(name)
-        found[f"{name}: p99.9 <= 3x healthy"] = None if f is None else f["p999_ms"] <= 3 * healthy
+        for key, how in (("p999_ms", "pooled"), ("p999_ms_median", "median of rounds")):
+            found[f"{name}: p99.9 ({how}) <= 3x healthy"] = (
+                None if f is None else f[key] <= 3 * healthy[key]
+            )
         found[f"{name}: extra upstream <= 10%"] = None if f is None else f["extra_upstream"] <= 0.10
-    # At overload many calls end before any attempt (shed, past their deadline), so what
-    # hedging adds is the difference from the same overload without it.
-    over, plain = figs.get("overload-hedge-5ms"), figs.get("overload")
-    found["overload: hedging adds <= 10% upstream"] = (
-        None
-        if over is None or plain is None
-        else over["extra_upstream"] - plain["extra_upstream"] <= 0.10
+    # At overload many calls end before the balancer takes them in (the client's own lag,
+    # their deadline), so hedges count against the calls it took in.
+    over = figs.get("overload-hedge-5ms")
+    share = None if over is None else over["hedge_share_of_received"]
+    found["overload: hedges <= 10% of the calls taken in"] = (
+        None if share is None else share <= 0.10
     )
     steady = [figs[n] for n in STEADY if n in figs]
     found["steady: 0 errors, answers equal"] = all(
@@ -467,8 +486,9 @@ def fmt(value: float | None, digits: int = 1) -> str:
 def render(result: Mapping[str, Any]) -> str:
     figs = result["figures"]
     headers = [
-        "configuration", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "calls", "errors",
-        "extra upstream", "hedges", "answers equal", "CPU us/call", "slow: in pause/by paused",
+        "configuration", "p50 ms", "p99 ms", "p99.9 ms", "p99.9 med", "max ms", "calls", "errors",
+        "taken in", "extra upstream", "hedges sent/won/cancelled/refused", "answers equal",
+        "CPU us/call", "slow: in pause/by paused",
     ]  # fmt: skip
     rows = []
     for name, label in LABELS.items():
@@ -476,11 +496,12 @@ def render(result: Mapping[str, Any]) -> str:
         if f is None:
             rows.append([label, *(["not run"] + ["-"] * (len(headers) - 2))])
             continue
-        hedges = " ".join(f"{k}={v}" for k, v in f["hedges"].items()) or "-"
+        hedges = "/".join(str(v) for v in f["hedges"].values()) or "-"
         slow = f["slow"]
         rows.append([
-            label, fmt(f["p50_ms"]), fmt(f["p99_ms"]), fmt(f["p999_ms"]), fmt(f["max_ms"]),
-            str(f["calls"]), str(f["errors"]),
+            label, fmt(f["p50_ms"]), fmt(f["p99_ms"]), fmt(f["p999_ms"]),
+            fmt(f["p999_ms_median"]), fmt(f["max_ms"]),
+            str(f["calls"]), str(f["errors"]), str(f["balancer_received"]),
             "-" if f["extra_upstream"] is None else f"{f['extra_upstream']:+.1%}",
             hedges, f"{f['answers_checked'] - f['answers_wrong']}/{f['answers_checked']}",
             fmt(f["cpu_us_per_call"], 0),
@@ -490,7 +511,9 @@ def render(result: Mapping[str, Any]) -> str:
         f"steady {result['rate']:.0f} calls/s ({result['load']:.0%} of capacity "
         f"{result['capacity']:.0f}/s) from {result['callers']} callers, overload "
         f"{result['overload_rate']:.0f}/s; pause {result['pause_ms']:.0f} ms of every "
-        f"{result['period_ms']:.0f}; {result['rounds']} rounds x {result['seconds']:g} s",
+        f"{result['period_ms']:.0f}; {result['rounds']} rounds x {result['seconds']:g} s; "
+        f"load average {result['context']['loadavg_before'][0]:.1f} before, per round "
+        + " ".join(f"{r[0]:.1f}" for r in result["context"]["loadavg_rounds"]),
         table(headers, rows),
     ]
     paused = [f"{n} {figs[n]['longest_pause_ms']:.0f}" for n in LABELS if n in figs and n in PAUSED]
