@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -117,6 +119,32 @@ class ServingCollector(Collector):
         yield refusals
 
 
+def thread_cpu_clock() -> Callable[[], float]:
+    """The CPU seconds of the calling thread, readable from any thread (where the platform
+    can; elsewhere `time.thread_time`, right when read on the calling thread)."""
+    if not hasattr(time, "pthread_getcpuclockid"):
+        return time.thread_time
+    clock = time.pthread_getcpuclockid(threading.get_ident())
+    return lambda: time.clock_gettime(clock)
+
+
+class LoopCollector(Collector):
+    """The CPU time of the thread that runs the event loop (the one that made this): its rate
+    is the share of its time the loop is busy, 1 when saturated. A saturated loop's calls
+    wait in grpc core's queue before any handler sees them, where in flight, queue depth and
+    call seconds cannot count them: this is what shows that load (docs/KUBERNETES.md)."""
+
+    def __init__(self, cpu_clock: Callable[[], float] | None = None) -> None:
+        self.cpu_clock = cpu_clock or thread_cpu_clock()
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "sluice_loop_cpu_seconds",
+            "CPU time of the event loop's thread (its rate: the loop's busy share, 1 is saturated)",
+            value=self.cpu_clock(),
+        )
+
+
 class TenantCollector(Collector):
     """Each tenant's calls (by outcome: OK, a status, or refused:REASON) and calls in flight,
     with auth on."""
@@ -147,9 +175,10 @@ class TenantCollector(Collector):
 
 def new_registry(*collectors: Collector) -> CollectorRegistry:
     """A registry of `collectors` and the process's own (CPU, memory, file descriptors, GC,
-    Python version)."""
+    Python version; the CPU of the calling thread, the event loop's: call it there)."""
     registry = CollectorRegistry(auto_describe=False)
-    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR, *collectors):
+    own = (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR, LoopCollector())
+    for collector in (*own, *collectors):
         registry.register(collector)
     return registry
 
