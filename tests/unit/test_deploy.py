@@ -21,7 +21,7 @@ import yaml
 from sluice.balancer.settings import BalancerSettings
 from sluice.core.stats import ServingStats
 from sluice.runtime import config
-from sluice.runtime.metrics import ServingCollector
+from sluice.runtime.metrics import ServingCollector, new_registry
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.models import Models
 from sluice.server.metrics import DataplaneCollector
@@ -50,6 +50,8 @@ METRICS = frozenset(
     {
         "sluice_calls_total",
         "sluice_call_seconds_bucket",
+        "sluice_call_seconds_sum",
+        "sluice_loop_cpu_seconds_total",
         "sluice_in_flight",
         "sluice_queue_depth",
         "sluice_queue_wait_seconds_bucket",
@@ -589,10 +591,12 @@ def test_dashboard_queries_only_sluice_metrics_and_shows_them_all() -> None:
 
 
 def exported_server_metrics() -> set[str]:
-    """The sample names a server's registry holds (its collectors, idle): read from the code,
-    so renaming a metric fails the autoscaling checks that name it."""
-    collectors = (ServingCollector(ServingStats()), DataplaneCollector(Models(), LRUCache(1, 1)))
-    return {s.name for c in collectors for family in c.collect() for s in family.samples}
+    """The sample names a server's registry holds, idle, as sluice.runtime.program makes it:
+    read from the code, so renaming a metric fails the autoscaling checks that name it."""
+    registry = new_registry(
+        ServingCollector(ServingStats()), DataplaneCollector(Models(), LRUCache(1, 1))
+    )
+    return {s.name for family in registry.collect() for s in family.samples}
 
 
 SERVER_METRICS = exported_server_metrics()
@@ -648,8 +652,9 @@ def test_deploy_itself_has_no_autoscaler() -> None:
     assert SERVER["spec"]["replicas"] == HPA["spec"]["minReplicas"]
 
 
-def test_the_adapter_rule_serves_the_metric_the_hpa_reads() -> None:
-    (rule,) = ADAPTER_RULES
+def series_of(rule: dict[str, Any]) -> str:
+    """The series an adapter rule reads (its seriesQuery's name), checked to be the server's
+    and tied to the pod it comes from."""
     series = re.fullmatch(r"(\w+)\{([^}]*)\}", rule["seriesQuery"])
     assert series, rule["seriesQuery"]
     name, matchers = series[1], series[2]
@@ -658,30 +663,55 @@ def test_the_adapter_rule_serves_the_metric_the_hpa_reads() -> None:
     overrides = rule["resources"]["overrides"]
     assert overrides == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
     assert set(re.findall(r'(\w+)!=""', matchers)) == set(overrides)
-    # The adapter renames the series by `matches` and `as`: the name the HPA asks for.
-    served = re.sub(rule["name"]["matches"], rule["name"]["as"], name)
-    assert served != name
-    (metric,) = HPA["spec"]["metrics"]
-    assert metric["type"] == "Pods"
-    assert metric["pods"]["metric"]["name"] == served
-    # The query, as the adapter fills it in for the pods the HPA asks about.
-    query = (
-        rule["metricsQuery"]
-        .replace("<<.Series>>", name)
-        .replace("<<.LabelMatchers>>", 'namespace="default",pod=~"sluice-server-a|sluice-server-b"')
-        .replace("<<.GroupBy>>", "pod")
-    )
-    assert "<<" not in query, query
-    assert promql_metrics(query) == {name}
-    assert re.search(rf"\brate\({name}\{{", query), "a rate of the sum: mean calls in flight"
-    assert re.match(r"sum by \(pod\) ", query), "one value per pod, whatever its labels"
+    return name
+
+
+def served_metrics() -> dict[str, str]:
+    """The adapter's metric names (which the HPA asks for) by the series each is made of."""
+    served = {}
+    for rule in ADAPTER_RULES:
+        name = series_of(rule)
+        # The adapter renames the series by `matches` and `as`.
+        assert re.fullmatch(rule["name"]["matches"].strip("^$"), name)
+        served[re.sub(rule["name"]["matches"], rule["name"]["as"], name)] = name
+    return served
+
+
+def hpa_targets() -> dict[str, float]:
+    """Each metric of the HPA's and its target per server."""
+    targets = {}
+    for metric in HPA["spec"]["metrics"]:
+        assert metric["type"] == "Pods"
+        target = metric["pods"]["target"]
+        assert target["type"] == "AverageValue"
+        targets[metric["pods"]["metric"]["name"]] = float(target["averageValue"])
+    return targets
+
+
+def test_the_adapter_rules_serve_the_metrics_the_hpa_reads() -> None:
+    served = served_metrics()
+    assert set(served) == set(hpa_targets())
+    assert set(served.values()) == {"sluice_call_seconds_sum", "sluice_loop_cpu_seconds_total"}
+    for rule in ADAPTER_RULES:
+        name = series_of(rule)
+        # The query, as the adapter fills it in for the pods the HPA asks about.
+        query = (
+            rule["metricsQuery"]
+            .replace("<<.Series>>", name)
+            .replace("<<.LabelMatchers>>", 'namespace="default",pod=~"sluice-server-a|sluice-b"')
+            .replace("<<.GroupBy>>", "pod")
+        )
+        assert "<<" not in query, query
+        assert promql_metrics(query) == {name}
+        # A counter's rate: seconds in calls (or on the loop's CPU) per second.
+        assert re.search(rf"\brate\({name}\{{", query), query
+        assert re.match(r"sum by \(pod\) ", query), "one value per pod, whatever its labels"
 
 
 def test_the_hpa_targets_a_value_per_server() -> None:
-    (metric,) = HPA["spec"]["metrics"]
-    target = metric["pods"]["target"]
-    assert target["type"] == "AverageValue"
-    assert float(target["averageValue"]) > 0
+    targets = hpa_targets()
+    assert all(value > 0 for value in targets.values())
+    assert targets["sluice_loop_busy"] < 1, "a busy share: 1 is a saturated loop"
     assert 1 <= HPA["spec"]["minReplicas"] < HPA["spec"]["maxReplicas"]
 
 
@@ -833,26 +863,30 @@ def test_the_scaled_object_is_the_hpa_in_kedas_words() -> None:
     )
     assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == HPA["spec"]["behavior"]
     assert spec["minReplicaCount"] >= 1, "a server takes minutes to load: no scale to zero"
-    (trigger,) = spec["triggers"]
-    assert trigger["type"] == "prometheus"
-    settings = trigger["metadata"]
-    assert set(settings) <= PROMETHEUS_TRIGGER, sorted(set(settings) - PROMETHEUS_TRIGGER)
-    assert settings["serverAddress"].startswith("http")
-    # Per server, as the HPA's target: the sum divided by the replicas.
-    assert trigger["metricType"] == "AverageValue"
-    (metric,) = HPA["spec"]["metrics"]
-    assert float(settings["threshold"]) == float(metric["pods"]["target"]["averageValue"])
-    assert settings["ignoreNullValues"] == "false", "no answer must not read as idle"
+    # A trigger for each of the HPA's metrics, on the same series, with the same target.
+    series = {name: metric for metric, name in served_metrics().items()}
+    targets = hpa_targets()
+    thresholds = {}
+    for trigger in spec["triggers"]:
+        assert trigger["type"] == "prometheus"
+        settings = trigger["metadata"]
+        assert set(settings) <= PROMETHEUS_TRIGGER, sorted(set(settings) - PROMETHEUS_TRIGGER)
+        assert settings["serverAddress"].startswith("http")
+        # Per server, as the HPA's targets: the sum divided by the replicas.
+        assert trigger["metricType"] == "AverageValue"
+        assert settings["ignoreNullValues"] == "false", "no answer must not read as idle"
+        (name,) = promql_metrics(settings["query"])
+        thresholds[series[name]] = float(settings["threshold"])
+    assert thresholds == targets
 
 
-def test_the_scaled_object_queries_the_servers_metric() -> None:
-    (trigger,) = SCALED["spec"]["triggers"]
+@pytest.mark.parametrize("trigger", SCALED["spec"]["triggers"], ids=lambda t: t["name"])
+def test_the_scaled_object_queries_the_servers_metrics(trigger: dict[str, Any]) -> None:
     query = trigger["metadata"]["query"]
     names = promql_metrics(query)
     assert names <= SERVER_METRICS, f"not exported by the server: {sorted(names - SERVER_METRICS)}"
-    # The same series as the adapter rule, summed over the servers' pods only.
-    (rule,) = ADAPTER_RULES
-    assert names == {rule["seriesQuery"].split("{")[0]}
+    # One of the adapter rules' series, summed over the servers' pods only.
+    assert len(names) == 1 and names <= set(served_metrics().values())
     assert re.fullmatch(r"sum\(rate\(\w+\{[^}]*\}\[1m\]\)\)", query), query
     pods = re.search(r'pod=~"([^"]+)"', query)
     assert pods, "without a pod matcher the balancers' calls would count too"
