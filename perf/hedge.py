@@ -30,13 +30,15 @@ Inputs: --inputs varied digit images cycled through, and the servers' result cac
 every call runs the model and no cache hides the pause; every OK answer is compared with
 ONNX Runtime's own on the same input (equal within 1e-5 relative).
 
-Columns: latency percentiles of the OK calls of all rounds pooled; calls and failed calls;
+Columns: latency percentiles of the OK calls of all rounds pooled (and p99.9's median over
+rounds); calls and failed calls; the calls the balancer took in (its Health's requests);
 extra upstream calls = the attempts the balancer sent (its Health, backends' calls summed,
-over the window) over the calls sent, minus 1 (hedges and retries alike); the balancer's
-hedge counters where its Health has them; CPU per call of the balancer and the three
-servers (utime + stime from /proc over the window). Calls slower than --slow-ms are
-broken down: begun while the server was paused, answered by the paused server. The order
-of the steady configurations rotates every round."""
+over the window) over the calls it took in, minus 1 (hedges and retries alike); the
+balancer's hedge counters where its Health has them (and below the table, hedges per pause
+beside the calls due in a pause, and the hedge delay in use at each window's end); CPU per
+call of the balancer and the three servers (utime + stime from /proc over the window).
+Calls slower than --slow-ms are broken down: begun while the server was paused, answered by
+the paused server. The order of the steady configurations rotates every round."""
 
 from __future__ import annotations
 
@@ -142,6 +144,9 @@ class Pauser:
     def stopped_share(self, start: float, end: float) -> float:
         inside = sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.spans)
         return inside / (end - start) if end > start else 0.0
+
+    def count(self, start: float, end: float) -> int:
+        return sum(start <= a < end for a, _ in self.spans)
 
     def longest_s(self, start: float, end: float) -> float:
         """The longest pause that began in the window: a late SIGCONT stretches one."""
@@ -275,6 +280,7 @@ class Counters:
     attempts: int
     hedges: dict[str, int]
     cpu_s: float
+    after_ms: float = 0.0  # the hedge delay in use (a gauge: auto's moves), as last read
 
     def minus(self, before: Counters) -> Counters:
         hedges = {k: v - before.hedges.get(k, 0) for k, v in self.hedges.items()}
@@ -283,6 +289,7 @@ class Counters:
             self.attempts - before.attempts,
             hedges,
             self.cpu_s - before.cpu_s,
+            self.after_ms,
         )
 
 
@@ -295,7 +302,8 @@ async def counters(balancer: Process, servers: Sequence[Process]) -> Counters:
     hedges = {n: int(getattr(stats, n)) for n in names}
     pids = [balancer.pid, *(s.pid for s in servers)]
     attempts = sum(b.calls for b in health.backends)
-    return Counters(health.requests, attempts, hedges, cpu_seconds(pids))
+    after_ms = float(getattr(stats, "hedge_after_ms", 0.0))
+    return Counters(health.requests, attempts, hedges, cpu_seconds(pids), after_ms)
 
 
 @dataclass
@@ -308,6 +316,7 @@ class Window:
     send_lag_s: float
     stopped_share: float  # of the window the paused server was stopped
     longest_pause_s: float
+    pauses: int
     warmup_extra: float  # extra upstream calls in the warmup, the bank spent
 
 
@@ -352,7 +361,9 @@ async def window(
     warm_extra = before.minus(idle).attempts / len(warm) - 1 if warm else 0.0
     share = pauser.stopped_share(started, ended) if pauser is not None else 0.0
     longest = pauser.longest_s(started, ended) if pauser is not None else 0.0
-    return Window(calls, after.minus(before), ended - started, lag, share, longest, warm_extra)
+    pauses = pauser.count(started, ended) if pauser is not None else 0
+    counted = after.minus(before)
+    return Window(calls, counted, ended - started, lag, share, longest, pauses, warm_extra)
 
 
 def pct(values: Sequence[float], q: float) -> float | None:
@@ -371,6 +382,13 @@ def figures(
     )
     attempts = sum(w.counted.attempts for w in windows)
     received = sum(w.counted.received for w in windows)
+    pauses = sum(w.pauses for w in windows)
+    # Calls due during one pause (the pause's share of the window over the pauses in it).
+    pause_share = (
+        sum(w.stopped_share * w.seconds for w in windows) / sum(w.seconds for w in windows)
+        if windows
+        else 0.0
+    )
     rounds = [pct([c.latency for c in w.calls if c.status == "OK"], 99.9) for w in windows]
     hedges: Counter[str] = Counter()
     for w in windows:
@@ -397,6 +415,10 @@ def figures(
         "hedge_share_of_received": hedges["hedges"] / received
         if received and "hedges" in hedges
         else None,
+        # A call that meets a pause on its backend wants a hedge: how many did, a pause.
+        "hedges_per_pause": hedges["hedges"] / pauses if pauses and "hedges" in hedges else None,
+        "calls_per_pause": len(calls) / pauses * pause_share if pauses else None,
+        "hedge_after_ms": [round(w.counted.after_ms, 2) for w in windows],
         "hedges": dict(hedges),
         "cpu_us_per_call": sum(w.counted.cpu_s for w in windows) / len(calls) * 1e6
         if calls
@@ -464,7 +486,9 @@ def goals(result: Mapping[str, Any]) -> dict[str, bool | None]:
             found[f"{name}: p99.9 ({how}) <= 3x healthy"] = (
                 None if f is None else f[key] <= 3 * healthy[key]
             )
-        found[f"{name}: extra upstream <= 10%"] = None if f is None else f["extra_upstream"] <= 0.10
+        found[f"{name}: extra upstream <= 10%"] = (
+            None if f is None else f["extra_upstream_of_received"] <= 0.10
+        )
     # At overload many calls end before the balancer takes them in (the client's own lag,
     # their deadline), so hedges count against the calls it took in.
     over = figs.get("overload-hedge-5ms")
@@ -502,7 +526,7 @@ def render(result: Mapping[str, Any]) -> str:
             label, fmt(f["p50_ms"]), fmt(f["p99_ms"]), fmt(f["p999_ms"]),
             fmt(f["p999_ms_median"]), fmt(f["max_ms"]),
             str(f["calls"]), str(f["errors"]), str(f["balancer_received"]),
-            "-" if f["extra_upstream"] is None else f"{f['extra_upstream']:+.1%}",
+            "-" if (x := f["extra_upstream_of_received"]) is None else f"{x:+.1%}",
             hedges, f"{f['answers_checked'] - f['answers_wrong']}/{f['answers_checked']}",
             fmt(f["cpu_us_per_call"], 0),
             f"{slow['calls']}: {slow['begun_while_paused']}/{slow['answered_by_paused']}",
@@ -518,6 +542,12 @@ def render(result: Mapping[str, Any]) -> str:
     ]
     paused = [f"{n} {figs[n]['longest_pause_ms']:.0f}" for n in LABELS if n in figs and n in PAUSED]
     lines.append("longest pause ms (a late SIGCONT stretches one): " + ", ".join(paused))
+    for n in HEDGE:
+        if (f := figs.get(n)) is not None and f["hedges_per_pause"] is not None:
+            lines.append(
+                f"{n}: {f['hedges_per_pause']:.1f} hedges a pause, {f['calls_per_pause']:.1f} "
+                f"calls due in one; hedge delay at window ends {f['hedge_after_ms']} ms"
+            )
     if not result["hedging"]:
         lines.append("this balancer has no --hedge-after-ms: the hedged configurations did not run")
     lines += [
