@@ -3,11 +3,13 @@ to another backend and the first good answer wins (Envoy's `hedge_on_per_try_tim
 Transport-free: the clock and the sleep are injected. The planner (sluice.routing.planner)
 sends the hedges; this module holds the policy: the delay, the budget and the counts.
 
-The delay is fixed (`after_s`) or `auto`: the 95th percentile of the latencies of the calls
-answered lately (the last `WINDOW` answered attempts over all backends, once `MIN_SAMPLES`
-are in; none hedge before). All backends together, not the one the call went to: a backend
-that pauses a third of the time has its own p95 inside its pauses, and would never have
-its slow calls hedged; what a call usually takes here is the yardstick.
+The delay is fixed (`after_s`) or `auto`: the backends' recent p95, the median over the
+backends of the 95th percentile of each one's last `WINDOW` answered attempts (those with
+`MIN_SAMPLES` at least; none hedge before one has). The median, not the p95 of the backend
+the call went to, nor of all answers pooled: a backend that pauses a third of the time has
+its own p95 inside its pauses, and its slow answers, pooled, would lift the delay until the
+hedges that should cut them came too late; one slow backend of three moves the median
+little.
 
 Hedges spend from a budget of their own, not the retry budget: a pause that holds many
 calls at once would otherwise spend the tokens that broken streams need for their retries,
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -26,10 +29,11 @@ from dataclasses import dataclass
 from sluice.routing.budget import RetryBudget
 
 AUTO = "auto"
-WINDOW = 256  # answered attempts the auto delay is the p95 of
-MIN_SAMPLES = 20  # answered attempts before an auto delay hedges at all
+WINDOW = 128  # a backend's answered attempts its p95 is of
+MIN_SAMPLES = 20  # a backend's answered attempts before its p95 counts
 REFRESH = 16  # the auto delay is worked out again every this many samples
 QUANTILE = 0.95
+MAX_BACKENDS = 1024  # windows kept at most (addresses come and go with discovery)
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ class Hedging:
         self.sent = 0
         self.won = 0
         self.cancelled = 0
-        self._samples: deque[float] = deque(maxlen=WINDOW)
+        self._windows: dict[str, deque[float]] = {}  # by backend address
         self._since = 0  # samples since the auto delay was worked out
         self._auto: float | None = None
 
@@ -90,13 +94,25 @@ class Hedging:
         fixed = self.settings.after_s
         return self._auto if fixed is None else fixed
 
-    def answered(self, seconds: float) -> None:
-        """An attempt answered OK in `seconds`: a sample for the auto delay."""
+    def answered(self, backend: str, seconds: float) -> None:
+        """An attempt answered OK by `backend` (its address) in `seconds`: a sample for the
+        auto delay."""
         if self.settings.after_s is not None:
             return
-        self._samples.append(seconds)
+        window = self._windows.get(backend)
+        if window is None:
+            if len(self._windows) >= MAX_BACKENDS:
+                del self._windows[next(iter(self._windows))]  # the longest known
+            window = self._windows[backend] = deque(maxlen=WINDOW)
+        window.append(seconds)
         self._since += 1
-        if len(self._samples) >= MIN_SAMPLES and (self._auto is None or self._since >= REFRESH):
-            ordered = sorted(self._samples)
-            self._auto = ordered[min(len(ordered) - 1, int(QUANTILE * len(ordered)))]
+        if self._since >= REFRESH or (self._auto is None and len(window) >= MIN_SAMPLES):
             self._since = 0
+            p95s = sorted(_quantile(w) for w in self._windows.values() if len(w) >= MIN_SAMPLES)
+            if p95s:
+                self._auto = statistics.median(p95s)
+
+
+def _quantile(window: deque[float]) -> float:
+    ordered = sorted(window)
+    return ordered[min(len(ordered) - 1, int(QUANTILE * len(ordered)))]

@@ -315,7 +315,7 @@ class Plan(Generic[R]):
             if planner.limits:
                 planner.limits.answered(attempt.backend)
             if planner.hedging is not None:
-                planner.hedging.answered(planner.clock() - attempt.sent)
+                planner.hedging.answered(attempt.backend.address, planner.clock() - attempt.sent)
         if not rule.retry:
             return answer
         self._failed(attempt, f"{status_name(answer.code)}: {answer.message}")

@@ -378,35 +378,50 @@ async def test_the_observer_is_told_of_the_hedge_and_of_the_attempt_cancelled() 
     ]
 
 
-async def test_auto_hedges_after_the_p95_of_recent_answers_once_it_has_enough() -> None:
+async def test_auto_hedges_after_the_backends_p95_once_one_has_enough_answers() -> None:
     clock = FakeClock()
     p, timer = hedged(clock, after_s=None)
     hedging = p.hedging
     assert hedging is not None
     gated = Gated()
-    for i in range(MIN_SAMPLES):
+    for i in range(MIN_SAMPLES):  # one key: one backend answers them all
         assert hedging.delay() is None
-        call = asyncio.ensure_future(p.run(None, clock() + 1.0, gated))
+        call = asyncio.ensure_future(p.run(42, clock() + 1.0, gated))
         await settle()
         assert timer.waits == []  # not known yet: no hedge
         clock.now += 0.001 * (i + 1)  # 1 ms .. 20 ms
         gated.answer(gated.sent[-1][0], ok())
         await call
     assert hedging.delay() == pytest.approx(0.020)  # the 95th percentile of 1..20 ms
-    call = asyncio.ensure_future(p.run(None, clock() + 1.0, gated))
+    call = asyncio.ensure_future(p.run(42, clock() + 1.0, gated))
     await settle()
     assert timer.waits == [pytest.approx(0.020)]
     gated.answer(gated.sent[-1][0], ok())
     await call
 
 
-def test_the_auto_delay_follows_the_window_of_recent_answers() -> None:
+def answers(hedging: Hedging, backend: str, seconds: float, count: int) -> None:
+    for _ in range(count):
+        hedging.answered(backend, seconds)
+
+
+def test_the_auto_delay_follows_each_backends_window_of_recent_answers() -> None:
     hedging = Hedging(HedgeSettings(None))
-    for _ in range(400):
-        hedging.answered(0.100)
-    for _ in range(400):  # the slow past leaves the window
-        hedging.answered(0.002)
+    answers(hedging, "a:1", 0.100, 400)
+    answers(hedging, "a:1", 0.002, 400)  # the slow past leaves the window
     assert hedging.delay() == pytest.approx(0.002)
+
+
+def test_one_slow_backend_of_three_hardly_moves_the_auto_delay() -> None:
+    hedging = Hedging(HedgeSettings(None))
+    answers(hedging, "a:1", 0.002, 100)
+    answers(hedging, "b:1", 0.003, 100)
+    # A backend that pauses: a fifth of its answers took 100 ms. Pooled, the answers' p95
+    # would be in its pauses.
+    for _ in range(20):
+        answers(hedging, "c:1", 0.002, 4)
+        answers(hedging, "c:1", 0.100, 1)
+    assert hedging.delay() == pytest.approx(0.003)  # the median backend's p95
 
 
 @pytest.mark.parametrize(
