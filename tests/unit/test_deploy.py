@@ -29,8 +29,8 @@ from sluice.server.settings import ServerSettings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "sluice.json"
-# Overlays of deploy/ with an autoscaler on the servers: users pick one.
-OVERLAYS = (DEPLOY / "autoscaling" / "hpa", DEPLOY / "autoscaling" / "keda")
+# Components that put an autoscaler on the servers: users add one to deploy/.
+AUTOSCALING = (DEPLOY / "autoscaling" / "hpa", DEPLOY / "autoscaling" / "keda")
 
 # Fixed, so a new kubernetes-validate release cannot change the verdict: the oldest
 # Kubernetes minor the manifests promise to work on, and a recent one. Both ship with
@@ -218,11 +218,12 @@ def test_custom_resources_are_the_known_ones() -> None:
 
 def test_kustomizations_list_every_manifest_beside_them() -> None:
     kustomizations = [d for d in DOCS if d.key == KUSTOMIZATION]
-    assert {d.path.parent for d in kustomizations} == {DEPLOY, DEPLOY / "monitoring", *OVERLAYS}
-    for doc in kustomizations:
+    assert {d.path.parent for d in kustomizations} == {DEPLOY, DEPLOY / "monitoring"}
+    components = [d for d in DOCS if d.key == COMPONENT and "resources" in d.body]
+    assert {d.path.parent for d in components} == set(AUTOSCALING)
+    for doc in [*kustomizations, *components]:
         here = doc.path.parent
-        # An overlay's base is deploy/ itself, checked as a kustomization of its own.
-        listed = {(here / r).resolve() for r in doc.body["resources"]} - {DEPLOY}
+        listed = {(here / r).resolve() for r in doc.body["resources"]}
         beside = {d.path.resolve() for d in OBJECTS if d.path.parent == here}
         assert listed == beside, f"{doc.path}: resources must be exactly {sorted(beside)}"
     # CRDs stay out of the default `kubectl apply -k deploy/`: it must work without them.
@@ -269,7 +270,8 @@ def json_patch(body: dict[str, Any], operations: list[dict[str, Any]]) -> dict[s
 
 def gpu_server() -> dict[str, Any]:
     """The server Deployment with the gpu/ component's patches applied."""
-    (component,) = [d.body for d in DOCS if d.key == COMPONENT]
+    (component,) = [d.body for d in DOCS if d.path == DEPLOY / "gpu" / "kustomization.yaml"]
+    assert component["kind"] == "Component"
     assert component.keys() <= {"apiVersion", "kind", "metadata", "patches"}
     deployment = SERVER
     for patch in component["patches"]:
@@ -283,8 +285,8 @@ GPU_SERVER = gpu_server()
 
 
 def test_the_gpu_component_is_there_and_off_by_default() -> None:
-    (component,) = [d for d in DOCS if d.key == COMPONENT]
-    assert component.path == DEPLOY / "gpu" / "kustomization.yaml"
+    components = {d.path.parent for d in DOCS if d.key == COMPONENT}
+    assert components == {DEPLOY / "gpu", *AUTOSCALING}
     (kustomization,) = [d.body for d in DOCS if d.path == DEPLOY / "kustomization.yaml"]
     assert "components" not in kustomization, "deploy/ serves on the CPU unless asked"
 
@@ -605,13 +607,15 @@ SCALED = only("ScaledObject", "sluice-server")
 ADAPTER_RULES: list[dict[str, Any]] = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["custom"]
 
 
-def overlay(here: Path) -> tuple[dict[str, Any], list[Doc]]:
-    """An overlay's server Deployment, its patches applied, and its own objects."""
-    (kustomization,) = [d.body for d in DOCS if d.path == here / "kustomization.yaml"]
-    base, own = kustomization["resources"]
-    assert (here / base).resolve() == DEPLOY, "an overlay of deploy/, the base applied whole"
+def with_component(here: Path) -> tuple[dict[str, Any], list[Doc]]:
+    """The server Deployment with a component's patches applied, and the component's own
+    objects. (A component, not an overlay: Kustomize refuses an overlay inside its base.)"""
+    (component,) = [d.body for d in DOCS if d.path == here / "kustomization.yaml"]
+    assert component["kind"] == "Component"
+    assert component.keys() <= {"apiVersion", "kind", "metadata", "resources", "patches"}
+    (own,) = component["resources"]
     deployment = SERVER
-    for patch in kustomization["patches"]:
+    for patch in component["patches"]:
         target = patch["target"]
         assert (target["kind"], target["name"]) == ("Deployment", "sluice-server"), target
         deployment = json_patch(deployment, yaml.safe_load(patch["patch"]))
@@ -629,9 +633,9 @@ def test_pod_names_match() -> None:
     assert not pod_name_matches(r"sluice-server-.+", "sluice-balancer")
 
 
-@pytest.mark.parametrize("here", OVERLAYS, ids=lambda p: p.name)
-def test_an_overlay_is_deploy_with_one_autoscaler_owning_the_servers(here: Path) -> None:
-    deployment, own = overlay(here)
+@pytest.mark.parametrize("here", AUTOSCALING, ids=lambda p: p.name)
+def test_a_component_adds_one_autoscaler_owning_the_servers(here: Path) -> None:
+    deployment, own = with_component(here)
     assert "replicas" not in deployment["spec"], "the autoscaler sets it, not each apply"
     for version in KUBERNETES_VERSIONS:
         assert kubernetes_validate.validate(deployment, version, strict=True) == version
@@ -646,9 +650,9 @@ def test_an_overlay_is_deploy_with_one_autoscaler_owning_the_servers(here: Path)
 
 
 def test_deploy_itself_has_no_autoscaler() -> None:
-    """`kubectl apply -k deploy/` runs 3 servers, fixed; an autoscaler is an overlay's."""
+    """`kubectl apply -k deploy/` runs 3 servers, fixed; an autoscaler is a component's."""
     scalers = [d for d in OBJECTS if d.body["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")]
-    assert sorted(d.path.parent for d in scalers) == sorted(OVERLAYS)
+    assert sorted(d.path.parent for d in scalers) == sorted(AUTOSCALING)
     assert SERVER["spec"]["replicas"] == HPA["spec"]["minReplicas"]
 
 
@@ -711,7 +715,7 @@ def test_the_adapter_rules_serve_the_metrics_the_hpa_reads() -> None:
 def test_the_hpa_targets_a_value_per_server() -> None:
     targets = hpa_targets()
     assert all(value > 0 for value in targets.values())
-    assert targets["sluice_loop_busy"] < 1, "a busy share: 1 is a saturated loop"
+    assert targets["sluice_loop_busy"] < 1, "a busy share, below where the loop saturates"
     assert 1 <= HPA["spec"]["minReplicas"] < HPA["spec"]["maxReplicas"]
 
 
