@@ -130,7 +130,8 @@ def thread_cpu_clock() -> Callable[[], float]:
 
 class LoopCollector(Collector):
     """The CPU time of the thread that runs the event loop (the one that made this): its rate
-    is the share of its time the loop is busy, 1 when saturated. A saturated loop's calls
+    is the share of its time the loop is busy, which levels off below 1 where the loop
+    saturates (waits for the GIL or for a core are not CPU time). A saturated loop's calls
     wait in grpc core's queue before any handler sees them, where in flight, queue depth and
     call seconds cannot count them: this is what shows that load (docs/KUBERNETES.md)."""
 
@@ -140,7 +141,7 @@ class LoopCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily(
             "sluice_loop_cpu_seconds",
-            "CPU time of the event loop's thread (its rate: the loop's busy share, 1 is saturated)",
+            "CPU time of the event loop's thread (its rate: the loop's busy share)",
             value=self.cpu_clock(),
         )
 
