@@ -138,4 +138,15 @@ def engine() -> Iterator[Engine]:
         except subprocess.TimeoutExpired:
             daemon.kill()
             daemon.wait(10)
+        # dockerd leaves its namespace file (exec-root/netns/default) mounted when it stops.
+        for mount in reversed(mounts_under(scratch)):
+            subprocess.run(["umount", "-l", mount], capture_output=True, timeout=30, check=False)
         shutil.rmtree(scratch, ignore_errors=True)
+        left = [str(scratch)] if scratch.exists() else []
+        assert not left + mounts_under(scratch), f"dockerd left {left + mounts_under(scratch)}"
+
+
+def mounts_under(folder: Path) -> list[str]:
+    """The mount points inside `folder`, outermost first (Linux: /proc/self/mounts)."""
+    points = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    return sorted(p for p in points if p.startswith(f"{folder}/"))

@@ -1,7 +1,7 @@
 """deploy/compose.yaml, checked without an engine: three servers behind one network alias (the
 headless Service of Docker's DNS), a balancer that discovers them by that name on the port
 they listen on, all from the image the Dockerfile builds, with the programs' own parsers
-reading the commands. tests/images runs the same cluster for real."""
+reading the commands. tests/images runs a cluster of this shape from the built image."""
 
 from __future__ import annotations
 
