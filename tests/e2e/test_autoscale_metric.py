@@ -1,8 +1,8 @@
-"""The metric deploy/autoscaling scales the servers on, read from a real server's /metrics:
+"""The metrics deploy/autoscaling scales the servers on, read from a real server's /metrics:
 its calls in flight rise with the callers loading it and fall back to the idle value once
-they stop. The autoscalers read the rate of the series the adapter rule names (the seconds
-of calls finished: its rate is the mean in flight); the gauge beside it shows the same calls
-at the moment of a scrape."""
+they stop. The autoscalers read the rate of the series the adapter rules name (the seconds
+of calls finished: its rate is the mean in flight; the loop's CPU seconds); the gauge
+beside it shows the same calls at the moment of a scrape."""
 
 from __future__ import annotations
 
@@ -32,9 +32,11 @@ ROUNDS = 10  # calls each caller makes, one after another
 BLOCKER_ROWS = 32_000  # seconds of work for the one instance: the callers queue behind it
 
 
-def scaled_series() -> str:
-    """The series the adapter rule (and the KEDA query, checked against it) reads."""
-    (rule,) = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["custom"]
+def scaled_series(served: str) -> str:
+    """The series the adapter rule serving `served` (and the KEDA query, checked against it)
+    reads."""
+    rules = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["custom"]
+    (rule,) = [r for r in rules if r["name"]["as"] == served]
     match = re.fullmatch(r"(\w+)\{[^}]*\}", rule["seriesQuery"])
     assert match, rule["seriesQuery"]
     return match[1]
@@ -50,7 +52,8 @@ def gauges(samples: Samples) -> tuple[float, float]:
 
 
 async def test_calls_in_flight_rise_with_load_and_fall_back_when_it_stops(mlp: Path) -> None:
-    series = scaled_series()
+    series = scaled_series("sluice_in_flight_average")
+    loop = scaled_series("sluice_loop_busy")
     port = free_port()
     # One instance, one row a run: what the callers send waits, in flight, while a long call
     # holds it, so the rise is there to see however slow this machine is.
@@ -101,3 +104,6 @@ async def test_calls_in_flight_rise_with_load_and_fall_back_when_it_stops(mlp: P
     # Between two scrapes at rest the series stands still: its rate, the metric, is 0 again.
     assert calls(quiet_again, series) == calls(quiet, series) == calls(done, series)
     assert gauges(done) == gauges(quiet) == gauges(quiet_again) == gauges(idle) == (0, 0)
+    # The loop's CPU: the callers' calls cost it more than a scrape at rest does.
+    loaded_cpu = total(done, loop) - total(loaded, loop)
+    assert loaded_cpu > total(quiet_again, loop) - total(quiet, loop) >= 0
