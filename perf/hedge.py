@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -583,7 +584,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         balancers = {n: plain for n in windows if n not in HEDGE}
         for flag in sorted({HEDGE[n] for n in windows if n in HEDGE}):
             hedged = start_balancer(
-                stack, workdir, f"hedge-{flag}", backends, "--hedge-after-ms", flag
+                stack,
+                workdir,
+                f"hedge-{flag}",
+                backends,
+                *("--hedge-after-ms", flag, *shlex.split(args.hedge_flags)),
             )
             balancers.update({n: hedged for n in windows if HEDGE.get(n) == flag})
         victim = started[0]
@@ -637,6 +642,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "timeout_s": args.timeout,
         "overload_timeout_s": args.overload_timeout,
         "pause_ms": args.pause_ms,
+        "hedge_flags": args.hedge_flags,
         "period_ms": args.period_ms,
         "labels": LABELS,
         "figures": {
@@ -664,6 +670,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=0.0, help="steady calls/s (instead of --load)")
     p.add_argument(
         "--capacity", type=float, default=0.0, help="calls/s taken as capacity (default: measured)"
+    )
+    p.add_argument(
+        "--hedge-flags",
+        default="",
+        help="more flags for the hedging balancers (e.g. '--hedge-ratio 0.2'), to see what moves",
     )
     p.add_argument("--pause-ms", type=float, default=100.0, help="the pause, in each period")
     p.add_argument("--period-ms", type=float, default=300.0, help="the pause schedule's period")
