@@ -107,7 +107,7 @@ def delay(cluster: Cluster) -> Run:
 
 def rate(cluster: Cluster) -> Run:
     return _held(
-        cluster, 9.0, 3.0, "rate 1mbit", lambda: netfaults.rate(cluster.servers[0], "1mbit")
+        cluster, 9.0, 3.0, "rate 200kbit", lambda: netfaults.rate(cluster.servers[0], "200kbit")
     )
 
 
