@@ -99,12 +99,16 @@ class Lab:
         self.namespaces: list[str] = []
         self.others: list[subprocess.Popen[str]] = []  # dnsmasq, delay readers
         self.records = workdir / "servers.hosts"
-        self.switch = self._namespace("sw")
-        sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
-        sh("ip", "-n", self.switch, "link", "set", "br0", "up")
-        self._next_ip = 10
-        self.dns = self.add("dns", DNS_IP)
         self.dnsmasq: subprocess.Popen[str] | None = None
+        self._next_ip = 10
+        try:
+            self.switch = self._namespace("sw")
+            sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+            sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+            self.dns = self.add("dns", DNS_IP)
+        except BaseException:
+            self.close()  # the caller never gets a lab to close
+            raise
 
     def _namespace(self, short: str) -> str:
         name = f"{self.prefix}-{short}"
