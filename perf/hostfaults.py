@@ -150,6 +150,16 @@ def balancer_kill(cluster: Cluster) -> Run:
     return Run("balancer killed", load.seen(), kill, "")
 
 
+def balancer_blackhole(cluster: Cluster) -> Run:
+    """The client given two balancers; the first one's host blackholed at 2 s."""
+    load = cluster.load(seconds=8.0, targets=cluster.balancers)
+    sleep_until(load.t0 + 2.0)
+    with netfaults.blackhole(cluster.balancers[0]):
+        began = time.monotonic()
+        seen = load.seen()
+    return Run("balancer blackholed", seen, began, "")
+
+
 @dataclass(frozen=True)
 class Scenario:
     run: Callable[[Cluster], Run]
@@ -166,6 +176,7 @@ SCENARIOS = {
     "scale": Scenario(scale, spare=2),
     "readdress": Scenario(readdress),
     "balancer-kill": Scenario(balancer_kill, balancers=2),
+    "balancer-blackhole": Scenario(balancer_blackhole, balancers=2),
 }
 
 
