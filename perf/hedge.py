@@ -627,7 +627,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                 ctx["loadavg_rounds"].append(list(os.getloadavg()))
         ctx["loadavg_after"] = list(os.getloadavg())
     result: dict[str, Any] = {
-        "command": "python -m perf.hedge " + " ".join(argv),
+        "command": "python -m perf.hedge " + shlex.join(argv),
         "context": ctx,
         "hedging": hedging,
         "inputs": f"{args.inputs} varied digit images cycled; servers' cache off",
