@@ -499,39 +499,35 @@ class Batcher:
         waiters."""
         batch, rows, reason = taken.batch, taken.rows, taken.reason
         started = self.clock()
-        failure: Exception | None = None
         try:
             results = await runner.run(batch)
         except Exception as exc:  # every waiter must hear of the failure
-            failure = exc
-        finally:
             ended = self.clock()
-            # The instance takes its next batch before the callers of this one hear: its
-            # next run begins while the loop encodes and writes their replies.
+            for item in batch:
+                if item.trip is not None:
+                    item.trip.ran(at, started, ended, rows, len(batch), reason)
+                _fail(item, exc)
+        else:
+            ended = self.clock()
+            took = ended - started
+            self.admission.observe(took, cost)
+            if batch[0].bucket:  # what ran, once it ran: padding rows too where runs pad them
+                real = sum(tokens(p.rows, p.lengths) for p in batch)
+                run_rows = bucket(rows) if self.pad_rows else rows
+                ran = tokens(run_rows, padded_to(batch, self.queue.to_bucket))
+                self._padded(batch[0].bucket, real, ran)
+            if self.on_run is not None:
+                self.on_run(rows, took)
+            for item, result in zip(batch, results, strict=True):
+                if item.trip is not None:  # told before its waiter wakes
+                    item.trip.ran(at, started, ended, rows, len(batch), reason)
+                if item.future is not None and not item.future.done():
+                    item.future.set_result(result)
+        finally:
             self.busy -= 1
             self._running_cost -= cost
             self._idle.append(runner)
             self._pump()
-        if failure is not None:
-            for item in batch:
-                if item.trip is not None:
-                    item.trip.ran(at, started, ended, rows, len(batch), reason)
-                _fail(item, failure)
-            return
-        took = ended - started
-        self.admission.observe(took, cost)
-        if batch[0].bucket:  # what ran, once it ran: padding rows too where runs pad them
-            real = sum(tokens(p.rows, p.lengths) for p in batch)
-            run_rows = bucket(rows) if self.pad_rows else rows
-            ran = tokens(run_rows, padded_to(batch, self.queue.to_bucket))
-            self._padded(batch[0].bucket, real, ran)
-        if self.on_run is not None:
-            self.on_run(rows, took)
-        for item, result in zip(batch, results, strict=True):
-            if item.trip is not None:  # told before its waiter wakes
-                item.trip.ran(at, started, ended, rows, len(batch), reason)
-            if item.future is not None and not item.future.done():
-                item.future.set_result(result)
 
     async def close(self) -> None:
         """Wait for running batches to finish."""
