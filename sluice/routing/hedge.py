@@ -13,8 +13,10 @@ little.
 
 Hedges spend from a budget of their own, not the retry budget: a pause that holds many
 calls at once would otherwise spend the tokens that broken streams need for their retries,
-and the two bounds are stated (and measured) apart. By default hedges add at most 10% of
-the calls (`ratio`), plus `min_per_s` a second so a quiet caller can still hedge."""
+and the two bounds are stated (and measured) apart. Hedges add at most `ratio` (10%) of the
+calls: each call earns a tenth of one, and by default no time-based floor adds more (the
+retry budget's `min_per_s`), so the bound holds at any rate; a quiet caller hedges once in
+ten calls at most."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ class HedgeSettings:
 
     after_s: float | None = None
     ratio: float = 0.1
-    min_per_s: float = 1.0
+    min_per_s: float = 0.0
 
     @classmethod
     def parse(cls, after_ms: str, ratio: float = 0.1) -> HedgeSettings | None:

@@ -431,6 +431,7 @@ def test_one_slow_backend_of_three_hardly_moves_the_auto_delay() -> None:
 def test_hedge_after_ms_reads_a_number_or_auto(text: str, after_s: float | None) -> None:
     settings = HedgeSettings.parse(text)
     assert settings is not None and settings.after_s == after_s
+    assert (settings.ratio, settings.min_per_s) == (0.1, 0.0)  # a tenth of the calls, no more
 
 
 @pytest.mark.parametrize("text", ["", "0", "off"])

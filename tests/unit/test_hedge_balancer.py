@@ -61,6 +61,8 @@ def hedging_balancer(after_ms: str = "1") -> tuple[BalancerService, FirstHangs]:
     service = BalancerService(
         pool, RetryBudget(), node_id="b1", hedge=HedgeSettings.parse(after_ms)
     )
+    assert service.hedging is not None
+    service.hedging.budget.tokens = 1.0  # as if ten calls had gone before
     return service, upstreams
 
 
