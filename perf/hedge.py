@@ -475,7 +475,7 @@ async def settled(balancer: Process, count: int, timeout: float = 20.0) -> None:
 
 
 def goals(result: Mapping[str, Any]) -> dict[str, bool | None]:
-    """Issue 26's goals, None where a configuration did not run. p99.9 is taken both over
+    """The hedging goals, None where a configuration did not run. p99.9 is taken both over
     all rounds' calls pooled and as the median of the rounds' own (a round that a neighbour
     on the shared machine stalled moves the pooled tail, not the median)."""
     figs = result["figures"]
