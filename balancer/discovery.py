@@ -39,6 +39,7 @@ class Discovery:
         self._file_stamp: Stamp | None = None
         self._from_file: list[str] = []
         self._from_dns: list[str] = []
+        self._dns_error = ""  # the last lookup's failure, said once (lookups run every 0.5 s)
 
     async def current(self) -> list[str]:
         """The backends now; a file or name that cannot be read keeps its last answer."""
@@ -48,7 +49,13 @@ class Discovery:
             try:
                 self._from_dns = await resolve(self.dns)
             except (OSError, ValueError) as exc:
-                log.warning("cannot resolve %s: %s", self.dns, exc)
+                if str(exc) != self._dns_error:
+                    log.warning("cannot resolve %s: %s (keeping its last answer)", self.dns, exc)
+                self._dns_error = str(exc)
+            else:
+                if self._dns_error:
+                    log.info("%s resolves again", self.dns)
+                self._dns_error = ""
         return list(dict.fromkeys([*self.static, *self._from_file, *self._from_dns]))
 
     def _reread_file(self) -> None:

@@ -589,6 +589,38 @@ async def test_discovery_merges_flags_file_and_dns(tmp_path: Path) -> None:
     assert "10.0.0.3:8001" in await discovery.current()
 
 
+async def test_discovery_says_a_failing_name_once_and_keeps_its_last_answer(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sluice.balancer import discovery as module
+
+    answers: list[list[str] | OSError] = [
+        ["10.0.0.1:8001"],
+        OSError("no such name"),
+        OSError("no such name"),
+        ["10.0.0.2:8001"],
+    ]
+
+    async def resolve(name_port: str) -> list[str]:
+        answer = answers.pop(0)
+        if isinstance(answer, OSError):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(module, "resolve", resolve)
+    found = module.Discovery([], dns="servers.test:8001")
+    with caplog.at_level("INFO", logger=module.log.name):
+        assert await found.current() == ["10.0.0.1:8001"]
+        assert await found.current() == ["10.0.0.1:8001"]  # the last answer stands
+        assert await found.current() == ["10.0.0.1:8001"]
+        assert await found.current() == ["10.0.0.2:8001"]
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "cannot resolve servers.test:8001: no such name (keeping its last answer)",
+        "servers.test:8001 resolves again",
+    ]
+
+
 def test_a_backend_on_probation_after_an_ejection_does_not_keep_a_broken_one_in() -> None:
     """Three backends, cap one: A ejected for latency, then on HALF_OPEN probation; B fails
     every call. B's breaker may open once A is no longer OPEN."""
