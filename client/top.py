@@ -376,6 +376,8 @@ def balancer_block(previous: pb.HealthResponse | None, current: pb.HealthRespons
             ("calls sent", counter("calls")),
             ("retries", counter("retries")),
             ("retries refused", counter("retries_refused")),
+            ("hedges", counter("hedges")),
+            ("hedges won", counter("hedges_won")),
             ("shed", counter("shed")),
             ("unavailable", counter("unavailable")),
         ],

@@ -70,7 +70,9 @@ def server_health(requests: int, **changes: object) -> pb.HealthResponse:
     return health
 
 
-def balancer_health(calls: tuple[int, int, int], requests: int = 0) -> pb.HealthResponse:
+def balancer_health(
+    calls: tuple[int, int, int], requests: int = 0, hedges: tuple[int, int] = (0, 0)
+) -> pb.HealthResponse:
     addresses = ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"]
     total = max(sum(calls), 1)
     return pb.HealthResponse(
@@ -104,7 +106,13 @@ def balancer_health(calls: tuple[int, int, int], requests: int = 0) -> pb.Health
             )
         ],
         balancer=pb.BalancerStats(
-            calls=sum(calls), retries=5, retries_refused=1, unavailable=2, shed=3
+            calls=sum(calls),
+            retries=5,
+            retries_refused=1,
+            unavailable=2,
+            shed=3,
+            hedges=hedges[0],
+            hedges_won=hedges[1],
         ),
     )
 
@@ -184,6 +192,15 @@ def test_balancer_shows_one_row_per_backend_with_its_state() -> None:
     assert "retries" in out and "5  (+0)" in line_with(out, "retries")
     assert line_with(out, "shed").split()[1] == "3"
     assert line_with(out, "unavailable").split()[1] == "2"
+
+
+def test_the_balancer_grid_shows_hedges_sent_and_won_with_their_growth() -> None:
+    before = balancer_health((100, 100, 0), hedges=(10, 4))
+    after = balancer_health((300, 150, 0), hedges=(13, 6))
+    out = text_of(top.render(before, after, 2.0))
+    assert line_with(out, "hedges won").split()[2:] == ["6", "(+2)"]
+    hedges = next(line for line in out.splitlines() if "hedges" in line and "won" not in line)
+    assert hedges.split()[1:] == ["13", "(+3)"]
 
 
 def test_a_balancer_without_backends_says_so() -> None:
