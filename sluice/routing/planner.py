@@ -298,7 +298,7 @@ class Plan(Generic[R]):
             self._planner.pool.withdraw(attempt.backend)
             return answer
         rule = rule_of(answer.code, answer.retryable)
-        self._finish(attempt, rule)
+        self._finish(attempt, rule, answered=True)
         if rule is _OVERLOADED:
             planner = self._planner
             planner.limits.refused(attempt.backend, attempt.sent, planner.clock())
@@ -328,7 +328,7 @@ class Plan(Generic[R]):
             rule, why, code = _TIMEOUT, "did not answer in time", _DEADLINE_EXCEEDED
         else:
             rule, why, code = _BROKEN, str(error) or type(error).__name__, _UNAVAILABLE
-        self._finish(attempt, rule)
+        self._finish(attempt, rule, answered=False)
         if not rule.retry:
             return self._planner.reply(code, f"{attempt.backend.address}: {why}{self.last}")
         self._failed(attempt, why)
@@ -337,7 +337,8 @@ class Plan(Generic[R]):
     def abandon(self, attempt: Attempt) -> None:
         """The attempt ended with no verdict on its backend (the caller cancelled, the
         transport itself failed, or another attempt answered first): its slot is given back."""
-        self._planner.pool.finish(attempt.backend, self._planner.clock() - attempt.sent, "neutral")
+        planner = self._planner
+        planner.pool.finish(attempt.backend, planner.clock() - attempt.sent, "neutral", False)
 
     def hedgeable(self, after: float) -> bool:
         """Whether the call has more than `after` seconds left (a hedge sent after that long
@@ -442,9 +443,10 @@ class Plan(Generic[R]):
         if self._observer is not None:
             self._observer.ended(None, error)
 
-    def _finish(self, attempt: Attempt, rule: Rule) -> None:
+    def _finish(self, attempt: Attempt, rule: Rule, answered: bool) -> None:
         planner = self._planner
-        planner.pool.finish(attempt.backend, planner.clock() - attempt.sent, rule.verdict)
+        seconds = planner.clock() - attempt.sent
+        planner.pool.finish(attempt.backend, seconds, rule.verdict, answered)
 
     def _failed(self, attempt: Attempt, why: str) -> None:
         self.last = f"; {attempt.backend.address}: {why}"

@@ -3,7 +3,8 @@ injected, and a backend's connection is whatever object the transport hangs on i
 
 A call with an affinity key goes to the key's owner on the ring, or, when the owner is out
 or over its bounded load, to the next backend on the ring; a call without one goes to the
-cheaper of two random backends (in-flight x peak-EWMA latency). A backend is out while its
+cheaper of two random backends: (in flight + 1) x the larger of its peak-EWMA latency and
+its silence, how long it has owed an answer (`Pool.silence`). A backend is out while its
 health watch says it is not serving or its breaker refuses calls.
 
 What holds a backend out, and the one cap on it:
@@ -68,6 +69,11 @@ class Backend:
     # Why its transport holds it out (it refuses connections, does not answer, ...), for
     # the message when none is usable; "" while it serves or when the server said so.
     down: str = ""
+    # Attempts sent and not answered, those given up on (cancelled by a hedge, timed out)
+    # included until it answers anything, and when the oldest of them was sent (at most:
+    # once it answers, the time of that answer): `Pool.silence`.
+    owed: int = 0
+    owed_since: float = 0.0
 
     @property
     def usable(self) -> bool:
@@ -149,12 +155,14 @@ class Pool:
         table_size: int | None = None,
         max_ejection_percent: float = 50.0,
         outlier: OutlierSettings | None = None,
+        probe_after_s: float = 0.05,
     ) -> None:
         if not 0 <= max_ejection_percent <= 100:
             raise ValueError("max_ejection_percent must be between 0 and 100")
         self.breaker_settings = breaker or BreakerSettings()
         self.max_ejection_percent = max_ejection_percent
         self.outlier = outlier or OutlierSettings()
+        self.probe_after_s = probe_after_s
         self.ejections = 0  # latency outlier ejections so far
         self._next_look = 0.0
         self.balance_factor = balance_factor
@@ -338,7 +346,19 @@ class Pool:
         return [keys[i % len(keys)] for i in range(count)]
 
     def _cost(self, backend: Backend) -> float:
-        return (backend.in_flight + 1) * backend.latency.current()
+        return (backend.in_flight + 1) * max(backend.latency.current(), self.silence(backend))
+
+    def silence(self, backend: Backend) -> float:
+        """How long `backend` has owed an answer: since its oldest attempt not answered was
+        sent, those given up on counted until it answers anything. A backend that pauses
+        learns nothing in the latency estimate until its attempts end, and one whose attempt
+        a hedge cancelled gives its in-flight slot back; this keeps calls off it from the
+        first milliseconds of a pause. With nothing in flight, what it owes is forgiven
+        after `probe_after_s`, so the next call may find out whether it is back."""
+        if not backend.owed:
+            return 0.0
+        age = self.clock() - backend.owed_since
+        return 0.0 if not backend.in_flight and age > self.probe_after_s else age
 
     def _why_none(self, candidates: list[Backend]) -> str:
         if not self.backends:
@@ -392,17 +412,26 @@ class Pool:
         the pool is not panicking."""
         if not backend.breaker.acquire() and not self.panicking():
             return False
+        now = self.clock()
+        if not backend.in_flight and (
+            not backend.owed or now - backend.owed_since > self.probe_after_s
+        ):
+            backend.owed, backend.owed_since = 0, now  # nothing owed, or forgiven
+        backend.owed += 1
         backend.in_flight += 1
         backend.calls += 1
         self.calls += 1
         return True
 
-    def finish(self, backend: Backend, seconds: float, verdict: str) -> None:
+    def finish(self, backend: Backend, seconds: float, verdict: str, answered: bool = True) -> None:
         """`verdict`: 'ok' (the backend answered), 'failed' (the backend failed), 'slow' (it
         did not answer in time: its latency counts, and when the call had long enough by
         `OutlierSettings` the timeout is a failure for its breaker) or 'neutral' (no
-        verdict on the backend, e.g. the caller cancelled)."""
+        verdict on the backend, e.g. the caller cancelled). `answered`: the backend said
+        something (False: the attempt timed out, broke or was cancelled, and stays owed)."""
         backend.in_flight -= 1
+        if answered:
+            backend.owed, backend.owed_since = backend.in_flight, self.clock()
         if verdict == "ok":
             backend.breaker.success()
             backend.latency.observe(seconds)
@@ -430,6 +459,7 @@ class Pool:
         it had not been claimed. The balancer's transport refuses without yielding to the
         event loop, so nothing reads the counts between the claim and this."""
         backend.in_flight -= 1
+        backend.owed -= 1
         backend.calls -= 1
         self.calls -= 1
         backend.breaker.release()

@@ -187,9 +187,9 @@ def test_only_the_table_retries(step: Step, attempts: int, verdict: str) -> None
     verdicts: list[tuple[str, str]] = []
     finish = p.pool.finish
 
-    def record(backend: Backend, seconds: float, v: str) -> None:
+    def record(backend: Backend, seconds: float, v: str, answered: bool = True) -> None:
         verdicts.append((backend.address, v))
-        finish(backend, seconds, v)
+        finish(backend, seconds, v, answered)
 
     p.pool.finish = record  # type: ignore[method-assign]
     reply = run(p, transport, deadline=clock.now + 5.0)

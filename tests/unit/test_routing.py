@@ -366,6 +366,61 @@ def test_pool_least_loaded_avoids_the_busy_backend() -> None:
     assert picks["h1:1"] == 100
 
 
+def picks_of(pool: Pool, calls: int = 100) -> Counter[str]:
+    return Counter(pool.choose(None).backend.address for _ in range(calls))  # type: ignore[union-attr]
+
+
+def test_a_backend_silent_on_an_attempt_given_up_on_is_shunned_until_it_answers() -> None:
+    """A hedge cancelled the attempt (its in-flight slot is back, its latency estimate
+    untouched), but the backend still owes that answer: calls stay off it."""
+    clock = FakeClock()
+    pool = make_pool(2, clock)
+    paused, other = pool.backends["h0:1"], pool.backends["h1:1"]
+    assert pool.start(paused)
+    clock.now += 0.006
+    pool.finish(paused, 0.006, "neutral", answered=False)
+    assert paused.in_flight == 0 and pool.silence(paused) == pytest.approx(0.006)
+    assert picks_of(pool)["h1:1"] == 100
+    # It answers another attempt (a hedge sent to it): what it owed is paid, calls return.
+    assert pool.start(paused) and pool.start(other)
+    pool.finish(paused, 0.001, "ok")
+    assert pool.silence(paused) == 0.0
+    pool.finish(other, 0.001, "ok")
+    assert 30 < picks_of(pool)["h0:1"] < 70
+
+
+def test_a_silent_backend_with_nothing_in_flight_is_tried_again_after_the_probe_delay() -> None:
+    clock = FakeClock()
+    pool = make_pool(2, clock)
+    paused = pool.backends["h0:1"]
+    assert pool.start(paused)
+    clock.now += 0.006
+    pool.finish(paused, 0.006, "neutral", answered=False)
+    clock.now += pool.probe_after_s
+    assert pool.silence(paused) == 0.0 and 30 < picks_of(pool)["h0:1"] < 70
+    # The probe is owed from its own sending, not from the attempt forgiven.
+    assert pool.start(paused)
+    assert pool.silence(paused) == 0.0
+    clock.now += 0.002
+    assert pool.silence(paused) == pytest.approx(0.002)
+
+
+def test_silence_counts_an_attempt_in_flight_from_its_sending_and_ends_with_an_answer() -> None:
+    clock = FakeClock()
+    pool = make_pool(2, clock)
+    backend = pool.backends["h0:1"]
+    assert pool.start(backend)
+    clock.now += 0.5  # well past the probe delay: an attempt in flight is never forgiven
+    assert pool.start(backend)
+    assert pool.silence(backend) == pytest.approx(0.5)
+    pool.finish(backend, 0.5, "ok")
+    assert pool.silence(backend) == 0.0  # it answers: the other is counted from now
+    clock.now += 0.003
+    assert pool.silence(backend) == pytest.approx(0.003)
+    pool.withdraw(backend)  # never sent: owes nothing
+    assert backend.owed == 0 and pool.silence(backend) == 0.0
+
+
 def test_pool_says_why_nothing_is_available() -> None:
     clock = FakeClock()
     assert "no backends are configured" in make_pool(0, clock).choose(None).why
