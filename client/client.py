@@ -62,6 +62,10 @@ from sluice.wire import codec, unary
 from sluice.wire.mux import Reply
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Several targets: a hung one is found within (1 + PING_AFTER) x KEEPALIVE_S of its last byte,
+# well within a 1 s deadline, leaving the retry the rest (`keepalive`).
+KEEPALIVE_S = 0.3
+PING_AFTER = 0.3  # of keepalive_s without a byte read, as the balancer's upstream channels
 ChannelOptions = Sequence[tuple[str, Any]]
 Metadata = tuple[tuple[str, str], ...]
 Inputs = Mapping[str, npt.ArrayLike]
@@ -94,12 +98,58 @@ class Prediction:
         return self.metadata.get("x-request-id", "")
 
 
-def channel_options(max_message_bytes: int, extra: ChannelOptions) -> list[tuple[str, Any]]:
+def channel_options(
+    max_message_bytes: int, extra: ChannelOptions, keepalive_s: float = 0.0
+) -> list[tuple[str, Any]]:
+    """A client channel's options: the message limits, with `keepalive_s` (0: none) the
+    keepalive pings and connect bound of `keepalive`, then the caller's own `extra`."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        *(keepalive(keepalive_s) if keepalive_s > 0 else ()),
         *extra,
     ]
+
+
+def keepalive(keepalive_s: float) -> list[tuple[str, int]]:
+    """How a client given several targets leaves one that stops answering (a blackholed or
+    wedged host: no RST) for another, within a call's deadline, not after it: as the
+    balancer's --keepalive-s finds a hung server. While calls are out (idle channels do not
+    ping) an HTTP/2 ping goes out after PING_AFTER x keepalive_s without a byte read, and one
+    unanswered for keepalive_s closes the connection, failing its calls UNAVAILABLE for the
+    planner to retry elsewhere; a connect attempt is bounded by keepalive_s too (grpc's own
+    minimum is 20 s, and calls wait on a connecting channel), so a target that cannot be
+    reached fails its calls at once, breaker probes included. Sluice servers and balancers
+    permit the pings (sluice.runtime.listener); a server that does not would answer them
+    with too_many_pings."""
+    timeout_ms = max(1, round(keepalive_s * 1000))
+    return [
+        ("grpc.keepalive_time_ms", max(1, round(keepalive_s * 1000 * PING_AFTER))),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),  # what grpc core 1.6x+ times pings by
+        ("grpc.keepalive_permit_without_calls", 0),
+        # A long call keeps being watched: by default pings stop after two with no data sent.
+        ("grpc.http2.max_pings_without_data", 0),
+        # No BDP pings: one answered just before the host went dark holds the keepalive ping
+        # back for a second (balancer.upstream measured it). A fixed window instead.
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", 4 * 1024 * 1024),
+        # grpc's connect timeout is max(min_reconnect_backoff, the backoff): both keepalive_s.
+        ("grpc.min_reconnect_backoff_ms", timeout_ms),
+        ("grpc.initial_reconnect_backoff_ms", min(100, timeout_ms)),
+        ("grpc.max_reconnect_backoff_ms", timeout_ms),
+    ]
+
+
+def keepalive_of(keepalive_s: float | None, targets: Sequence[str]) -> float:
+    """A client's `keepalive_s`: as given (0: off), or by default KEEPALIVE_S with several
+    targets and off with one (it has no other target to fail over to: the call's own
+    deadline bounds it, and a slow connect is given all of that)."""
+    if keepalive_s is None:
+        return KEEPALIVE_S if len(targets) > 1 else 0.0
+    if keepalive_s < 0:
+        raise ValueError(f"keepalive_s must be 0 (off) or more, not {keepalive_s}")
+    return keepalive_s
 
 
 def plain(inputs: Mapping[str, npt.ArrayLike]) -> bool:
@@ -381,7 +431,13 @@ class AsyncSluiceClient(_Core):
     `hedge_after_ms` (several targets; None or 0: off): a call whose attempt has not
     answered after this many ms (or "auto": the p95 of recent answers) sends one hedge to
     another server, and the first OK answer wins (sluice.routing.hedge). ValueError with
-    one target: a balancer hedges itself (--hedge-after-ms)."""
+    one target: a balancer hedges itself (--hedge-after-ms).
+
+    `keepalive_s` (None: 0.3 with several targets, off with one; 0: off): while calls are
+    out, a target silent for 0.3 x this is pinged, and one that leaves the ping unanswered
+    this long, or cannot be connected to within it, fails its calls UNAVAILABLE, which the
+    planner retries on another target with the time left (as the balancer's --keepalive-s).
+    The targets must permit pings that often; Sluice servers and balancers do."""
 
     def __init__(
         self,
@@ -399,6 +455,7 @@ class AsyncSluiceClient(_Core):
         hints: diagnose.Audience = diagnose.Audience.PYTHON,
         shared_memory: bool = False,
         hedge_after_ms: float | str | None = None,
+        keepalive_s: float | None = None,
     ) -> None:
         targets = target_list(target)
         if shared_memory:
@@ -407,7 +464,7 @@ class AsyncSluiceClient(_Core):
         security = ClientTLS.of(
             tls=tls, ca=tls_ca, cert=tls_cert, key=tls_key, server_name=server_name
         )
-        settings = channel_options(max_message_bytes, options)
+        settings = channel_options(max_message_bytes, options, keepalive_of(keepalive_s, targets))
         channels = {t: [aio_channel(t, security, settings)] for t in targets}
         shown = diagnose.Shown(tls=security is not None, certificate=bool(tls_cert))
         self._attach(channels, timeout, api_key, owned=True, shown=shown, hints=hints, hedge=hedge)
@@ -696,6 +753,7 @@ class SluiceClient(_Core):
         hints: diagnose.Audience = diagnose.Audience.PYTHON,
         shared_memory: bool = False,
         hedge_after_ms: float | str | None = None,
+        keepalive_s: float | None = None,
     ) -> None:
         targets = target_list(target)
         if shared_memory:
@@ -707,7 +765,7 @@ class SluiceClient(_Core):
         security = ClientTLS.of(
             tls=tls, ca=tls_ca, cert=tls_cert, key=tls_key, server_name=server_name
         )
-        settings = channel_options(max_message_bytes, options)
+        settings = channel_options(max_message_bytes, options, keepalive_of(keepalive_s, targets))
         self._channels = {t: blocking_channel(t, security, settings) for t in targets}
         self._start(
             {t: [ch.unary_unary(PREDICT, **RAW)] for t, ch in self._channels.items()},

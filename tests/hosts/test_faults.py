@@ -90,12 +90,6 @@ def test_balancer_killed_with_two_given(lab: Lab, tmp_path: Path) -> None:
     assert len(run.seen.between(run.fault)) > 100
 
 
-@pytest.mark.xfail(
-    reason="the client's breaker lets a probe through to the blackholed balancer after each "
-    "cooldown, and the probe's call waits out its whole deadline (no keepalive on the "
-    "client's channels, no share of the deadline kept for a second attempt)",
-    strict=False,
-)
 def test_balancer_blackholed_with_two_given(lab: Lab, tmp_path: Path) -> None:
     run = run_in(lab, tmp_path, "balancer-blackhole")
     failed = run.seen.failed(run.seen.calls)
