@@ -18,6 +18,13 @@ arrived: a bucket's requests come a caller's cycle apart, spread over the other 
 few fall within the budget of one another, and one already queued adds no wait to the
 oldest's (it only lengthens the run by less than its own run alone).
 
+While another instance runs, a free one does not take a padded batch smaller than the
+maximum at once: it waits, up to the budget from the oldest's arrival and never so long that
+a waiting request's deadline would pass before the batch's run ends, for more of the oldest's
+bucket (each arrival, run's end and the timer look again). With every instance idle it runs
+at once, so an idle server still answers alone with no wait; an instance that would take a
+bucket's one or two waiting requests the moment it frees leaves the batches small.
+
 Deadlines are kept at both ends of the queue: a request that cannot be answered in time,
 given the rows ahead of it and the measured drain rate, is refused at the door (see
 admission); one whose deadline would pass before its run ends is dropped when it leaves the
@@ -293,6 +300,32 @@ class BatchQueue:
             reason = FULL
         return Taken(batch, reason, expired)
 
+    def hold(self, now: float, run_s: Callable[[float], float]) -> float | None:
+        """Until when a free instance, with another running, should wait for the oldest's
+        padded batch to grow; None: take it now (unpadded, full, or no time left to wait).
+        `run_s(cost)`: a run's seconds, by which no waiting request's deadline is waited past."""
+        oldest: Pending | None = None
+        rows = cost = 0
+        deadline = float("inf")
+        for queue in self._classes:  # the most urgent class with a live request, as `take`
+            live = [p for p in queue if not (p.taken or p.abandoned)]
+            if not live:
+                continue
+            oldest = live[0]
+            if not oldest.bucket:
+                return None
+            for item in live:
+                if item.group == oldest.group:
+                    rows += item.rows
+                    cost += item.cost
+                if item.deadline is not None:
+                    deadline = min(deadline, item.deadline)
+            break
+        if oldest is None or rows >= self.max_rows:
+            return None
+        until = min(oldest.arrival + self.budget_s, deadline - run_s(cost))
+        return until if until > now else None
+
     def _pays(
         self, rows: int, peak: Lengths, item: Pending, price: Callable[[float], float]
     ) -> bool:
@@ -361,6 +394,10 @@ class Batcher:
         self.runs = Counter[int]()  # batches per runner index
         self._index = {id(r): i for i, r in enumerate(runners)}
         self._tasks: set[asyncio.Task[None]] = set()
+        # A free instance holding for a bigger padded batch (BatchQueue.hold) looks again
+        # at `_wake`, on the batcher's clock.
+        self._timer: asyncio.TimerHandle | None = None
+        self._wake = 0.0
         # Metrics hooks, None (nothing done per request) unless an exporter sets them:
         # each request's seconds in the queue (0 on the fast path), and each model run's
         # rows and wall seconds.
@@ -459,6 +496,9 @@ class Batcher:
             contended = self.busy > 0 or len(self.queue) > 1
             now = self.clock()
             run_s = self.admission.run_s
+            if self.busy and (until := self.queue.hold(now, run_s)) is not None:
+                self._look_again(now, until)
+                return
             taken = self.queue.take(now, run_s if contended else None, run_s)
             if taken is None:
                 return
@@ -481,6 +521,18 @@ class Batcher:
             task = asyncio.create_task(self._run(runner, taken, now, cost))
             self._tasks.add(task)  # held until done: a task nobody holds can be collected
             task.add_done_callback(self._tasks.discard)
+
+    def _look_again(self, now: float, until: float) -> None:
+        if self._timer is not None and self._wake <= until:
+            return  # already due no later
+        if self._timer is not None:
+            self._timer.cancel()
+        self._wake = until
+        self._timer = asyncio.get_running_loop().call_later(until - now, self._woken)
+
+    def _woken(self) -> None:
+        self._timer = None
+        self._pump()
 
     def _count(self, runner: Runner, rows: list[int], reason: str) -> None:
         self.stats.batches += 1
