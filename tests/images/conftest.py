@@ -2,7 +2,8 @@
 cluster run from it as containers, with faults made through the engine (kill, pause,
 network disconnect). Skips, saying why, where no image can be built (not Linux, not root,
 no docker client, no engine and no dockerd to start). The session removes every
-container, network and image it made, failed or not, and then checks that none is left."""
+container, network and image it made, failed or not, and then checks that none is left
+and that net.ipv4.ip_forward is as it found it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.images.cluster import Cluster
-from tests.images.engine import PREFIX, Engine, engine, why_not
+from tests.images.engine import PREFIX, Engine, engine, ip_forward, why_not
 
 RUN = f"{PREFIX}{os.getpid()}-{secrets.token_hex(2)}"  # this session's prefix
 
@@ -22,6 +23,7 @@ RUN = f"{PREFIX}{os.getpid()}-{secrets.token_hex(2)}"  # this session's prefix
 def docker() -> Iterator[Engine]:
     if reason := why_not():
         pytest.skip(reason)
+    forwarding = ip_forward()
     try:
         with engine() as found:
             try:
@@ -32,6 +34,7 @@ def docker() -> Iterator[Engine]:
                 assert not left, f"the images tier left {left}"
     except LookupError as exc:
         pytest.skip(str(exc))
+    assert ip_forward() == forwarding, f"net.ipv4.ip_forward was {forwarding}, now {ip_forward()}"
 
 
 @pytest.fixture(scope="session")

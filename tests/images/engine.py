@@ -1,9 +1,10 @@
 """The images tier's Docker engine and what it makes there. The engine is the one that answers
 (DOCKER_HOST or the default socket), or else a dockerd of the tier's own: its socket, data
-and state in a scratch folder, no bridge of its own and no iptables rules (so it leaves no
-docker0 or nft tables behind and leaves the FORWARD policy to the hosts tier), stopped by
-its pid and its folder removed. Builds run on the host's network (--network host), so they
-need no NAT. Everything made carries the session's prefix, which `leftovers` looks for."""
+and state in a scratch folder, no bridge of its own, no iptables rules, no forwarding and no
+masquerade (the containers share one bridge and the host reaches them directly), so it
+leaves no docker0, nft tables or net.ipv4.ip_forward change behind; stopped by its pid and
+its folder removed. Builds run on the host's network (--network host), so they need no NAT.
+Everything made carries the session's prefix, which `leftovers` looks for."""
 
 from __future__ import annotations
 
@@ -123,6 +124,7 @@ def engine() -> Iterator[Engine]:
     argv = ["dockerd", "--host", env["DOCKER_HOST"], "--data-root", f"{scratch}/data"]
     argv += ["--exec-root", f"{scratch}/exec", "--pidfile", f"{scratch}/dockerd.pid"]
     argv += ["--bridge=none", "--iptables=false", "--ip6tables=false"]
+    argv += ["--ip-forward=false", "--ip-masq=false"]
     with (scratch / "dockerd.log").open("wb") as log:
         daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -150,3 +152,11 @@ def mounts_under(folder: Path) -> list[str]:
     """The mount points inside `folder`, outermost first (Linux: /proc/self/mounts)."""
     points = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
     return sorted(p for p in points if p.startswith(f"{folder}/"))
+
+
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+
+
+def ip_forward() -> str:
+    """The host's net.ipv4.ip_forward, which the tier must leave as it found it."""
+    return IP_FORWARD.read_text().strip()
