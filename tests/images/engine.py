@@ -47,12 +47,7 @@ class Engine:
     made: list[str] = field(default_factory=list)  # image ids and tags, removed in `close`
 
     def docker(self, *args: str, timeout: float = 60) -> str:
-        done = subprocess.run(
-            ["docker", *args], env=self.env, capture_output=True, text=True, timeout=timeout
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"docker {' '.join(args[:3])}: {done.stderr.strip()}")
-        return done.stdout
+        return checked(["docker", *args], self.env, timeout)
 
     def answers(self) -> bool:
         try:
@@ -72,13 +67,7 @@ class Engine:
         """The repository's Dockerfile as `tag`, on the base scripts/make-base makes (made
         here if the engine lacks it, and then removed with the rest)."""
         if not self.has_image(BASE):
-            subprocess.run(
-                [str(REPO / "scripts" / "make-base"), BASE],
-                env=self.env,
-                capture_output=True,
-                check=True,
-                timeout=900,
-            )
+            checked([str(REPO / "scripts" / "make-base"), BASE], self.env, 900)
             self.made.append(BASE)
         cas = "".join(p.read_text() for p in sorted(LOCAL_CAS.rglob("*.crt")))
         args = ["build", "--network", "host", "--build-arg", f"BASE={BASE}", "-t", tag]
@@ -152,6 +141,15 @@ def mounts_under(folder: Path) -> list[str]:
     """The mount points inside `folder`, outermost first (Linux: /proc/self/mounts)."""
     points = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
     return sorted(p for p in points if p.startswith(f"{folder}/"))
+
+
+def checked(argv: list[str], env: dict[str, str], timeout: float) -> str:
+    """`argv`'s output; RuntimeError with the tail of what it said if it fails."""
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        name = " ".join([Path(argv[0]).name, *argv[1:3]])
+        raise RuntimeError(f"{name} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+    return done.stdout
 
 
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
