@@ -46,8 +46,8 @@ class Engine:
     env: dict[str, str]
     made: list[str] = field(default_factory=list)  # image ids and tags, removed in `close`
 
-    def docker(self, *args: str, timeout: float = 60) -> str:
-        return checked(["docker", *args], self.env, timeout)
+    def docker(self, *args: str, timeout: float = 60, env: dict[str, str] | None = None) -> str:
+        return checked(["docker", *args], {**self.env, **(env or {})}, timeout)
 
     def answers(self) -> bool:
         try:
@@ -71,9 +71,10 @@ class Engine:
             self.made.append(BASE)
         cas = "".join(p.read_text() for p in sorted(LOCAL_CAS.rglob("*.crt")))
         args = ["build", "--network", "host", "--build-arg", f"BASE={BASE}", "-t", tag]
-        out = self.docker(*args, "--build-arg", f"PIP_CA={cas}", str(REPO), timeout=900)
-        # The legacy builder keeps the first stage as an untagged image: its id is the last
-        # one the build printed before the final stage's FROM.
+        args += ["--build-arg", f"PIP_CA={cas}", str(REPO)]
+        # The legacy builder (asked for: BuildKit logs otherwise) keeps the first stage as an
+        # untagged image: its id is the last one the build printed before the final FROM.
+        out = self.docker(*args, timeout=900, env={"DOCKER_BUILDKIT": "0"})
         stages = re.split(r"^Step \d+/\d+ : FROM ", out, flags=re.MULTILINE)[1:]
         built = [re.findall(r"^ ---> ([0-9a-f]{12,})$", s, re.MULTILINE) for s in stages]
         self.made[:0] = [tag] + [ids[-1] for ids in built[:-1] if ids]
