@@ -57,17 +57,22 @@ def packet_id(payload: bytes) -> int | None:
     return None
 
 
-def bind(sock: socket.socket, queue: int) -> None:
+def bind(sock: socket.socket, queue: int, timeout_s: float = 5.0) -> None:
+    """Take `queue`, each step acknowledged within `timeout_s` (TimeoutError if not)."""
     config = [
         attr(CFG_CMD, struct.pack("!BBH", CMD_BIND, 0, socket.AF_INET)),
         attr(CFG_PARAMS, struct.pack("!IB", 0, COPY_META)),
     ]
-    for seq, attrs in enumerate(config, 1):
-        sock.send(message(MSG_CONFIG, queue, attrs, NLM_F_REQUEST | NLM_F_ACK, seq))
-        for kind, payload in messages(sock.recv(65536)):
-            error = struct.unpack_from("=i", payload)[0] if kind == NLMSG_ERROR else 0
-            if error:
-                raise OSError(-error, f"nfnetlink_queue config step {seq} refused")
+    sock.settimeout(timeout_s)
+    try:
+        for seq, attrs in enumerate(config, 1):
+            sock.send(message(MSG_CONFIG, queue, attrs, NLM_F_REQUEST | NLM_F_ACK, seq))
+            for kind, payload in messages(sock.recv(65536)):
+                error = struct.unpack_from("=i", payload)[0] if kind == NLMSG_ERROR else 0
+                if error:
+                    raise OSError(-error, f"nfnetlink_queue config step {seq} refused")
+    finally:
+        sock.settimeout(None)  # the packet loop waits in select
 
 
 def main(argv: list[str]) -> int:

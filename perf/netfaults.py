@@ -15,6 +15,7 @@ new `Lab.balancer`."""
 
 from __future__ import annotations
 
+import select
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,6 +24,16 @@ from contextlib import contextmanager
 from perf.hosts import PORT, Host, Lab
 
 QUEUE = 7  # the NFQUEUE number a delayed host's packets go to
+BOUND_S = 15.0  # how long perf.delayq may take to start and bind its queue
+
+
+def first_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    """The first line `proc` writes to its stdout pipe, "" when none comes within
+    `timeout_s` (a line is written whole, so once readable, readline does not block)."""
+    assert proc.stdout is not None
+    if not select.select([proc.stdout], [], [], timeout_s)[0]:
+        return ""
+    return proc.stdout.readline()
 
 
 def _rules(host: Host, rules: list[list[str]]) -> Iterator[None]:
@@ -74,9 +85,8 @@ def delay(lab: Lab, host: Host, seconds: float) -> Iterator[None]:
     )
     lab.others.append(reader)
     try:
-        assert reader.stdout is not None
-        if reader.stdout.readline().strip() != "bound":  # bound to its queue: rules may go in
-            raise RuntimeError("perf.delayq did not bind its queue")
+        if first_line(reader, BOUND_S).strip() != "bound":  # bound to its queue: rules may go in
+            raise RuntimeError(f"perf.delayq did not bind its queue within {BOUND_S} s")
         rule = ["OUTPUT", "-o", "eth0", "-p", "tcp", "--sport", str(PORT)]
         queue = ["-j", "NFQUEUE", "--queue-num", str(QUEUE), "--queue-bypass"]
         yield from _rules(host, [[*rule, *queue]])
