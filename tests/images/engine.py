@@ -2,9 +2,10 @@
 (DOCKER_HOST or the default socket), or else a dockerd of the tier's own: its socket, data
 and state in a scratch folder, no bridge of its own, no iptables rules, no forwarding and no
 masquerade (the containers share one bridge and the host reaches them directly), so it
-leaves no docker0, nft tables or net.ipv4.ip_forward change behind; stopped by its pid and
-its folder removed. Builds run on the host's network (--network host), so they need no NAT.
-Everything made carries the session's prefix, which `leftovers` looks for."""
+leaves no docker0, nft tables or net.ipv4.ip_forward change behind; started in a process
+group of its own, which is stopped (its containerd with it), and its folder removed. Builds
+run on the host's network (--network host), so they need no NAT. Everything made carries the
+session's prefix, which `leftovers` looks for."""
 
 from __future__ import annotations
 
@@ -116,7 +117,10 @@ def engine() -> Iterator[Engine]:
     argv += ["--bridge=none", "--iptables=false", "--ip6tables=false"]
     argv += ["--ip-forward=false", "--ip-masq=false"]
     with (scratch / "dockerd.log").open("wb") as log:
-        daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        # Its own group, so that what it starts (containerd) is stopped with it.
+        daemon = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         ours = Engine(env)
         wait_for(lambda: daemon.poll() is not None or ours.answers(), "dockerd", 60)
@@ -124,12 +128,7 @@ def engine() -> Iterator[Engine]:
             raise LookupError(f"dockerd exited: {(scratch / 'dockerd.log').read_text()[-2000:]}")
         yield ours
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(60)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait(10)
+        stop_group(daemon, 60)
         # dockerd leaves its namespace file (exec-root/netns/default) mounted when it stops.
         for mount in reversed(mounts_under(scratch)):
             subprocess.run(["umount", "-l", mount], capture_output=True, timeout=30, check=False)
@@ -151,6 +150,18 @@ def checked(argv: list[str], env: dict[str, str], timeout: float) -> str:
         name = " ".join([Path(argv[0]).name, *argv[1:3]])
         raise RuntimeError(f"{name} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
     return done.stdout
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM to the process group `proc` leads; SIGKILL to what is left of it once `proc`
+    has exited or `grace` seconds have passed."""
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(grace)
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
 
 
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
