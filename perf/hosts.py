@@ -4,18 +4,22 @@ file it re-reads on SIGHUP, and the real Sluice commands started in them (`ip ne
 
 The bridge lives in a namespace of its own (the switch), so the machine's own interfaces,
 routes and firewall are never touched: deleting the namespaces removes every link, address
-and iptables rule made here. Names carry a per-run prefix (`PREFIX` + a run id) so runs never
-clash, and `leftovers` finds anything a run left behind."""
+and iptables rule made here. Names carry a per-run prefix (`PREFIX`, the owner's pid, a random
+tag) so runs never clash; `leftovers` finds anything a run left behind, and `remove_stale`
+removes what runs whose owner has died left."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +31,9 @@ DNS_IP = f"{SUBNET}.2"
 DOMAIN = "sluice.test"
 PORT = 7000  # every server listens on it (one name, one port, as in a headless Service)
 NETNS_ETC = Path("/etc/netns")  # `ip netns exec` bind-mounts NAME/resolv.conf from here
+NETNS_RUN = Path("/run/netns")  # where `ip netns add` mounts each namespace
+WAIT_S = 10.0  # how long a killed process may take to go
+OWNER = re.compile(rf"^{PREFIX}(\d+)x")  # the owner's pid in a run prefix's names
 
 
 def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -58,9 +65,32 @@ def netns_names() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def leftovers(prefix: str = PREFIX) -> list[str]:
+def run_prefix() -> str:
+    """A prefix for this process's labs: the owner's pid tells a crashed run's names from a
+    live run's (`remove_stale`)."""
+    return f"{PREFIX}{os.getpid()}x{secrets.token_hex(2)}"
+
+
+def netns_inode(name: str) -> int:
+    return (NETNS_RUN / name).stat().st_ino
+
+
+def processes_in(inodes: set[int]) -> list[int]:
+    """The pids of the processes whose network namespace is one of `inodes` (deleted or not:
+    a process keeps its namespace alive after `ip netns del`)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):  # gone, or not ours to look at
+                if (entry / "ns" / "net").stat().st_ino in inodes:
+                    found.append(int(entry.name))
+    return found
+
+
+def leftovers(prefix: str = PREFIX, inodes: Iterable[int] = ()) -> list[str]:
     """What labs with `prefix` left on this machine: namespaces, links in the machine's own
-    namespace, /etc/netns folders, processes running in a lab namespace."""
+    namespace, /etc/netns folders, processes in those namespaces or in the namespaces of
+    `inodes` (a lab's, recorded when it was made: found even after the name is deleted)."""
     found = [f"netns {n}" for n in netns_names() if n.startswith(prefix)]
     links = sh("ip", "-o", "link", "show", check=False).stdout
     found += [
@@ -70,7 +100,85 @@ def leftovers(prefix: str = PREFIX) -> list[str]:
     ]
     if NETNS_ETC.is_dir():
         found += [f"{p}" for p in NETNS_ETC.iterdir() if p.name.startswith(prefix)]
+    watched, others = set(inodes), set[int]()
+    for name in netns_names():
+        with contextlib.suppress(OSError):  # deleted meanwhile
+            (watched if name.startswith(prefix) else others).add(netns_inode(name))
+    # A freed namespace's inode number is given to the next one made: a live namespace of
+    # another run's may carry one of ours.
+    found += [f"process {pid}" for pid in processes_in(watched - others)]
     return found
+
+
+def kill_bounded(proc: subprocess.Popen[str], timeout: float = WAIT_S) -> None:
+    """SIGKILL and reap it; TimeoutExpired when it is not gone within `timeout`."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=timeout)
+
+
+def _kill_pid(pid: int, timeout: float = WAIT_S) -> None:
+    """SIGKILL a process that need not be our child and wait (bounded) until it is gone; a
+    pidfd, so a reused pid is never signalled."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        if not select.select([fd], [], [], timeout)[0]:
+            raise TimeoutError(f"process {pid} outlived SIGKILL by {timeout} s")
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_namespace(name: str) -> None:
+    """Every process in it killed by pid, then the namespace and its /etc/netns folder (those
+    whatever the kills did; the first kill's error raised after)."""
+    errors: list[OSError] = []
+    try:
+        for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
+            try:
+                _kill_pid(int(pid))
+            except OSError as exc:
+                errors.append(exc)
+    finally:
+        sh("ip", "netns", "del", name, check=False)
+        shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+    if errors:
+        raise errors[0]
+
+
+def _owner_alive(name: str) -> bool | None:
+    """Whether the run that made `name` is alive; None when its name does not say."""
+    if (found := OWNER.match(name)) is None:
+        return None
+    try:
+        os.kill(int(found[1]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def remove_stale() -> tuple[list[str], list[str]]:
+    """Namespaces (and their processes and /etc/netns folders) of earlier runs whose owner
+    is dead, removed; returns (removed, kept): kept are those of live runs and those whose
+    names carry no owner, reported only."""
+    removed, kept = [], []
+    names = set(netns_names())
+    if NETNS_ETC.is_dir():
+        names |= {p.name for p in NETNS_ETC.iterdir()}
+    for name in sorted(n for n in names if n.startswith(PREFIX)):
+        if _owner_alive(name) is False:
+            remove_namespace(name)
+            removed.append(name)
+        else:
+            kept.append(name)
+    return removed, kept
 
 
 @dataclass
@@ -92,11 +200,12 @@ class Lab:
     finally: each step of the making is recorded first, so a half-made lab is removed too)."""
 
     def __init__(self, workdir: Path, run_id: str = "") -> None:
-        self.run_id = run_id or secrets.token_hex(2)
+        self.run_id = run_id or run_prefix()[len(PREFIX) :]
         self.prefix = f"{PREFIX}{self.run_id}"
         self.workdir = workdir
         self.hosts: dict[str, Host] = {}
         self.namespaces: list[str] = []
+        self.inodes: set[int] = set()  # each namespace's, for finding its processes later
         self.others: list[subprocess.Popen[str]] = []  # dnsmasq, delay readers
         self.records = workdir / "servers.hosts"
         self.dnsmasq: subprocess.Popen[str] | None = None
@@ -114,6 +223,7 @@ class Lab:
         name = f"{self.prefix}-{short}"
         sh("ip", "netns", "add", name)
         self.namespaces.append(name)
+        self.inodes.add(netns_inode(name))
         sh("ip", "-n", name, "link", "set", "lo", "up")
         return name
 
@@ -186,21 +296,27 @@ class Lab:
         argv += ["--node-id", host.name, "--backends-dns", f"servers.{DOMAIN}:{PORT}"]
         return self.start(host, [*argv, *extra])
 
-    def pids(self) -> list[int]:
-        """Every live process started in the lab."""
-        mine = [p.proc for h in self.hosts.values() for p in h.procs] + self.others
-        return [p.pid for p in mine if p.poll() is None]
-
     def close(self) -> None:
         """Kill every process by its pid, then delete the namespaces (their links, addresses
-        and rules with them) and the /etc/netns folders."""
+        and rules with them; what still runs in them killed first) and the /etc/netns
+        folders. Each step is tried whatever the others did; the first error is raised after."""
+        errors: list[Exception] = []
         for host in self.hosts.values():
             for proc in host.procs:
-                proc.kill()
+                try:
+                    kill_bounded(proc.proc)
+                    proc.close()
+                except Exception as exc:
+                    errors.append(exc)
         for other in self.others:
-            if other.poll() is None:
-                other.kill()
-            other.wait(timeout=30)
+            try:
+                kill_bounded(other)
+            except Exception as exc:
+                errors.append(exc)
         for name in reversed(self.namespaces):
-            sh("ip", "netns", "del", name, check=False)
-            shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+            try:
+                remove_namespace(name)
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
