@@ -2,7 +2,7 @@
 balancer (perf.hostload, run on this host against the balancer's address): a server killed,
 paused (its cgroup frozen: it holds its connections and answers nothing) and cut off its
 network. Each must meet the hosts tier's counts: the server out of routing within 2 s of the
-fault, 0 failed calls that start after that, and the calls in flight at the fault counted,
+fault, 0 failed calls that start after that, calls in flight at the fault there to count, and
 none held past its deadline. Each test puts the server back and waits for it to be healthy
 again; the next load waits for the balancer to report three backends serving."""
 
@@ -99,6 +99,7 @@ def test_a_server_fault_under_load(cluster: Cluster, kind: str, tmp_path: Path) 
     print(f"\n{kind}: {counts}")
     assert any(r[3] == victim for r in records if r[0] < asked), f"{victim} took no calls: {counts}"
     assert len(after) > 20, counts
+    assert in_flight, f"no call was in flight at the fault: {counts}"
     assert counts["failed after 2 s"] == 0, counts
     assert counts["to it after 2 s"] == 0, counts
     assert counts["held past the deadline"] == 0, counts
