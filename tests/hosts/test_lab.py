@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -107,3 +108,24 @@ def test_remove_stale_removes_a_dead_runs_namespace_only(lab: Lab) -> None:
     finally:
         sh("ip", "netns", "del", dead, check=False)
         shutil.rmtree(NETNS_ETC / dead, ignore_errors=True)
+
+
+def test_the_tier_ends_clean_where_hosts_cannot_be_made(tmp_path: Path) -> None:
+    """No `ip` on the PATH: the tests that need no lab pass, and the session's leak check
+    does not run `ip` (it would end the session in FileNotFoundError)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/hosts/test_netfaults.py",
+        ],
+        env={**os.environ, "PATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
