@@ -7,13 +7,24 @@
 # is trusted by pip beside the base's CAs, for a network whose proxy signs with its own:
 #   docker build --network host --build-arg PIP_CA="$(cat /usr/local/share/ca-certificates/*.crt)" -t sluice .
 #
-# The first stage builds the wheel. sluice/ links the top-level folders into the one `sluice`
-# namespace (sluice/server -> ../server, sluice/v1 -> ../protos/sluice/v1, ...): copy them
-# together, each at its own path, or the wheel lacks a package. perf/ (the benchmarks) is not
-# part of the product and is not copied. tests/e2e/test_install.py builds the wheel from
-# exactly these COPY lines.
+# The first stage installs the program into a virtual environment of its own, /opt/sluice (a
+# Debian python3 refuses installs into the system's, PEP 668), and the image copies that
+# folder whole: no wheel and no PIP_CA (build arguments a RUN uses are recorded in the image's
+# history) are in the image's layers. The image holds the installed package and no source
+# tree, so it runs what a user's `pip install sluice[cpu]` runs: the model and its samples
+# come from the package. EXTRAS picks the build of ONNX Runtime, one of the two and never
+# both (they provide one `onnxruntime` module): `cpu` by default. The GPU image,
+# `docker build --build-arg EXTRAS=gpu -t sluice-gpu .`, carries the GPU build with the CUDA 13
+# and cuDNN libraries from pip and CuPy (about 3 GB); the host needs NVIDIA's driver (release
+# 580 or later) and container toolkit (`docker run --gpus all`, or a Kubernetes GPU request:
+# deploy/gpu/).
+# sluice/ links the top-level folders into the one `sluice` namespace (sluice/server ->
+# ../server, sluice/v1 -> ../protos/sluice/v1, ...): copy them together, each at its own path,
+# or the package lacks one. perf/ (the benchmarks) is not part of the product and is not
+# copied. tests/e2e/test_install.py builds the wheel from exactly these COPY lines.
 ARG BASE=sluice-base:bookworm
 FROM ${BASE} AS build
+ARG EXTRAS=cpu
 ARG PIP_CA=
 WORKDIR /src
 COPY pyproject.toml README.md ./
@@ -24,29 +35,15 @@ COPY balancer balancer
 COPY client client
 RUN if [ -n "$PIP_CA" ]; then printf '%s\n' "$PIP_CA" | cat /etc/ssl/certs/ca-certificates.crt - >/tmp/ca.pem \
  && export PIP_CERT=/tmp/ca.pem; fi \
- && python3 -m venv /tmp/venv && /tmp/venv/bin/pip wheel --no-cache-dir --no-deps -w /wheels .
+ && python3 -m venv /opt/sluice \
+ && /opt/sluice/bin/pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" \
+ && rm -f /tmp/ca.pem
 
-# The image holds the installed wheel and no source tree, so it runs what a user's
-# `pip install sluice[cpu]` runs: the model and its samples come from the package. EXTRAS
-# picks the build of ONNX Runtime, one of the two and never both (they provide one
-# `onnxruntime` module): `cpu` by default. The GPU image,
-# `docker build --build-arg EXTRAS=gpu -t sluice-gpu .`, carries the GPU build with the CUDA 13
-# and cuDNN libraries from pip and CuPy (about 3 GB); the host needs NVIDIA's driver (release
-# 580 or later) and container toolkit (`docker run --gpus all`, or a Kubernetes GPU request:
-# deploy/gpu/).
-# The program lives in a virtual environment of its own (/opt/sluice, first on PATH): a
-# Debian python3 refuses installs into the system's (PEP 668).
+# The same base, so the venv's python (a link to the base's python3) is where it points.
 FROM ${BASE}
-ARG EXTRAS=cpu
-ARG PIP_CA=
 ENV PATH=/opt/sluice/bin:$PATH
-COPY --from=build /wheels /wheels
-RUN if [ -n "$PIP_CA" ]; then printf '%s\n' "$PIP_CA" | cat /etc/ssl/certs/ca-certificates.crt - >/tmp/ca.pem \
- && export PIP_CERT=/tmp/ca.pem; fi \
- && python3 -m venv /opt/sluice && whl=$(ls /wheels/*.whl) \
- && pip install --no-cache-dir "${whl}${EXTRAS:+[$EXTRAS]}" \
- && rm -rf /wheels /tmp/ca.pem \
- && python -c "from sluice.models import DIGITS, samples; assert DIGITS.is_file() and len(samples()) == 10" \
+COPY --from=build /opt/sluice /opt/sluice
+RUN python -c "from sluice.models import DIGITS, samples; assert DIGITS.is_file() and len(samples()) == 10" \
  && sluice perf --help >/dev/null
 WORKDIR /app
 # In a container the server must listen beyond loopback; the node id defaults to the
