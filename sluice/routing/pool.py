@@ -4,8 +4,9 @@ injected, and a backend's connection is whatever object the transport hangs on i
 A call with an affinity key goes to the key's owner on the ring, or, when the owner is out
 or over its bounded load, to the next backend on the ring; a call without one goes to the
 cheaper of two random backends: (in flight + 1) x the larger of its peak-EWMA latency and
-its silence, how long it has owed an answer (`Pool.silence`). A backend is out while its
-health watch says it is not serving or its breaker refuses calls.
+its silence, how long it has owed an answer (`Pool.silence`); one silent for longer than
+`stall_factor` x its mean latency is stalled and loses to any that is not. A backend is out
+while its health watch says it is not serving or its breaker refuses calls.
 
 What holds a backend out, and the one cap on it:
 - its health watch (NOT_SERVING: draining, down, or hung, as the transport found): never
@@ -141,6 +142,7 @@ class Placement:
 # a longer name than any model has is refused, and a refusal is not kept.
 MAX_ROUTES = 1024
 MAX_NAME = 256
+STALLED = 3600.0  # added to a stalled backend's cost: more than any latency
 
 
 class Pool:
@@ -156,6 +158,8 @@ class Pool:
         max_ejection_percent: float = 50.0,
         outlier: OutlierSettings | None = None,
         probe_after_s: float = 0.05,
+        stall_factor: float = 3.0,
+        min_stall_s: float = 0.002,
     ) -> None:
         if not 0 <= max_ejection_percent <= 100:
             raise ValueError("max_ejection_percent must be between 0 and 100")
@@ -163,6 +167,8 @@ class Pool:
         self.max_ejection_percent = max_ejection_percent
         self.outlier = outlier or OutlierSettings()
         self.probe_after_s = probe_after_s
+        self.stall_factor = stall_factor
+        self.min_stall_s = min_stall_s
         self.ejections = 0  # latency outlier ejections so far
         self._next_look = 0.0
         self.balance_factor = balance_factor
@@ -310,7 +316,10 @@ class Pool:
         if key is None:
             chosen = p2c(usable, self._cost, self.rng)
         else:
-            by_address = {b.address: b for b in usable}
+            # A stalled owner's keys go on along the ring, as an out one's do: its load
+            # bound counts calls in flight, and those a hedge cancelled are not.
+            fresh = [b for b in usable if not self.stalled(b)]
+            by_address = {b.address: b for b in fresh or usable}
             address = pick_bounded(
                 route.ring,
                 key,
@@ -346,7 +355,21 @@ class Pool:
         return [keys[i % len(keys)] for i in range(count)]
 
     def _cost(self, backend: Backend) -> float:
-        return (backend.in_flight + 1) * max(backend.latency.current(), self.silence(backend))
+        latency = backend.latency
+        silence = self.silence(backend) if backend.owed else 0.0
+        cost = (backend.in_flight + 1) * max(latency.current(), silence)
+        if silence > self.stall_factor * max(latency.mean, self.min_stall_s):
+            # The peak estimates of busy backends on a loaded host reach tens of ms, so a
+            # pause would only outweigh them that late: stalled loses outright.
+            cost += STALLED
+        return cost
+
+    def stalled(self, backend: Backend) -> bool:
+        """Whether `backend` has been silent for over `stall_factor` x its mean latency."""
+        if not backend.owed:
+            return False
+        limit = self.stall_factor * max(backend.latency.mean, self.min_stall_s)
+        return self.silence(backend) > limit
 
     def silence(self, backend: Backend) -> float:
         """How long `backend` has owed an answer: since its oldest attempt not answered was

@@ -389,6 +389,49 @@ def test_a_backend_silent_on_an_attempt_given_up_on_is_shunned_until_it_answers(
     assert 30 < picks_of(pool)["h0:1"] < 70
 
 
+def test_a_backend_silent_past_its_mean_latency_loses_to_one_with_slow_peaks() -> None:
+    """On a loaded host the others' peak estimates reach tens of ms; a backend silent for
+    3x its own mean latency is stalled and loses anyway, and wins again once it answers."""
+    clock = FakeClock()
+    pool = make_pool(2, clock)
+    paused, other = pool.backends["h0:1"], pool.backends["h1:1"]
+    for backend in (paused, other):
+        for _ in range(20):
+            backend.latency.observe(0.002)
+    other.latency.observe(0.040)  # a slow peak
+    assert pool.start(paused)
+    clock.now += 0.005  # under the other's peak estimate, but 2.5x its own mean
+    assert picks_of(pool)["h0:1"] == 100  # its silence alone does not outweigh the peak
+    clock.now += 0.002  # 3.5x: stalled
+    assert picks_of(pool)["h1:1"] == 100
+    pool.finish(paused, 0.007, "ok")
+    assert picks_of(pool)["h0:1"] == 100  # the other's peak costs more
+
+
+def test_a_stalled_owners_keys_go_on_along_the_ring_until_it_answers() -> None:
+    """Its attempt cancelled by a hedge, the owner holds no call in flight and is within
+    its load bound: its silence moves its keys to the next on each key's ring."""
+    clock = FakeClock()
+    pool = make_pool(3, clock)
+    for backend in pool.backends.values():
+        for _ in range(20):
+            backend.latency.observe(0.002)
+    sample = keys(60)
+    owners = {k: pool.choose(k).backend for k in sample}
+    paused = pool.backends["h0:1"]
+    mine = [k for k in sample if owners[k] is paused]
+    assert mine
+    assert pool.start(paused)
+    clock.now += 0.007
+    pool.finish(paused, 0.007, "neutral", answered=False)
+    assert pool.stalled(paused)
+    assert all(pool.choose(k).backend is not paused for k in mine)
+    assert all(pool.choose(k).backend is owners[k] for k in sample if k not in mine)
+    assert pool.start(paused)
+    pool.finish(paused, 0.001, "ok")  # it answers: its keys come back
+    assert all(pool.choose(k).backend is paused for k in mine)
+
+
 def test_a_silent_backend_with_nothing_in_flight_is_tried_again_after_the_probe_delay() -> None:
     clock = FakeClock()
     pool = make_pool(2, clock)
