@@ -78,10 +78,21 @@ def manifest_users() -> set[int]:
 
 
 def test_the_cpu_build_is_the_default_and_the_extra_is_installed() -> None:
-    args = dict(a.partition("=")[::2] for a in values(IMAGE, "ARG"))
+    # Installed in the build stage, whose venv the image copies whole.
+    build = instructions((REPO / "Dockerfile").read_text())[: -len(IMAGE)]
+    args = dict(a.partition("=")[::2] for a in values(build, "ARG"))
     assert args.get("EXTRAS") == "cpu", args
-    (install,) = [r for r in values(IMAGE, "RUN") if "pip install" in r]
+    (install,) = [r for r in values(build, "RUN") if "pip install" in r]
     assert "$EXTRAS" in install or "${EXTRAS" in install, install
+    assert "--from=build /opt/sluice /opt/sluice" in values(IMAGE, "COPY")
+
+
+def test_the_image_keeps_neither_the_wheel_nor_pip_ca() -> None:
+    # A build argument a RUN uses is recorded in the image's history; a copied file stays in
+    # its layer though a later RUN deletes it.
+    assert not [rest for _, rest in IMAGE if "PIP_CA" in rest], IMAGE
+    copied = [rest for rest in values(IMAGE, "COPY") if rest.startswith("--from=")]
+    assert copied == ["--from=build /opt/sluice /opt/sluice"], copied
 
 
 def test_the_image_runs_as_the_manifests_non_root_user() -> None:
