@@ -40,12 +40,17 @@ def test_partitioned_server_leaves_routing(lab: Lab, tmp_path: Path) -> None:
     routed_around(run)
 
 
+P99_FLOOR_S = 0.05  # a healthy p99 on these hosts is 15-55 ms
+
+
 def test_five_percent_loss_fails_nothing(lab: Lab, tmp_path: Path) -> None:
     run = run_in(lab, tmp_path, "loss")
     assert run.seen.failed(run.seen.calls) == []
     healthy, lossy = run.before, run.after
     assert lossy and healthy
-    assert p99(lossy) < 2 * p99(healthy), (p99(lossy), p99(healthy))
+    # Below the floor a doubling is this machine's noise, not the fault: a missed segment's
+    # retransmission, what 5% loss costs when not avoided, is 200 ms or more.
+    assert p99(lossy) < 2 * max(p99(healthy), P99_FLOOR_S), (p99(lossy), p99(healthy))
 
 
 def test_fifty_ms_delay_loses_its_share(lab: Lab, tmp_path: Path) -> None:
