@@ -318,7 +318,7 @@ class Pool:
         else:
             # A stalled owner's keys go on along the ring, as an out one's do: its load
             # bound counts calls in flight, and those a hedge cancelled are not.
-            fresh = [b for b in usable if not self.stalled(b)]
+            fresh = [b for b in usable if not b.owed or not self.stalled(b)]
             by_address = {b.address: b for b in fresh or usable}
             address = pick_bounded(
                 route.ring,
