@@ -375,8 +375,12 @@ class Plan(Generic[R]):
             if not attempt.hedge:
                 # It took longer than the hedge and its delay: a lower bound of its latency,
                 # so least-loaded choice shuns a paused backend (its calls, all hedged and
-                # cancelled, would otherwise teach it nothing).
-                attempt.backend.latency.observe(self._planner.clock() - attempt.sent)
+                # cancelled, would otherwise teach it nothing), and a sample for the auto
+                # delay, whose windows would otherwise hold only the attempts fast enough to
+                # answer: the delay would drift down into the ordinary calls.
+                seconds = self._planner.clock() - attempt.sent
+                attempt.backend.latency.observe(seconds)
+                self._planner.hedging.answered(attempt.backend.address, seconds)
         if self._observer is not None:
             self._observer.attempt_ended(attempt, None, error or asyncio.CancelledError(LOST))
 

@@ -408,6 +408,31 @@ def answers(hedging: Hedging, backend: str, seconds: float, count: int) -> None:
         hedging.answered(backend, seconds)
 
 
+async def test_a_first_attempt_its_hedge_cut_short_is_a_sample_for_the_auto_delay() -> None:
+    """Were only answers counted, fast hedges (0.5 ms here) would fill the windows and the
+    slow first attempts they cut short (2.5 ms) none: the delay would drift down."""
+    clock = FakeClock()
+    p, timer = hedged(clock, after_s=None)
+    hedging = p.hedging
+    assert hedging is not None
+    for backend in ("a:1", "b:1", "c:1"):
+        answers(hedging, backend, 0.001, 100)
+    assert hedging.delay() == pytest.approx(0.002)
+    gated = Gated()
+    for _ in range(40):
+        plenty(p)
+        call = asyncio.ensure_future(p.run(42, clock() + 1.0, gated))
+        await settle()
+        timer.fire()
+        await settle()
+        clock.now += 0.0005
+        gated.answer(gated.sent[-1][0], ok())  # the hedge wins
+        await call
+        await settle()
+    delay = hedging.delay()
+    assert delay is not None and delay > 0.0022
+
+
 def test_the_auto_delay_follows_each_backends_window_of_recent_answers() -> None:
     hedging = Hedging(HedgeSettings(None))
     answers(hedging, "a:1", 0.100, 400)
