@@ -456,8 +456,13 @@ class Pool:
         if answered:
             backend.owed, backend.owed_since = backend.in_flight, self.clock()
         if verdict == "ok":
-            backend.breaker.success()
             backend.latency.observe(seconds)
+            if self._slow_probe(backend, seconds) and self.may_hold_out(backend):
+                backend.breaker.eject()  # still an outlier: out again, for twice as long
+                backend.latency.reset_mean()  # judged anew on the calls after it returns
+                self.ejections += 1
+            else:
+                backend.breaker.success()
         elif verdict == "failed":
             backend.failures += 1
             backend.breaker.failure(self.may_hold_out(backend))
@@ -505,6 +510,19 @@ class Pool:
             if b is not backend and b.health != Health.NOT_SERVING and b.latency.samples >= enough
         ]
         return statistics.median(means) if means else None
+
+    def _slow_probe(self, backend: Backend, seconds: float) -> bool:
+        """Whether a probe of a backend ejected as a latency outlier answered as slowly as
+        one: a slow answer is no proof of health (else some `min_calls` slow calls follow
+        each cooldown before it is judged again)."""
+        rules = self.outlier
+        breaker = backend.breaker
+        if rules.factor <= 0 or not breaker.ejections or breaker.state is not State.HALF_OPEN:
+            return False
+        reference = self._reference(backend)
+        return reference is not None and seconds > max(
+            rules.min_latency_s, rules.factor * reference
+        )
 
     def _own_timeout(self, backend: Backend, seconds: float) -> bool:
         """Whether a call that ran out of time after `seconds` is the backend's fault."""

@@ -41,6 +41,7 @@ def test_partitioned_server_leaves_routing(lab: Lab, tmp_path: Path) -> None:
 
 
 P99_FLOOR_S = 0.05  # a healthy p99 on these hosts is 15-55 ms
+DELAY_FLOOR_S = 0.025  # x 1.5: below the 50 ms delay's own p99
 
 
 def test_five_percent_loss_fails_nothing(lab: Lab, tmp_path: Path) -> None:
@@ -59,11 +60,13 @@ def test_fifty_ms_delay_loses_its_share(lab: Lab, tmp_path: Path) -> None:
     out = run.out_s()
     assert out is not None and out < SETTLE_S, f"ejected {out} s after the delay began"
     assert share(run.after, run.victim) < share(run.before, run.victim) / 3
-    if p99(run.after) >= 1.5 * p99(run.before):
-        # Known: a probe of the ejected server answers (slowly) and closes its breaker, and
-        # some 20 slow calls follow each return before the next look ejects it again: ~1%
-        # of the calls, so the p99 is the slow server's. The fix is in the routing pool.
-        pytest.xfail(f"p99 {p99(run.after) * 1e3:.1f} ms, healthy {p99(run.before) * 1e3:.1f}")
+    # A slow probe after each cooldown ejects it again (sluice.routing.pool), so the slow
+    # server's calls are too few to be the p99 (11-14 ms here; 57-62 when each probe let
+    # ~20 slow calls follow). The floor is half the delay: noise below it, the fault above.
+    assert p99(run.after) < 1.5 * max(p99(run.before), DELAY_FLOOR_S), (
+        p99(run.after),
+        p99(run.before),
+    )
 
 
 def test_scale_three_to_five_to_two(lab: Lab, tmp_path: Path) -> None:

@@ -583,6 +583,26 @@ def test_a_latency_outlier_is_ejected_with_backoff_and_comes_back() -> None:
     assert pool.ejections == 2
 
 
+def test_an_ejected_outlier_whose_probe_answers_slowly_is_out_again_at_once() -> None:
+    """A slow answer is no proof of health: the probe after a cooldown ejects it again, not
+    the `min_calls` slow calls that would follow if the probe closed its breaker."""
+    clock = FakeClock()
+    pool = outlier_pool(3, clock)
+    normal = {"h0:1": 0.002, "h1:1": 0.003}
+    serve(pool, clock, {**normal, "h2:1": 0.080}, 20)
+    outlier = pool.backends["h2:1"]
+    assert outlier.breaker.state is State.OPEN and pool.ejections == 1
+    clock.now = outlier.breaker.open_until
+    calls = outlier.calls
+    serve(pool, clock, {**normal, "h2:1": 0.080}, 20)
+    assert outlier.calls == calls + 1  # the probe only
+    assert outlier.breaker.state is State.OPEN and pool.ejections == 2
+    # Fast probes close it as before.
+    clock.now = outlier.breaker.open_until
+    serve(pool, clock, {**normal, "h2:1": 0.003}, 3)
+    assert outlier.breaker.state is State.CLOSED
+
+
 def test_one_slow_call_or_a_few_calls_do_not_make_an_outlier() -> None:
     clock = FakeClock()
     pool = outlier_pool(3, clock)
