@@ -32,7 +32,8 @@ class BalancerSettings(ProgramSettings):
     refresh_s: float = field(
         # Half a second: a server added to DNS takes calls within a second of the change
         # (its connection and first Health included); a lookup costs ~0.1 ms.
-        default=0.5, metadata={"help": "how often the backends file and DNS are checked"}
+        default=0.5,
+        metadata={"help": "how often the backends file and DNS are checked"},
     )
     models_refresh_s: float = field(
         default=1.0,
@@ -67,8 +68,9 @@ class BalancerSettings(ProgramSettings):
         default="",
         metadata={
             "help": "send a second copy of a call (a hedge) to another server when its attempt "
-            "has not answered after this many ms, or 'auto' (the p95 of recent answers); the "
-            "first OK answer wins, the other is cancelled (default: off)"
+            "has not answered after this many ms, or 'auto' (past the servers' recent p99 or "
+            "twice their median, whichever is larger); the first OK answer wins, the other is "
+            "cancelled (default: off)"
         },
     )
     hedge_ratio: float = field(

@@ -429,9 +429,10 @@ class AsyncSluiceClient(_Core):
     started with --shared-memory.
 
     `hedge_after_ms` (several targets; None or 0: off): a call whose attempt has not
-    answered after this many ms (or "auto": the p95 of recent answers) sends one hedge to
-    another server, and the first OK answer wins (sluice.routing.hedge). ValueError with
-    one target: a balancer hedges itself (--hedge-after-ms).
+    answered after this many ms (or "auto": past the servers' recent p99 or twice their
+    median) sends one hedge to another server, and the first OK answer wins
+    (sluice.routing.hedge). ValueError with one target: a balancer hedges itself
+    (--hedge-after-ms).
 
     `keepalive_s` (None: 0.3 with several targets, off with one; 0: off): while calls are
     out, a target silent for 0.3 x this is pinged, and one that leaves the ping unanswered
