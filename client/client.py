@@ -226,8 +226,8 @@ def hedge_of(hedge_after_ms: float | str | None, targets: Sequence[str]) -> Hedg
     """The settings of a client's `hedge_after_ms` (None or 0: off; ms, or "auto"), which
     needs several targets: one target has no other to hedge to (a balancer hedges itself,
     with --hedge-after-ms). ValueError otherwise."""
-    if hedge_after_ms is None:
-        return None
+    if hedge_after_ms is None or (not isinstance(hedge_after_ms, str) and not hedge_after_ms):
+        return None  # 0 and 0.0 are off, as "0" is (str(0.0) is not a word parse takes)
     hedge = HedgeSettings.parse(str(hedge_after_ms))
     if hedge is not None and len(targets) < 2:
         raise ValueError(

@@ -64,7 +64,7 @@ from sluice.core.words import counted
 from sluice.routing.budget import RetryBudget
 from sluice.routing.hedge import Hedging
 from sluice.routing.limit import Limits
-from sluice.routing.pool import ANY, Backend, Pool, Want
+from sluice.routing.pool import ANY, STALL_FACTOR, Backend, Pool, Want
 
 
 class Outcome(StrEnum):
@@ -347,16 +347,19 @@ class Plan(Generic[R]):
 
     def hedge(self) -> Attempt | None:
         """A second copy of the call, whose attempt is still out: to a backend not tried yet
-        (for a keyed call, the next on its ring) that is usable and below its learned limit,
-        the hedge budget allowing; None when there is none (the call waits for its
-        attempt). Told to the observer as `step` tells an attempt."""
+        (for a keyed call, the next on its ring) that is usable, while no backend is at its
+        learned limit, the hedge budget allowing; None when there is none (the call waits
+        for its attempt). Told to the observer as `step` tells an attempt."""
         planner = self._planner
         hedging, clock, pool, limits = planner.hedging, planner.clock, planner.pool, planner.limits
         left = None if self.deadline is None else self.deadline - clock()
         if hedging is None or (left is not None and left <= 0):
             return None
-        full = [b for b in pool.backends.values() if limits.full(b)] if limits else []
-        backend = pool.choose(self.key, self.tried + full, self.want).backend
+        if limits and any(limits.full(b) for b in pool.backends.values()):
+            # A backend at its learned limit: the servers are near capacity, where a hedge
+            # is load the budget would still allow (up to its ratio), and none is sent.
+            return None
+        backend = pool.choose(self.key, self.tried, self.want).backend
         if backend is None or not hedging.budget.withdraw() or not pool.start(backend):
             return None
         self.tried.append(backend)
@@ -513,6 +516,10 @@ class Planner(Generic[R]):
         self.pool = pool
         self.budget = budget
         self.hedging = hedging  # None: no hedges (`run_sync` never sends any)
+        if hedging is not None and not pool.stall_factor:
+            # A paused backend's calls all go to hedges: without the silence rule it would
+            # keep its share of the choices (a third of a pause's calls, measured).
+            pool.stall_factor = STALL_FACTOR
         self.reply = reply
         self.broken = broken
         self.clock = clock
@@ -581,19 +588,29 @@ class Planner(Generic[R]):
         try:
             while True:
                 if isinstance(step, Attempt):
-                    out[asyncio.ensure_future(attempt(step.backend, step.timeout))] = step
+                    sending, step = step, None
+                    try:
+                        out[asyncio.ensure_future(attempt(sending.backend, sending.timeout))] = (
+                            sending
+                        )
+                    except BaseException as exc:  # raised before it was sent: not out
+                        final = plan.errored(sending, exc)  # raises what is not the planner's
+                        if out:  # the other may yet answer OK
+                            fallback = fallback if fallback is not None else final
+                        else:
+                            step = final if final is not None else plan.step()
+                        continue
                 elif step is not None:
                     return step
-                step = None
                 if timer is None and not hedged and len(out) == 1 and plan.hedgeable(after):
                     timer = asyncio.ensure_future(hedging.sleep(after))
                 waiting: set[asyncio.Future[Any]] = {*out, *([timer] if timer else [])}
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if timer is not None and timer in done:
+                timed = timer is not None and timer in done
+                if timed:
                     timer, hedged = None, True
-                    step = plan.hedge()
-                    continue
                 winner: R | None = None
+                # Answers first: an attempt that answered as the delay ran out needs no hedge.
                 for task in [t for t in out if t in done]:
                     sent = out.pop(task)
                     try:
@@ -607,6 +624,9 @@ class Planner(Generic[R]):
                         fallback = final
                 if winner is not None:
                     return winner
+                if timed and out:
+                    step = plan.hedge()
+                    continue
                 if out:
                     continue  # what is still out is the retry, or may yet answer OK
                 if timer is not None:
@@ -614,15 +634,16 @@ class Planner(Generic[R]):
                     timer = None
                 step = fallback if fallback is not None else plan.step()
         except BaseException as exc:  # the caller cancelled, or the transport failed
-            for task, sent in out.items():
+            while out:  # each taken out before it is told: an observer's raise leaves none twice
+                task, sent = out.popitem()
                 _cancel(task)
                 plan.cancelled(sent, exc)
-            out.clear()
             raise
         finally:
             if timer is not None:
                 timer.cancel()
-            for task, sent in out.items():  # answered by another
+            while out:  # answered by another
+                task, sent = out.popitem()
                 _cancel(task)
                 plan.cancelled(sent)
 

@@ -3,9 +3,11 @@ injected, and a backend's connection is whatever object the transport hangs on i
 
 A call with an affinity key goes to the key's owner on the ring, or, when the owner is out
 or over its bounded load, to the next backend on the ring; a call without one goes to the
-cheaper of two random backends: (in flight + 1) x the larger of its peak-EWMA latency and
-its silence, how long it has owed an answer (`Pool.silence`); one silent for longer than
-`stall_factor` x its mean latency is stalled and loses to any that is not. A backend is out
+cheaper of two random backends: (in flight + 1) x its peak-EWMA latency. With hedging on
+(the planner sets `stall_factor`), the larger of that latency and its silence, how long it
+has owed an answer (`Pool.silence`), and one silent for longer than `stall_factor` x its
+mean latency is stalled and loses to any that is not (keyed calls pass over it too); off,
+a backend holding one long call would get nothing else until it ended. A backend is out
 while its health watch says it is not serving or its breaker refuses calls.
 
 What holds a backend out, and the one cap on it:
@@ -143,6 +145,7 @@ class Placement:
 MAX_ROUTES = 1024
 MAX_NAME = 256
 STALLED = 3600.0  # added to a stalled backend's cost: more than any latency
+STALL_FACTOR = 3.0  # with hedging: silent this many times its mean latency is stalled
 
 
 class Pool:
@@ -158,7 +161,7 @@ class Pool:
         max_ejection_percent: float = 50.0,
         outlier: OutlierSettings | None = None,
         probe_after_s: float = 0.05,
-        stall_factor: float = 3.0,
+        stall_factor: float = 0.0,  # 0: no silence rule (hedging sets STALL_FACTOR)
         min_stall_s: float = 0.002,
     ) -> None:
         if not 0 <= max_ejection_percent <= 100:
@@ -318,7 +321,7 @@ class Pool:
         else:
             # A stalled owner's keys go on along the ring, as an out one's do: its load
             # bound counts calls in flight, and those a hedge cancelled are not.
-            fresh = [b for b in usable if not b.owed or not self.stalled(b)]
+            fresh = [b for b in usable if not self.stalled(b)] if self.stall_factor else usable
             by_address = {b.address: b for b in fresh or usable}
             address = pick_bounded(
                 route.ring,
@@ -356,6 +359,8 @@ class Pool:
 
     def _cost(self, backend: Backend) -> float:
         latency = backend.latency
+        if not self.stall_factor:
+            return (backend.in_flight + 1) * latency.current()
         silence = self.silence(backend) if backend.owed else 0.0
         cost = (backend.in_flight + 1) * max(latency.current(), silence)
         if silence > self.stall_factor * max(latency.mean, self.min_stall_s):
@@ -366,7 +371,7 @@ class Pool:
 
     def stalled(self, backend: Backend) -> bool:
         """Whether `backend` has been silent for over `stall_factor` x its mean latency."""
-        if not backend.owed:
+        if not backend.owed or not self.stall_factor:
             return False
         limit = self.stall_factor * max(backend.latency.mean, self.min_stall_s)
         return self.silence(backend) > limit

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 import pytest
 
@@ -293,6 +293,28 @@ async def test_a_hedge_never_goes_to_an_open_breaker_or_a_full_backend() -> None
     assert (await call).code == 0
 
 
+async def test_no_hedge_while_any_backend_is_at_its_learned_limit() -> None:
+    """Near capacity a hedge is load: none goes, even to a backend with room."""
+    clock = FakeClock()
+    p, timer = hedged(clock, ("a:1", "b:1", "c:1"))
+    pool = p.pool
+    first = pool.choose(42).backend
+    assert first is not None
+    crowded = next(b for b in pool.backends.values() if b is not first)
+    pool.start(crowded)
+    p.limits.refused(crowded, clock(), clock())
+    assert p.limits.full(crowded)
+    gated = Gated()
+    call = asyncio.ensure_future(p.run(42, clock() + 1.0, gated))
+    await settle()
+    timer.fire()
+    await settle()
+    assert [a for a, _ in gated.sent] == [first.address]  # the third had room: not hedged
+    assert counts(p) == (0, 0, 0)
+    gated.answer(first.address, ok())
+    assert (await call).code == 0
+
+
 async def test_a_failure_while_the_hedge_is_out_is_not_retried_again() -> None:
     clock = FakeClock()
     p, timer = hedged(clock)
@@ -497,3 +519,65 @@ def test_hedging_is_off_by_default_and_with_zero(text: str) -> None:
 def test_a_bad_hedge_delay_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match="--hedge-after-ms"):
         HedgeSettings.parse(text)
+
+
+async def test_a_hedge_whose_send_raises_at_once_holds_no_slot_and_the_first_still_answers() -> (
+    None
+):
+    """The transport can refuse before it yields (no connection yet): that attempt was never
+    out, its slot is given back, and the first attempt's answer is the call's."""
+    clock = FakeClock()
+    p, timer = hedged(clock)
+    gated = Gated()
+    first: list[str] = []
+
+    def attempt(backend: Backend, timeout: float | None) -> Awaitable[Reply]:
+        if first:
+            raise TimeoutError("no connection")  # the hedge's send, raised before a coroutine
+        first.append(backend.address)
+        return gated(backend, timeout)
+
+    call = asyncio.ensure_future(p.run(42, clock() + 1.0, attempt))
+    await settle()
+    timer.fire()
+    await settle()
+    assert in_flight(p).count(1) == 1  # the first only
+    gated.answer(first[0], ok())
+    assert (await call).code == 0
+    assert in_flight(p) == [0, 0, 0]
+
+
+async def test_an_answer_as_the_delay_runs_out_sends_no_hedge() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock)
+    gated = Gated()
+    call = asyncio.ensure_future(p.run(42, clock() + 1.0, gated))
+    await settle()
+    gated.answer(gated.sent[0][0], ok())
+    timer.fire()  # both done by the planner's next wakeup
+    assert (await call).code == 0
+    assert len(gated.sent) == 1 and counts(p) == (0, 0, 0)
+
+
+async def test_an_observer_raising_as_attempts_are_cancelled_gives_each_slot_back_once() -> None:
+    clock = FakeClock()
+    p, timer = hedged(clock)
+    gated = Gated()
+
+    class Raising(Told):
+        def attempt_ended(
+            self, attempt: Attempt, reply: ReplyLike | None, error: BaseException | None
+        ) -> None:
+            super().attempt_ended(attempt, reply, error)
+            if isinstance(error, asyncio.CancelledError):
+                raise RuntimeError("observer failed")
+
+    call = asyncio.ensure_future(p.run(42, clock() + 1.0, gated, observer=Raising()))
+    await settle()
+    timer.fire()
+    await settle()
+    assert len(gated.sent) == 2
+    call.cancel()
+    with pytest.raises((RuntimeError, asyncio.CancelledError)):
+        await call
+    assert in_flight(p) == [0, 0, 0]

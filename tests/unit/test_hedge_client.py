@@ -20,7 +20,7 @@ async def test_the_async_client_over_several_servers_hedges(
         assert router.hedging.settings.after_s == after_s
 
 
-@pytest.mark.parametrize("hedge_after_ms", [None, 0, "off"])
+@pytest.mark.parametrize("hedge_after_ms", [None, 0, 0.0, "0", "off"])
 async def test_hedging_is_off_unless_asked_for(hedge_after_ms: float | str | None) -> None:
     async with AsyncSluiceClient(SERVERS, hedge_after_ms=hedge_after_ms) as client:
         assert client._router is not None and client._router.hedging is None

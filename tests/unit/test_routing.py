@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from sluice.routing.breaker import Breaker, BreakerSettings, State
 from sluice.routing.budget import RetryBudget
 from sluice.routing.p2c import PeakEwma, p2c
-from sluice.routing.pool import Backend, Health, OutlierSettings, Pool
+from sluice.routing.pool import STALL_FACTOR, Backend, Health, OutlierSettings, Pool
 from sluice.routing.ring import MaglevRing, load_bound, pick_bounded
 
 SMALL_TABLE = 5_003  # prime; keeps property tests quick
@@ -375,6 +375,7 @@ def test_a_backend_silent_on_an_attempt_given_up_on_is_shunned_until_it_answers(
     untouched), but the backend still owes that answer: calls stay off it."""
     clock = FakeClock()
     pool = make_pool(2, clock)
+    pool.stall_factor = STALL_FACTOR  # hedging's rule
     paused, other = pool.backends["h0:1"], pool.backends["h1:1"]
     assert pool.start(paused)
     clock.now += 0.006
@@ -394,6 +395,7 @@ def test_a_backend_silent_past_its_mean_latency_loses_to_one_with_slow_peaks() -
     3x its own mean latency is stalled and loses anyway, and wins again once it answers."""
     clock = FakeClock()
     pool = make_pool(2, clock)
+    pool.stall_factor = STALL_FACTOR  # hedging's rule
     paused, other = pool.backends["h0:1"], pool.backends["h1:1"]
     for backend in (paused, other):
         for _ in range(20):
@@ -413,6 +415,7 @@ def test_a_stalled_owners_keys_go_on_along_the_ring_until_it_answers() -> None:
     its load bound: its silence moves its keys to the next on each key's ring."""
     clock = FakeClock()
     pool = make_pool(3, clock)
+    pool.stall_factor = STALL_FACTOR  # hedging's rule
     for backend in pool.backends.values():
         for _ in range(20):
             backend.latency.observe(0.002)
@@ -435,6 +438,7 @@ def test_a_stalled_owners_keys_go_on_along_the_ring_until_it_answers() -> None:
 def test_a_silent_backend_with_nothing_in_flight_is_tried_again_after_the_probe_delay() -> None:
     clock = FakeClock()
     pool = make_pool(2, clock)
+    pool.stall_factor = STALL_FACTOR  # hedging's rule
     paused = pool.backends["h0:1"]
     assert pool.start(paused)
     clock.now += 0.006
@@ -451,6 +455,7 @@ def test_a_silent_backend_with_nothing_in_flight_is_tried_again_after_the_probe_
 def test_silence_counts_an_attempt_in_flight_from_its_sending_and_ends_with_an_answer() -> None:
     clock = FakeClock()
     pool = make_pool(2, clock)
+    pool.stall_factor = STALL_FACTOR  # hedging's rule
     backend = pool.backends["h0:1"]
     assert pool.start(backend)
     clock.now += 0.5  # well past the probe delay: an attempt in flight is never forgiven
@@ -462,6 +467,26 @@ def test_silence_counts_an_attempt_in_flight_from_its_sending_and_ends_with_an_a
     assert pool.silence(backend) == pytest.approx(0.003)
     pool.withdraw(backend)  # never sent: owes nothing
     assert backend.owed == 0 and pool.silence(backend) == 0.0
+
+
+def test_without_hedging_a_backend_holding_a_long_call_still_takes_its_share() -> None:
+    """The silence rule is hedging's: off, one long call does not turn its backend's keys
+    and least-loaded share away (it would get nothing else until that call ended)."""
+    clock = FakeClock()
+    pool = make_pool(2, clock)
+    assert not pool.stall_factor
+    a = pool.backends["h0:1"]
+    for backend in pool.backends.values():
+        for _ in range(30):
+            assert pool.start(backend)
+            clock.now += 0.02
+            pool.finish(backend, 0.02, "ok")
+    assert pool.start(a)  # one long call
+    assert pool.start(pool.backends["h1:1"])  # and one on the other, begun later
+    clock.now += 100.0
+    assert not pool.stalled(a)
+    assert picks_of(pool)["h0:1"] > 10
+    assert any(pool.choose(k).backend is a for k in keys(50))
 
 
 def test_pool_says_why_nothing_is_available() -> None:
