@@ -52,6 +52,7 @@ each attempt and of the answer; with none, a driver does no more than check for 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -148,6 +149,8 @@ def rule_of(code: int, retryable: bool = False) -> Rule:
 
 
 NO_LOCK: AbstractContextManager[object] = nullcontext()
+# How long after a call shed or refused for capacity no hedge is sent: overload's own time.
+CROWDED_S = 1.0
 # What cancelled an attempt that another attempt of its call answered before (a hedge's).
 LOST = "another attempt answered first"
 _UNAVAILABLE = int(Code.UNAVAILABLE)
@@ -266,6 +269,7 @@ class Plan(Generic[R]):
             if backend is None and full and pool.choose(self.key, self.tried, want).backend:
                 # Only full backends stand in the way: refuse now rather than queue.
                 limits.shed += 1
+                planner.crowded_at = clock()
                 held = sum(b.in_flight for b in full)
                 why = (
                     f"overloaded: every backend is at its limit ({counted(held, 'call')} in flight)"
@@ -301,6 +305,7 @@ class Plan(Generic[R]):
         self._finish(attempt, rule, answered=True)
         if rule is _OVERLOADED:
             planner = self._planner
+            planner.crowded_at = planner.clock()
             planner.limits.refused(attempt.backend, attempt.sent, planner.clock())
             self.refusal = answer
         elif rule is _MISSING:
@@ -355,9 +360,12 @@ class Plan(Generic[R]):
         left = None if self.deadline is None else self.deadline - clock()
         if hedging is None or (left is not None and left <= 0):
             return None
-        if limits and any(limits.full(b) for b in pool.backends.values()):
-            # A backend at its learned limit: the servers are near capacity, where a hedge
-            # is load the budget would still allow (up to its ratio), and none is sent.
+        if clock() - planner.crowded_at < CROWDED_S or (
+            limits and any(limits.full(b) for b in pool.backends.values())
+        ):
+            # Overloaded (a call shed or refused for capacity within CROWDED_S), or a
+            # backend at its learned limit: a hedge is load the budget would still allow (up
+            # to its ratio), and none is sent.
             return None
         backend = pool.choose(self.key, self.tried, self.want).backend
         if backend is None or not hedging.budget.withdraw() or not pool.start(backend):
@@ -524,6 +532,7 @@ class Planner(Generic[R]):
         self.broken = broken
         self.clock = clock
         self.unavailable = 0  # calls answered UNAVAILABLE because no backend could take them
+        self.crowded_at = -math.inf  # when a call was last shed or refused for capacity
         self.limits = Limits()  # how many calls each backend can take, from its refusals
         self._known: tuple[type[BaseException], ...] = (TimeoutError, *broken)
 

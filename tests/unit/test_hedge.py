@@ -15,7 +15,7 @@ from sluice.core.errors import Code
 from sluice.routing.breaker import BreakerSettings, State
 from sluice.routing.budget import RetryBudget
 from sluice.routing.hedge import MIN_SAMPLES, HedgeSettings, Hedging
-from sluice.routing.planner import Attempt, Planner, ReplyLike
+from sluice.routing.planner import CROWDED_S, Attempt, Planner, ReplyLike
 from sluice.routing.pool import Backend, Pool
 from sluice.wire.mux import Reply
 
@@ -581,3 +581,32 @@ async def test_an_observer_raising_as_attempts_are_cancelled_gives_each_slot_bac
     with pytest.raises((RuntimeError, asyncio.CancelledError)):
         await call
     assert in_flight(p) == [0, 0, 0]
+
+
+async def test_no_hedge_within_a_second_of_an_overload_refusal() -> None:
+    """A server refused a call for capacity: for CROWDED_S no call is hedged, then hedges
+    go again."""
+    clock = FakeClock()
+    p, timer = hedged(clock)
+    gated = Gated()
+    call = asyncio.ensure_future(p.run(7, clock() + 1.0, gated))
+    await settle()
+    overloaded = Reply(int(Code.RESOURCE_EXHAUSTED), "at its limit", retryable=True)
+    gated.answer(gated.sent[0][0], overloaded)  # refused before any work: retried elsewhere
+    await settle()
+    gated.answer(gated.sent[1][0], ok())
+    assert (await call).code == 0
+    assert p.limits.full(p.pool.backends[gated.sent[0][0]]) is False  # it holds nothing now
+    sent = len(gated.sent)
+    call = asyncio.ensure_future(p.run(42, clock() + 1.0, gated))
+    await settle()
+    timer.fire()
+    await settle()
+    assert len(gated.sent) == sent + 1 and counts(p)[0] == 0  # crowded: not hedged
+    gated.answer(gated.sent[-1][0], ok())
+    assert (await call).code == 0
+    clock.now += CROWDED_S
+    call = await first_then_hedge(p, timer, gated)
+    assert counts(p)[0] == 1  # a second on: hedged again
+    gated.answer(gated.sent[-1][0], ok())
+    assert (await call).code == 0
