@@ -29,7 +29,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from tests.e2e.harness import Process
-from tests.unit.test_dockerfile import IMAGE, healthcheck
+from tests.repo.test_dockerfile import IMAGE, healthcheck
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,7 @@ import yaml
 from sluice.balancer.settings import BalancerSettings
 from sluice.runtime import config
 from sluice.server.settings import ServerSettings
-from tests.unit.test_dockerfile import IMAGE, env
+from tests.repo.test_dockerfile import IMAGE, env
 
 COMPOSE = Path(__file__).resolve().parents[2] / "deploy" / "compose.yaml"
 SERVICES: dict[str, dict[str, Any]] = yaml.safe_load(COMPOSE.read_text())["services"]
