@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
 from perf.make_mlp import build
-from tests.e2e.harness import Process, running_server
+from tests.e2e.harness import Cluster, Process, running_server, start_cluster
 
 
 @pytest.fixture(scope="module")
@@ -24,3 +25,10 @@ def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("models") / "mlp1024.onnx"
     path.write_bytes(build(width=1024, depth=2))
     return path
+
+
+@pytest.fixture(scope="module")
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """The module's SERVERS servers (3 unless it says) behind one balancer."""
+    with ExitStack() as stack:
+        yield start_cluster(stack, getattr(request.module, "SERVERS", 3))

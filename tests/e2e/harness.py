@@ -10,7 +10,8 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,8 +27,10 @@ from sluice.v1 import inference_pb2 as pb
 __all__ = [
     "BIN",
     "NOT_INLINE",
+    "Cluster",
     "Process",
     "alive",
+    "balancer_argv",
     "children",
     "grpcurl",
     "hold_the_instance",
@@ -39,9 +42,11 @@ __all__ = [
     "running_server",
     "running_tls",
     "server_argv",
+    "start_cluster",
     "wait_arrived",
     "wait_for",
     "wait_health",
+    "write_listing",
 ]
 
 T = TypeVar("T")
@@ -180,3 +185,53 @@ async def hold_the_instance(
         wait_health, server, lambda h: h.batcher.busy_instances == 1, "the long call to hold"
     )
     return holding
+
+
+def balancer_argv(*backends: str, extra: tuple[str, ...] = ()) -> list[str]:
+    argv = [str(BIN / "sluice-balancer"), "--port", "0", "--node-id", "test-balancer"]
+    for address in backends:
+        argv += ["--backend", address]
+    return argv + list(extra)
+
+
+@dataclass
+class Cluster:
+    servers: list[Process]
+    balancer: Process
+    stack: ExitStack = field(repr=False)
+
+    def health(self) -> pb.HealthResponse:
+        with SluiceClient(self.balancer.address) as client:
+            return client.health()
+
+    def backend(self, address: str) -> pb.BackendStatus:
+        return next(b for b in self.health().backends if b.address == address)
+
+
+def start_cluster(
+    stack: ExitStack,
+    count: int = 3,
+    *balancer_extra: str,
+    server_extra: tuple[str, ...] = (),
+    listing: Path | None = None,
+) -> Cluster:
+    """`count` servers behind a balancer; with `listing`, the balancer learns the servers from
+    that backends file (re-read every 0.1 s) rather than from flags."""
+    servers = [
+        stack.enter_context(running(server_argv(*server_extra, node_id=f"server-{i}")))
+        for i in range(count)
+    ]
+    addresses = [s.address for s in servers]
+    if listing is not None:
+        write_listing(listing, addresses)
+        balancer_extra = ("--backends-file", str(listing), "--refresh-s", "0.1", *balancer_extra)
+        addresses = []
+    balancer = stack.enter_context(running(balancer_argv(*addresses, extra=balancer_extra)))
+    return Cluster(servers, balancer, stack)
+
+
+def write_listing(listing: Path, addresses: list[str], comment: str = "the servers") -> None:
+    """A backends file, replaced in one step so the balancer never reads half of it."""
+    partial = listing.with_suffix(".partial")
+    partial.write_text(f"# {comment}\n" + "".join(f"{a}\n" for a in addresses))
+    os.replace(partial, listing)

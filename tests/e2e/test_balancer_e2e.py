@@ -11,9 +11,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -24,66 +22,20 @@ from sluice.client import AsyncSluiceClient, SluiceClient
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec
-from tests.e2e.harness import BIN, Process, children, running, server_argv, wait_for
+from tests.e2e.harness import (
+    BIN,
+    Cluster,
+    balancer_argv,
+    children,
+    running,
+    server_argv,
+    start_cluster,
+    wait_for,
+    write_listing,
+)
 from tests.e2e.test_server_e2e import HOSTILE
 
 pytestmark = pytest.mark.e2e
-
-
-def balancer_argv(*backends: str, extra: tuple[str, ...] = ()) -> list[str]:
-    argv = [str(BIN / "sluice-balancer"), "--port", "0", "--node-id", "test-balancer"]
-    for address in backends:
-        argv += ["--backend", address]
-    return argv + list(extra)
-
-
-@dataclass
-class Cluster:
-    servers: list[Process]
-    balancer: Process
-    stack: ExitStack = field(repr=False)
-
-    def health(self) -> pb.HealthResponse:
-        with SluiceClient(self.balancer.address) as client:
-            return client.health()
-
-    def backend(self, address: str) -> pb.BackendStatus:
-        return next(b for b in self.health().backends if b.address == address)
-
-
-def start_cluster(
-    stack: ExitStack,
-    count: int = 3,
-    *balancer_extra: str,
-    server_extra: tuple[str, ...] = (),
-    listing: Path | None = None,
-) -> Cluster:
-    """`count` servers behind a balancer; with `listing`, the balancer learns the servers from
-    that backends file (re-read every 0.1 s) rather than from flags."""
-    servers = [
-        stack.enter_context(running(server_argv(*server_extra, node_id=f"server-{i}")))
-        for i in range(count)
-    ]
-    addresses = [s.address for s in servers]
-    if listing is not None:
-        write_listing(listing, addresses)
-        balancer_extra = ("--backends-file", str(listing), "--refresh-s", "0.1", *balancer_extra)
-        addresses = []
-    balancer = stack.enter_context(running(balancer_argv(*addresses, extra=balancer_extra)))
-    return Cluster(servers, balancer, stack)
-
-
-def write_listing(listing: Path, addresses: list[str], comment: str = "the servers") -> None:
-    """A backends file, replaced in one step so the balancer never reads half of it."""
-    partial = listing.with_suffix(".partial")
-    partial.write_text(f"# {comment}\n" + "".join(f"{a}\n" for a in addresses))
-    os.replace(partial, listing)
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with ExitStack() as stack:
-        yield start_cluster(stack)
 
 
 def digit(seed: int) -> np.ndarray:

@@ -55,7 +55,7 @@ def deep(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pair(deep: Path) -> Iterator[Pair]:
+def deep_hop(deep: Path) -> Iterator[Pair]:
     limit = ("--max-message-bytes", str(SERVER_LIMIT))
     balancer_flags = ("--port", "0", "--max-message-bytes", str(BALANCER_LIMIT))
     with running(server_argv(*limit, model=deep)) as server:
@@ -71,32 +71,32 @@ def rows(count: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).uniform(0, 1, (count, 64)).astype(np.float32)
 
 
-def test_an_oversized_call_is_refused_naming_the_servers_limit(pair: Pair) -> None:
-    retries = wait_health(pair.balancer.address, lambda h: True, "health").balancer.retries
-    with SluiceClient(pair.balancer.address, timeout=60) as client:
+def test_an_oversized_call_is_refused_naming_the_servers_limit(deep_hop: Pair) -> None:
+    retries = wait_health(deep_hop.balancer.address, lambda h: True, "health").balancer.retries
+    with SluiceClient(deep_hop.balancer.address, timeout=60) as client:
         with pytest.raises(grpc.RpcError) as refused:
             client.predict({"input": rows(OVER, seed=1)})
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
         said = refused.value.details() or ""
-        assert f"over the limit of the server at {pair.server.address} ({SERVER_LIMIT}" in said
+        assert f"over the limit of the server at {deep_hop.server.address} ({SERVER_LIMIT}" in said
         assert "--max-message-bytes" in said and "SLUICE_MAX_MESSAGE_BYTES" in said, said
         assert "no backend can take the call" not in said, said
         client.predict({"input": rows(1, seed=2)})  # the server serves on
-    health = wait_health(pair.balancer.address, lambda h: True, "health")
+    health = wait_health(deep_hop.balancer.address, lambda h: True, "health")
     assert health.balancer.retries == retries  # not retried
     assert [b.failures for b in health.backends] == [0]  # no fault of the server's
 
 
-async def test_an_oversized_call_harms_no_call_in_flight(pair: Pair) -> None:
+async def test_an_oversized_call_harms_no_call_in_flight(deep_hop: Pair) -> None:
     """Long calls are in flight on the balancer's stream to the server (one instance: they
     queue there for seconds) when an oversized one comes: it is refused, they are answered."""
-    async with AsyncSluiceClient(pair.balancer.address, timeout=120) as client:
+    async with AsyncSluiceClient(deep_hop.balancer.address, timeout=120) as client:
         slow = [
             asyncio.create_task(client.predict({"input": rows(SLOW, seed=seed)}))
             for seed in range(10, 10 + QUEUED)
         ]
         await asyncio.to_thread(
-            wait_health, pair.server.address, lambda h: h.in_flight >= 1, "the long calls"
+            wait_health, deep_hop.server.address, lambda h: h.in_flight >= 1, "the long calls"
         )
         with pytest.raises(grpc.RpcError) as refused:
             await client.predict({"input": rows(OVER, seed=4)})
@@ -108,26 +108,26 @@ async def test_an_oversized_call_harms_no_call_in_flight(pair: Pair) -> None:
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
 
 
-def test_a_request_at_the_limit_goes_through(pair: Pair) -> None:
+def test_a_request_at_the_limit_goes_through(deep_hop: Pair) -> None:
     """The balancer's check counts what the server receives (the request in its stream
     message), no more: a request just under the server's limit is served."""
     count = (SERVER_LIMIT - 1024) // ROW
-    with SluiceClient(pair.balancer.address, timeout=120) as client:
+    with SluiceClient(deep_hop.balancer.address, timeout=120) as client:
         answer = client.predict({"input": rows(count, seed=5)})
         assert answer["output"].shape == (count, 10)
 
 
-def test_a_refusal_is_no_word_on_the_server(pair: Pair) -> None:
+def test_a_refusal_is_no_word_on_the_server(deep_hop: Pair) -> None:
     """A request refused at the balancer never reached the server: it is not one of the
     server's calls, and its near-zero time is no latency sample of the server's."""
-    before = wait_health(pair.balancer.address, lambda h: True, "health")
+    before = wait_health(deep_hop.balancer.address, lambda h: True, "health")
     with (
-        SluiceClient(pair.balancer.address, timeout=60) as client,
+        SluiceClient(deep_hop.balancer.address, timeout=60) as client,
         pytest.raises(grpc.RpcError) as refused,
     ):
         client.predict({"input": rows(OVER, seed=6)})
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
-    after = wait_health(pair.balancer.address, lambda h: True, "health")
+    after = wait_health(deep_hop.balancer.address, lambda h: True, "health")
     assert after.requests == before.requests + 1  # the balancer answered it
     [was], [now] = before.backends, after.backends
     assert (now.calls, now.failures, now.in_flight) == (was.calls, was.failures, 0)

@@ -19,8 +19,7 @@ from sluice.client import SluiceClient
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 from tests.conftest import scale_model
-from tests.e2e.harness import Process, running, server_argv, wait_health
-from tests.e2e.test_balancer_e2e import balancer_argv
+from tests.e2e.harness import Process, balancer_argv, running, server_argv, wait_health
 
 pytestmark = pytest.mark.e2e
 
@@ -114,7 +113,7 @@ def test_a_many_row_message_on_a_predict_stream_fans_out_too(
 
 
 @contextmanager
-def pair(tmp_path: Path, *served: tuple[int, bytes]) -> Iterator[Process]:
+def fanning_balancer(tmp_path: Path, *served: tuple[int, bytes]) -> Iterator[Process]:
     """A balancer fanning out by 4 rows in front of one server per (version, model file) of
     model `m`, once it has learned that each serves `m`."""
     with ExitStack() as stack:
@@ -156,7 +155,7 @@ def test_a_chunk_a_server_refuses_fails_the_call_with_its_status(tmp_path: Path)
     both, so the call fails as the second server says."""
     x = np.ones((16, 4), np.float32)
     served = ((1, scale_model(2.0, width=4)), (1, scale_model(2.0, width=3)))
-    with pair(tmp_path, *served) as balancer, pytest.raises(grpc.RpcError) as caught:
+    with fanning_balancer(tmp_path, *served) as balancer, pytest.raises(grpc.RpcError) as caught:
         predict(balancer, x)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     details = caught.value.details() or ""
@@ -168,7 +167,7 @@ def test_chunks_answered_by_different_versions_abort_the_call(tmp_path: Path) ->
     """One server has version 1 of m (x2), the other version 2 (x3), as during a rolling
     update: a call naming no version is not merged from both; one naming 1 is."""
     x = np.arange(32, dtype=np.float32).reshape(8, 4)
-    with pair(tmp_path, (1, scale_model(2.0)), (2, scale_model(3.0))) as balancer:
+    with fanning_balancer(tmp_path, (1, scale_model(2.0)), (2, scale_model(3.0))) as balancer:
         with pytest.raises(grpc.RpcError) as caught:
             predict(balancer, x)
         pinned = predict(balancer, x, version="1")

@@ -67,7 +67,7 @@ def ca(tmp_path_factory: pytest.TempPathFactory) -> Authority:
 
 
 @pytest.fixture(scope="module")
-def pair(ca: Authority) -> Pair:
+def quiet_cert(ca: Authority) -> Pair:
     return ca.issue("quiet")
 
 
@@ -99,8 +99,8 @@ def plaintext_at(address: str) -> None:
                 break
 
 
-def tls_flags(pair: Pair) -> list[str]:
-    return ["--tls-cert", str(pair.cert), "--tls-key", str(pair.key)]
+def tls_flags(quiet_cert: Pair) -> list[str]:
+    return ["--tls-cert", str(quiet_cert.cert), "--tls-key", str(quiet_cert.key)]
 
 
 def taken(
@@ -124,12 +124,12 @@ def core_lines(text: str) -> list[str]:
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("program", ["sluice-server", "sluice-balancer"])
 def test_failed_handshakes_leave_only_the_programs_json_lines(
-    ca: Authority, pair: Pair, client: Pair, program: str, form: str
+    ca: Authority, quiet_cert: Pair, client: Pair, program: str, form: str
 ) -> None:
     """A mutual-TLS program logging JSON answers a call with a client certificate (so what
     follows fails in the handshake, not in the setup), then is sent a plaintext preface and a
     TLS handshake without a certificate: every line on its stderr is one of its JSON lines."""
-    listener = [*mutual(ca, pair), "--log-format", "json"]
+    listener = [*mutual(ca, quiet_cert), "--log-format", "json"]
     proc = Process([*command(program, form), *arguments(program, *listener)], env=UNSET)
     try:
         shown = {"tls_cert": str(client.cert), "tls_key": str(client.key)}
@@ -165,11 +165,11 @@ def test_a_taken_port_is_said_in_our_words_alone(program: str, form: str, held_p
 
 
 @pytest.mark.parametrize("program", ["sluice-server", "sluice-balancer"])
-def test_grpc_verbosity_given_brings_grpc_cores_lines_back(pair: Pair, program: str) -> None:
+def test_grpc_verbosity_given_brings_grpc_cores_lines_back(quiet_cert: Pair, program: str) -> None:
     # A failed handshake: a taken port is found by the program's own look before grpc binds,
     # so grpc-core never has a line to say about it.
     loud = Process(
-        [*command(program, "module"), *arguments(program, *tls_flags(pair))],
+        [*command(program, "module"), *arguments(program, *tls_flags(quiet_cert))],
         env={"GRPC_VERBOSITY": "INFO"},
     )
     try:
@@ -210,7 +210,9 @@ def not_tls() -> Iterator[str]:
 @pytest.mark.parametrize(
     ("form", "loud"), [("installed", False), ("entry", False), ("installed", True)]
 )
-def test_the_cli_is_quiet_unless_told(pair: Pair, not_tls: str, form: str, loud: bool) -> None:
+def test_the_cli_is_quiet_unless_told(
+    quiet_cert: Pair, not_tls: str, form: str, loud: bool
+) -> None:
     """`sluice` (up, top and perf are its subcommands): its TLS handshake with a plaintext
     port fails, and its stderr holds its own error alone; GRPC_VERBOSITY=INFO shows grpc-core's
     line too."""
@@ -219,7 +221,7 @@ def test_the_cli_is_quiet_unless_told(pair: Pair, not_tls: str, form: str, loud:
     else:
         argv = [sys.executable, "-c", "import sys; from sluice.entry import cli; sys.exit(cli())"]
     done = subprocess.run(
-        [*argv, "health", "--target", not_tls, "--tls-ca", str(pair.cert), "--timeout", "5"],
+        [*argv, "health", "--target", not_tls, "--tls-ca", str(quiet_cert.cert), "--timeout", "5"],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,

@@ -15,7 +15,8 @@ import grpc
 import pytest
 
 from sluice.client import AsyncSluiceClient
-from tests.e2e.test_balancer_e2e import Cluster, digit, start_cluster
+from tests.e2e.harness import Cluster, start_cluster
+from tests.e2e.test_balancer_e2e import digit
 
 pytestmark = pytest.mark.e2e
 

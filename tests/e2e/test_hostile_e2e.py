@@ -8,8 +8,6 @@ from __future__ import annotations
 import math
 import socket
 import struct
-from collections.abc import Iterator
-from contextlib import ExitStack
 
 import grpc
 import numpy as np
@@ -20,7 +18,7 @@ from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec
 from tests.conftest import SAMPLES
-from tests.e2e.test_balancer_e2e import Cluster, start_cluster
+from tests.e2e.harness import Cluster
 
 pytestmark = pytest.mark.e2e
 
@@ -29,10 +27,7 @@ VALID = pb.PredictRequest(inputs=[codec.encode("input", SAMPLES[0].input)])
 VIA = ["server", "balancer"]
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with ExitStack() as stack:
-        yield start_cluster(stack, 1)
+SERVERS = 1  # the module's cluster: one server behind the balancer
 
 
 def address_of(cluster: Cluster, via: str) -> str:

@@ -51,7 +51,7 @@ class Answer:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[Path, list[Process], Process]]:
+def watched(tmp_path: Path) -> Iterator[tuple[Path, list[Process], Process]]:
     repository = tmp_path / "repository"
     (repository / MODEL).mkdir(parents=True)
     drop(repository, 1, scale_model(1.0, WIDTH))
@@ -75,9 +75,9 @@ def cluster(tmp_path: Path) -> Iterator[tuple[Path, list[Process], Process]]:
 
 
 def test_versions_swap_in_under_load_without_a_failed_call(
-    cluster: tuple[Path, list[Process], Process],
+    watched: tuple[Path, list[Process], Process],
 ) -> None:
-    repository, servers, balancer = cluster
+    repository, servers, balancer = watched
     answers: list[Answer] = []
     failures: list[str] = []
     rng = np.random.default_rng(0)
@@ -138,9 +138,9 @@ def test_versions_swap_in_under_load_without_a_failed_call(
 
 
 def test_a_broken_version_is_refused_and_the_old_one_keeps_serving(
-    cluster: tuple[Path, list[Process], Process],
+    watched: tuple[Path, list[Process], Process],
 ) -> None:
-    repository, servers, balancer = cluster
+    repository, servers, balancer = watched
     drop(repository, 2, b"this is not an ONNX model")
     for proc in servers:
         wait_for(lambda p=proc: "version 2" in p.log() and "refused" in p.log(), "the refusal")

@@ -25,13 +25,13 @@ from tests.conftest import SAMPLES
 from tests.e2e.harness import (
     NOT_INLINE,
     Process,
+    balancer_argv,
     hold_the_instance,
     rows,
     running,
     server_argv,
     wait_for,
 )
-from tests.e2e.test_balancer_e2e import balancer_argv
 
 pytestmark = pytest.mark.e2e
 
@@ -80,7 +80,7 @@ def total(samples: Samples, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[tuple[list[tuple[Process, int]], Process, int]]:
+def metered() -> Iterator[tuple[list[tuple[Process, int]], Process, int]]:
     """Two servers and a balancer, each with its metrics port; JSON logs on one server and
     on the balancer. One backend failure opens a breaker (two backends: the ejection cap
     lets one open), so a backend's death shows on its breaker deterministically."""
@@ -106,9 +106,9 @@ def cluster() -> Iterator[tuple[list[tuple[Process, int]], Process, int]]:
 
 
 def test_counters_and_histograms_move_with_calls(
-    cluster: tuple[list[tuple[Process, int]], Process, int],
+    metered: tuple[list[tuple[Process, int]], Process, int],
 ) -> None:
-    servers, balancer, balancer_port = cluster
+    servers, balancer, balancer_port = metered
     addresses = [s.address for s, _ in servers]
     wait_for(  # the balancer has heard from both servers
         lambda: all(
@@ -167,9 +167,9 @@ def test_counters_and_histograms_move_with_calls(
 
 
 def test_json_logs_keep_the_lines_people_and_launchers_read(
-    cluster: tuple[list[tuple[Process, int]], Process, int],
+    metered: tuple[list[tuple[Process, int]], Process, int],
 ) -> None:
-    servers, balancer, _ = cluster
+    servers, balancer, _ = metered
     for proc in (servers[0][0], balancer):
         lines = [json.loads(line) for line in proc.lines if line.startswith("{")]
         assert lines and len(lines) == len(proc.lines), proc.log()
@@ -182,9 +182,9 @@ def test_json_logs_keep_the_lines_people_and_launchers_read(
 
 
 def test_a_dead_backend_shows_as_unhealthy_with_its_breaker_open(
-    cluster: tuple[list[tuple[Process, int]], Process, int],
+    metered: tuple[list[tuple[Process, int]], Process, int],
 ) -> None:
-    servers, balancer, balancer_port = cluster
+    servers, balancer, balancer_port = metered
     survivor, victim = servers[0][0], servers[1][0]
     assert get(scrape(balancer_port), "sluice_backend_breaker_open", backend=victim.address) == 0
     with SluiceClient(balancer.address) as client:

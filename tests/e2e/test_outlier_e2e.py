@@ -14,7 +14,8 @@ from contextlib import ExitStack
 
 import pytest
 
-from tests.e2e.test_balancer_e2e import Load, start_cluster, until
+from tests.e2e.harness import start_cluster
+from tests.e2e.test_balancer_e2e import Load, until
 
 pytestmark = pytest.mark.e2e
 

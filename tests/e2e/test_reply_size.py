@@ -54,7 +54,7 @@ def doubler() -> bytes:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+def sized_hop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     folder = tmp_path_factory.mktemp("models")
     (folder / "deep.onnx").write_bytes(build(width=1024, depth=8))
     (folder / "doubler.onnx").write_bytes(doubler())
@@ -103,16 +103,16 @@ def said_over_the_limit(error: grpc.RpcError) -> str:
     return said
 
 
-async def test_an_oversized_reply_harms_no_call_on_its_stream(pair: Pair) -> None:
+async def test_an_oversized_reply_harms_no_call_on_its_stream(sized_hop: Pair) -> None:
     """Long calls are in flight on the balancer's one stream to the server when a call
     whose reply is over the server's limit comes: it alone is refused, they are answered."""
-    async with AsyncSluiceClient(pair.balancer.address, timeout=120) as client:
+    async with AsyncSluiceClient(sized_hop.balancer.address, timeout=120) as client:
         slow = [
             asyncio.create_task(client.predict({"input": deep_rows(SLOW, seed)}, model="deep"))
             for seed in range(10, 10 + QUEUED)
         ]
         await asyncio.to_thread(
-            wait_health, pair.server.address, lambda h: h.in_flight >= 1, "the long calls"
+            wait_health, sized_hop.server.address, lambda h: h.in_flight >= 1, "the long calls"
         )
         with pytest.raises(grpc.RpcError) as refused:
             await client.predict({"x": column(OVER, seed=1)}, model="doubler")
@@ -125,22 +125,22 @@ async def test_an_oversized_reply_harms_no_call_on_its_stream(pair: Pair) -> Non
         assert small["y"].shape == (3, 2)  # the stream serves on
 
 
-def test_an_oversized_unary_reply_says_what_to_raise(pair: Pair) -> None:
+def test_an_oversized_unary_reply_says_what_to_raise(sized_hop: Pair) -> None:
     with pytest.raises(grpc.RpcError) as refused:
-        raw_predict(pair.server.address, OVER)
+        raw_predict(sized_hop.server.address, OVER)
     said_over_the_limit(refused.value)
-    assert pb.PredictResponse.FromString(raw_predict(pair.server.address, 3)).outputs
+    assert pb.PredictResponse.FromString(raw_predict(sized_hop.server.address, 3)).outputs
 
 
-def test_the_stream_counts_its_envelope(pair: Pair) -> None:
+def test_the_stream_counts_its_envelope(sized_hop: Pair) -> None:
     """A reply at most the limit goes as a unary reply; on a stream its envelope (id,
     trailers) is counted too: one that fits alone but not in its envelope is refused, one
     that fits in it is served. The reply's size grows by 8 bytes a row in this range."""
     probe = 100_000
-    measured = len(raw_predict(pair.server.address, probe))
+    measured = len(raw_predict(sized_hop.server.address, probe))
     fits_alone = probe + (SERVER_LIMIT - measured) // 8  # its reply: the limit, at most 7 under
-    assert len(raw_predict(pair.server.address, fits_alone)) > SERVER_LIMIT - 8
-    with SluiceClient(pair.balancer.address, timeout=60) as client:
+    assert len(raw_predict(sized_hop.server.address, fits_alone)) > SERVER_LIMIT - 8
+    with SluiceClient(sized_hop.balancer.address, timeout=60) as client:
         with pytest.raises(grpc.RpcError) as refused:
             client.predict({"x": column(fits_alone, seed=3)}, model="doubler")
         said_over_the_limit(refused.value)

@@ -51,7 +51,7 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def tls_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """One server and a balancer in front of it, mutual TLS on both hops; the balancer checks
     the server's certificate against SERVER_NAME, not the address it dials."""
     ca = Authority(tmp_path_factory.mktemp("ca"))
@@ -81,9 +81,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def test_mutual_tls_on_both_hops_gives_the_right_answers(
-    cluster: Cluster, reference: ort.InferenceSession
+    tls_cluster: Cluster, reference: ort.InferenceSession
 ) -> None:
-    with SluiceClient(cluster.balancer, **cluster.tls()) as client:
+    with SluiceClient(tls_cluster.balancer, **tls_cluster.tls()) as client:
         for sample in SAMPLES:
             answer = client.infer({"input": sample.input}, no_cache=True)
             label, probabilities = reference.run(None, {"input": sample.input})
@@ -91,46 +91,48 @@ def test_mutual_tls_on_both_hops_gives_the_right_answers(
             np.testing.assert_allclose(answer.outputs["probabilities"], probabilities, rtol=1e-6)
             assert answer.node_id == "test-node"  # the server answered, through the balancer
         backends = client.health().backends
-    assert [(b.address, b.health) for b in backends] == [(cluster.server, "SERVING")]
+    assert [(b.address, b.health) for b in backends] == [(tls_cluster.server, "SERVING")]
 
 
 @pytest.mark.parametrize("hop", ["balancer", "server"])
 def test_a_client_without_a_certificate_is_refused_at_the_handshake(
-    cluster: Cluster, hop: str
+    tls_cluster: Cluster, hop: str
 ) -> None:
     name = {"server_name": SERVER_NAME} if hop == "server" else {}
-    target = getattr(cluster, hop)
+    target = getattr(tls_cluster, hop)
     with (
-        SluiceClient(target, tls_ca=str(cluster.ca.cert), **name) as client,
+        SluiceClient(target, tls_ca=str(tls_cluster.ca.cert), **name) as client,
         pytest.raises(grpc.RpcError) as refused,
     ):
         client.health(timeout=10)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_a_plaintext_client_is_refused(cluster: Cluster) -> None:
-    for target in (cluster.balancer, cluster.server):
+def test_a_plaintext_client_is_refused(tls_cluster: Cluster) -> None:
+    for target in (tls_cluster.balancer, tls_cluster.server):
         with SluiceClient(target) as client, pytest.raises(grpc.RpcError) as refused:
             client.health(timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_a_client_that_does_not_trust_the_ca_is_refused(cluster: Cluster, tmp_path: Path) -> None:
+def test_a_client_that_does_not_trust_the_ca_is_refused(
+    tls_cluster: Cluster, tmp_path: Path
+) -> None:
     other = Authority(tmp_path, "other-ca")
     with (
-        SluiceClient(cluster.balancer, **cluster.tls(tls_ca=str(other.cert))) as client,
+        SluiceClient(tls_cluster.balancer, **tls_cluster.tls(tls_ca=str(other.cert))) as client,
         pytest.raises(grpc.RpcError) as refused,
     ):
         client.health(timeout=10)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_grpcurl_with_cacert_cert_and_key(cluster: Cluster) -> None:
+def test_grpcurl_with_cacert_cert_and_key(tls_cluster: Cluster) -> None:
     tls = [
-        "-cacert", str(cluster.ca.cert),
-        "-cert", str(cluster.client.cert), "-key", str(cluster.client.key),
+        "-cacert", str(tls_cluster.ca.cert),
+        "-cert", str(tls_cluster.client.cert), "-key", str(tls_cluster.client.key),
     ]  # fmt: skip
-    listed = grpcurl(*tls, cluster.balancer, "list", plaintext=False)
+    listed = grpcurl(*tls, tls_cluster.balancer, "list", plaintext=False)
     assert "sluice.v1.Inference" in listed.split()
     sample = SAMPLES[3]
     request = {
@@ -145,14 +147,14 @@ def test_grpcurl_with_cacert_cert_and_key(cluster: Cluster) -> None:
         "typed_outputs": True,
     }
     out = grpcurl(
-        *tls, "-d", json.dumps(request), cluster.balancer, "sluice.v1.Inference/Predict",
+        *tls, "-d", json.dumps(request), tls_cluster.balancer, "sluice.v1.Inference/Predict",
         plaintext=False,
     )  # fmt: skip
     outputs = {o["name"]: o for o in json.loads(out)["outputs"]}
     assert [int(v) for v in outputs["label"]["int64_data"]] == [sample.label]
     # Without a client certificate grpcurl is refused too.
     refused = subprocess.run(
-        [str(BIN / "grpcurl"), "-cacert", str(cluster.ca.cert), cluster.balancer, "list"],
+        [str(BIN / "grpcurl"), "-cacert", str(tls_cluster.ca.cert), tls_cluster.balancer, "list"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -160,13 +162,13 @@ def test_grpcurl_with_cacert_cert_and_key(cluster: Cluster) -> None:
     assert refused.returncode != 0
 
 
-def test_the_cli_and_the_sweep_over_mutual_tls(cluster: Cluster) -> None:
+def test_the_cli_and_the_sweep_over_mutual_tls(tls_cluster: Cluster) -> None:
     flags = [
-        "--tls-ca", str(cluster.ca.cert),
-        "--tls-cert", str(cluster.client.cert), "--tls-key", str(cluster.client.key),
+        "--tls-ca", str(tls_cluster.ca.cert),
+        "--tls-cert", str(tls_cluster.client.cert), "--tls-key", str(tls_cluster.client.key),
     ]  # fmt: skip
     done = subprocess.run(
-        [str(BIN / "sluice"), "predict", "--target", cluster.balancer, "--sample", "7", *flags],
+        [str(BIN / "sluice"), "predict", "--target", tls_cluster.balancer, "--sample", "7", *flags],
         capture_output=True,
         text=True,
         timeout=60,
@@ -174,14 +176,22 @@ def test_the_cli_and_the_sweep_over_mutual_tls(cluster: Cluster) -> None:
     )
     assert "label INT64[1]: [7]" in done.stdout
     args = sweep.build_parser().parse_args(
-        ["--target", cluster.balancer, "-c", "2", "-n", "40", "--unique", "--quiet", *flags]
+        ["--target", tls_cluster.balancer, "-c", "2", "-n", "40", "--unique", "--quiet", *flags]
     )
     level = sweep.sweep(args)["levels"][0]
     assert (level["calls"], level["ok"]) == (40, 40), level["statuses"]
     assert level["server"]["requests"] >= 40  # the balancer's Health, also over TLS
     # h2load cannot show a client certificate: the sweep says so rather than fail at it.
     refused = subprocess.run(
-        [str(BIN / "sluice"), "perf", "--engine", "h2load", "--target", cluster.balancer, *flags],
+        [
+            str(BIN / "sluice"),
+            "perf",
+            "--engine",
+            "h2load",
+            "--target",
+            tls_cluster.balancer,
+            *flags,
+        ],
         capture_output=True,
         text=True,
         timeout=60,

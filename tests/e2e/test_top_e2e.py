@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 
 from sluice.client import SluiceClient
-from tests.e2e.harness import BIN, Process, running, server_argv, wait_health
-from tests.e2e.test_balancer_e2e import balancer_argv
+from tests.e2e.harness import BIN, Process, balancer_argv, running, server_argv, wait_health
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +33,7 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pair() -> Iterator[Pair]:
+def counted() -> Iterator[Pair]:
     with ExitStack() as stack:
         servers = [
             stack.enter_context(running(server_argv(node_id=f"top-server-{i}"))) for i in range(2)
@@ -64,12 +63,12 @@ def first_line(text: str) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def test_once_on_a_balancer_names_it_and_every_backend(pair: Pair) -> None:
-    done = top("--target", pair.balancer.address, "--once")
+def test_once_on_a_balancer_names_it_and_every_backend(counted: Pair) -> None:
+    done = top("--target", counted.balancer.address, "--once")
     assert done.returncode == 0, done.stderr
     header = first_line(done.stdout)
     assert "balancer" in header and "test-balancer" in header and "SERVING" in header
-    for server in pair.servers:
+    for server in counted.servers:
         row = next(line for line in done.stdout.splitlines() if server.address in line)
         assert "SERVING" in row and "CLOSED" in row
     calls = next(line for line in done.stdout.splitlines() if line.startswith("calls "))
@@ -77,8 +76,8 @@ def test_once_on_a_balancer_names_it_and_every_backend(pair: Pair) -> None:
     assert "Traceback" not in done.stderr
 
 
-def test_once_on_a_server_shows_its_batcher_and_cache(pair: Pair) -> None:
-    server = pair.servers[0]
+def test_once_on_a_server_shows_its_batcher_and_cache(counted: Pair) -> None:
+    server = counted.servers[0]
     done = top("--target", server.address, "--once")
     assert done.returncode == 0, done.stderr
     header = first_line(done.stdout)
@@ -88,8 +87,8 @@ def test_once_on_a_server_shows_its_batcher_and_cache(pair: Pair) -> None:
     assert "Backends" not in done.stdout
 
 
-def test_iterations_poll_again_and_show_a_rate(pair: Pair) -> None:
-    done = top("--target", pair.balancer.address, "--interval", "0.2", "--iterations", "3")
+def test_iterations_poll_again_and_show_a_rate(counted: Pair) -> None:
+    done = top("--target", counted.balancer.address, "--interval", "0.2", "--iterations", "3")
     assert done.returncode == 0, done.stderr
     assert "test-balancer" in done.stdout
     rate = next(line for line in done.stdout.splitlines() if line.startswith("calls/s"))
@@ -144,9 +143,9 @@ def read_until_exit(proc: subprocess.Popen[bytes], controller: int, within: floa
         assert time.monotonic() < deadline, "sluice top did not exit on SIGINT"
 
 
-def test_ctrl_c_leaves_the_live_view_with_exit_0(pair: Pair) -> None:
+def test_ctrl_c_leaves_the_live_view_with_exit_0(counted: Pair) -> None:
     """On a terminal (a pty) the live view draws; SIGINT, as Ctrl-C sends, ends it cleanly."""
-    with live_top("--target", pair.balancer.address, "--interval", "0.2") as (proc, controller):
+    with live_top("--target", counted.balancer.address, "--interval", "0.2") as (proc, controller):
         seen = b""
         deadline = time.monotonic() + 60
         while seen.count(b"test-balancer") < 2:  # drawn, then redrawn: the loop is running

@@ -30,8 +30,7 @@ from sluice.runtime import tracing
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec
-from tests.e2e.harness import Process, server_argv, wait_for
-from tests.e2e.test_balancer_e2e import balancer_argv
+from tests.e2e.harness import Process, balancer_argv, server_argv, wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -15,6 +15,7 @@ from sluice.client import SluiceClient
 from tests.e2e.harness import (
     Process,
     alive,
+    balancer_argv,
     children,
     listening,
     running,
@@ -22,7 +23,7 @@ from tests.e2e.harness import (
     with_workers,
     workers,
 )
-from tests.e2e.test_balancer_e2e import balancer_argv, digit
+from tests.e2e.test_balancer_e2e import digit
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from perf.hostcluster import Cluster
 from perf.hosts import PREFIX, Lab, leftovers, remove_stale, run_prefix, why_not
 
 RUN = run_prefix()  # this session's prefix
@@ -52,9 +51,3 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
     finally:
         _inodes.update(made.inodes)
         made.close()
-
-
-@pytest.fixture
-def cluster(lab: Lab, tmp_path: Path) -> Cluster:
-    """Three servers behind one balancer that finds them through DNS, and a client host."""
-    return Cluster.make(lab, tmp_path, servers=3)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.images.cluster import Cluster
-from tests.images.engine import PREFIX, Engine, engine, ip_forward, why_not
+from tests.images.engine import PREFIX, Engine, docker_engine, ip_forward, why_not
 
 RUN = f"{PREFIX}{os.getpid()}-{secrets.token_hex(2)}"  # this session's prefix
 
@@ -25,7 +25,7 @@ def docker() -> Iterator[Engine]:
         pytest.skip(reason)
     forwarding = ip_forward()
     try:
-        with engine() as found:
+        with docker_engine() as found:
             try:
                 yield found
             finally:
@@ -45,5 +45,5 @@ def image(docker: Engine) -> str:
 
 
 @pytest.fixture(scope="session")
-def cluster(docker: Engine, image: str) -> Cluster:
+def containers(docker: Engine, image: str) -> Cluster:
     return Cluster.make(docker, image, f"{RUN}-net")

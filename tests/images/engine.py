@@ -102,7 +102,7 @@ class Engine:
 
 
 @contextmanager
-def engine() -> Iterator[Engine]:
+def docker_engine() -> Iterator[Engine]:
     """The engine that answers, or one of our own, stopped and removed afterwards."""
     running = Engine(dict(os.environ))
     if running.answers():

@@ -48,11 +48,11 @@ FAULTS: dict[str, tuple[Fault, Fault]] = {
 
 
 def loaded(
-    cluster: Cluster, out: Path, fault: Callable[[], object]
+    containers: Cluster, out: Path, fault: Callable[[], object]
 ) -> tuple[float, float, list[list[Any]]]:
     """Run `fault` FAULT_AT_S into the load; when the engine was asked for it and when it
     answered (monotonic), and the load's records: [start, latency, status, node] per call."""
-    argv = [sys.executable, "-m", "perf.hostload", "--target", cluster.target, "--callers", "4"]
+    argv = [sys.executable, "-m", "perf.hostload", "--target", containers.target, "--callers", "4"]
     argv += ["--seconds", str(LOAD_S), "--timeout", str(DEADLINE_S), "--ready", "3"]
     argv += ["--out", str(out)]
     with subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True) as load:
@@ -73,14 +73,16 @@ def loaded(
 
 
 @pytest.mark.parametrize("kind", sorted(FAULTS))
-def test_a_server_fault_under_load(cluster: Cluster, kind: str, tmp_path: Path) -> None:
+def test_a_server_fault_under_load(containers: Cluster, kind: str, tmp_path: Path) -> None:
     make, undo = FAULTS[kind]
-    victim = cluster.servers[0]
+    victim = containers.servers[0]
     try:
-        asked, at, records = loaded(cluster, tmp_path / "load.json", lambda: make(cluster, victim))
+        asked, at, records = loaded(
+            containers, tmp_path / "load.json", lambda: make(containers, victim)
+        )
     finally:
-        undo(cluster, victim)
-        cluster.wait_healthy()
+        undo(containers, victim)
+        containers.wait_healthy()
     settled = at + OUT_OF_ROUTING_S
     # In flight: begun before the engine answered, still running when it was asked.
     in_flight = [r for r in records if r[0] < at and r[0] + r[1] > asked]

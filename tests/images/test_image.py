@@ -13,14 +13,14 @@ from tests.images.engine import Engine
 pytestmark = pytest.mark.images
 
 
-def test_every_container_runs_as_nobody_and_is_healthy(cluster: Cluster) -> None:
-    check = cluster.inspect(cluster.image)["Config"]["Healthcheck"]["Test"]
+def test_every_container_runs_as_nobody_and_is_healthy(containers: Cluster) -> None:
+    check = containers.inspect(containers.image)["Config"]["Healthcheck"]["Test"]
     assert check[0] == "CMD" and "grpc_health.v1" in check[-1], check
-    for name in [*cluster.servers, cluster.balancer]:
-        status = cluster.engine.docker("exec", name, "cat", "/proc/1/status")
+    for name in [*containers.servers, containers.balancer]:
+        status = containers.engine.docker("exec", name, "cat", "/proc/1/status")
         (uids,) = [line.split()[1:] for line in status.splitlines() if line.startswith("Uid:")]
         assert uids == ["65534"] * 4, (name, uids)  # real, effective, saved, filesystem
-        assert cluster.health(name) == "healthy", name
+        assert containers.health(name) == "healthy", name
 
 
 def test_the_image_history_keeps_no_build_secret_or_wheel(docker: Engine, image: str) -> None:

@@ -18,16 +18,20 @@ from sluice.client import cli, connect
 
 
 @pytest.fixture
-def pair(tmp_path: Path) -> Pair:
+def client_cert(tmp_path: Path) -> Pair:
     return Authority(tmp_path).issue("client")
 
 
 @pytest.mark.parametrize("option", ["--tls-ca", "--tls-cert", "--tls-key"])
 def test_a_missing_tls_file_names_its_option_and_the_file(
-    option: str, pair: Pair, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    option: str, client_cert: Pair, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     missing = str(tmp_path / "nope.pem")
-    given = {"--tls-ca": str(pair.cert), "--tls-cert": str(pair.cert), "--tls-key": str(pair.key)}
+    given = {
+        "--tls-ca": str(client_cert.cert),
+        "--tls-cert": str(client_cert.cert),
+        "--tls-key": str(client_cert.key),
+    }
     given[option] = missing
     argv = [arg for flag, path in given.items() for arg in (flag, path)]
     # Port 1: nothing listens there, and the file is named before any connection is tried.

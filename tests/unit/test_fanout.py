@@ -249,7 +249,7 @@ class Model:
         return Reply(0, body=answer({"y": x * 2}, self.version), trailers=trailers)
 
 
-def cluster(count: int, fanout_rows: int) -> tuple[BalancerService, list[Model]]:
+def fanout_service(count: int, fanout_rows: int) -> tuple[BalancerService, list[Model]]:
     pool = Pool()
     pool.set_addresses(f"s{i}:1" for i in range(count))
     models = []
@@ -265,7 +265,7 @@ def batch(rows: int) -> tuple[np.ndarray, bytes]:
 
 
 def test_a_big_call_goes_as_chunks_to_several_backends_and_comes_back_whole() -> None:
-    service, models = cluster(4, fanout_rows=8)
+    service, models = fanout_service(4, fanout_rows=8)
     x, body = batch(30)
     reply = asyncio.run(service.forward(body, {"x-request-id": "r"}, None))
     assert reply.code == 0, reply.message
@@ -290,7 +290,7 @@ def test_a_big_call_goes_as_chunks_to_several_backends_and_comes_back_whole() ->
 
 
 def test_chunks_skip_backends_that_are_out_or_busy_with_other_calls() -> None:
-    service, models = cluster(4, fanout_rows=4)
+    service, models = fanout_service(4, fanout_rows=4)
     busy, out = list(service.pool.backends.values())[:2]
     busy.in_flight = 3  # other calls keep it busy: over its bounded load
     out.breaker.eject()
@@ -302,7 +302,7 @@ def test_chunks_skip_backends_that_are_out_or_busy_with_other_calls() -> None:
 
 def test_calls_at_or_under_the_threshold_and_with_fanout_off_go_whole() -> None:
     for rows, fanout_rows in ((8, 8), (30, 0)):
-        service, models = cluster(4, fanout_rows=fanout_rows)
+        service, models = fanout_service(4, fanout_rows=fanout_rows)
         _, body = batch(rows)
         assert asyncio.run(service.forward(body, {}, None)).code == 0
         assert [r for m in models for r in m.rows] == [rows]
@@ -310,7 +310,7 @@ def test_calls_at_or_under_the_threshold_and_with_fanout_off_go_whole() -> None:
 
 
 def test_the_first_failing_chunk_fails_the_call_and_the_others_are_cancelled() -> None:
-    service, models = cluster(2, fanout_rows=4)
+    service, models = fanout_service(2, fanout_rows=4)
     _, body = batch(8)
 
     async def call() -> Reply:
@@ -330,7 +330,7 @@ def test_the_first_failing_chunk_fails_the_call_and_the_others_are_cancelled() -
 
 
 def test_a_chunk_whose_backend_breaks_is_retried_on_another() -> None:
-    service, models = cluster(2, fanout_rows=4)
+    service, models = fanout_service(2, fanout_rows=4)
     models[0].broken = True
     x, body = batch(8)
     reply = asyncio.run(service.forward(body, {}, None))
@@ -342,7 +342,7 @@ def test_a_chunk_whose_backend_breaks_is_retried_on_another() -> None:
 
 
 def test_chunks_answered_by_different_versions_abort() -> None:
-    service, models = cluster(2, fanout_rows=4)
+    service, models = fanout_service(2, fanout_rows=4)
     models[1].version = "2"
     _, body = batch(8)
     reply = asyncio.run(service.forward(body, {}, None))
@@ -351,7 +351,7 @@ def test_chunks_answered_by_different_versions_abort() -> None:
 
 
 def test_a_model_whose_outputs_do_not_follow_the_rows_gets_the_request_whole() -> None:
-    service, models = cluster(2, fanout_rows=4)
+    service, models = fanout_service(2, fanout_rows=4)
 
     async def summed(
         body: bytes, metadata: Mapping[str, str], timeout: float | None, method: str = ""
@@ -371,7 +371,7 @@ def test_a_model_whose_outputs_do_not_follow_the_rows_gets_the_request_whole() -
 
 
 def test_a_traced_fanned_out_call_has_a_span_per_chunk(spans: InMemorySpanExporter) -> None:
-    service, models = cluster(2, fanout_rows=4)
+    service, models = fanout_service(2, fanout_rows=4)
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     _, body = batch(12)
     reply = asyncio.run(service.forward(body, {"traceparent": parent, "x-request-id": "r"}, None))

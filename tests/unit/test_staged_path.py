@@ -73,7 +73,7 @@ def reduced(folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pair(folder: Path) -> Path:
+def sum_model(folder: Path) -> Path:
     """Two batched inputs: FP32[N, 4] a + b."""
     return _model(
         folder / "pair.onnx",
@@ -149,10 +149,10 @@ async def test_a_batch_in_and_none_out(reduced: Path) -> None:
         assert result["total"].shape == (4,)
 
 
-async def test_every_input_is_staged_and_bound_alive(pair: Path) -> None:
+async def test_every_input_is_staged_and_bound_alive(sum_model: Path) -> None:
     """Two inputs given as strided views: each is staged (or made contiguous) and stays
     alive while ONNX Runtime reads it."""
-    for engine in staged(pair):
+    for engine in staged(sum_model):
         base = np.arange(48, dtype=np.float32).reshape(6, 8)
         a, b = base[:, ::2], base[:, 1::2]  # not contiguous
         want = a + b
