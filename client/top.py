@@ -32,7 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from sluice.client import connect
-from sluice.client.client import SluiceClient
+from sluice.client.blocking import SluiceClient
 from sluice.v1 import inference_pb2 as pb
 
 NO_VALUE = "-"

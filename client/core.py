@@ -1,18 +1,14 @@
-"""Clients over raw-bytes gRPC calls: tensors travel as raw little-endian bytes, plain values
-(nested lists, scalars) in the datatypes the model's metadata declares (asked once a model).
-
-`Core` is sans-IO: each call is a generator that builds its requests, yields the I/O it needs
-(`Send`, `Unary`, `Explain`) and reads what comes back into a Prediction or an exception.
-`AsyncSluiceClient` (grpc.aio) and `SluiceClient` (blocking grpc) only perform those steps.
-One target is a server or a balancer; several are servers the client balances itself with
-the balancer's planner (sluice.routing.planner), hedging included. With `shared_memory`
-tensors travel in regions the client registers (sluice.client.shm). Failures raise
-grpc.RpcError; where grpc's words leave out what to fix, sluice.client.diagnose's hint.
+"""The clients' sans-IO core: each call is a generator that builds its requests, yields the
+I/O it needs (`Send`, `Unary`, `Explain`) and reads what comes back into a Prediction or an
+exception; the drivers (sluice.client.aio, sluice.client.blocking) only perform the steps.
+Tensors travel as raw little-endian bytes, plain values in the datatypes the model's metadata
+declares. Several targets are servers balanced with the balancer's planner, hedging included;
+with `shared_memory`, tensors travel in regions (sluice.client.shm). Failures raise
+grpc.RpcError, with sluice.client.diagnose's hint where grpc's words leave out what to fix.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import os
@@ -21,8 +17,7 @@ import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from types import TracebackType
-from typing import Any, Generic, NoReturn, Self, TypedDict, TypeVar, Unpack
+from typing import Any, Generic, NoReturn, Self, TypedDict, TypeVar
 
 import grpc
 import numpy as np
@@ -36,10 +31,10 @@ from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
 from sluice.routing.hedge import HedgeSettings, Hedging
 from sluice.routing.planner import Planner
-from sluice.routing.pool import Backend, Pool
+from sluice.routing.pool import Pool
 from sluice.runtime import tracing
 from sluice.runtime.status import grpc_code
-from sluice.runtime.tls import ClientTLS, aio_channel, blocking_channel
+from sluice.runtime.tls import ClientTLS
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec, unary
@@ -570,203 +565,3 @@ class Core:
 
     def _explained(self, step: Explain) -> BaseException:
         return diagnose.explained(step.error, step.target, self._shown, self._hints)
-
-
-class Sent:
-    """A blocking call sent as grpc's future (`.future`), read as the Reply the planner takes:
-    a failure is its Reply, never raised, as an attempt's is."""
-
-    __slots__ = ("_future",)
-
-    def __init__(self, future: Any) -> None:
-        self._future = future
-
-    def add_done_callback(self, fn: Callable[[Sent], object]) -> None:
-        self._future.add_done_callback(lambda _: fn(self))
-
-    def done(self) -> bool:
-        return bool(self._future.done())
-
-    def cancel(self) -> bool:
-        return bool(self._future.cancel())
-
-    def result(self, timeout: float | None = None) -> Reply:
-        try:
-            body: bytes = self._future.result(timeout)
-        except grpc.RpcError as exc:
-            return unary.failure(exc)
-        return Reply(0, "", body, unary.pairs(self._future.trailing_metadata()))
-
-
-class AsyncSluiceClient(Core):
-    """The asyncio client (create and use it inside a running event loop); options: `Core`."""
-
-    def _open(self, target: str, security: ClientTLS | None, settings: ChannelOptions) -> Any:
-        return aio_channel(target, security, settings)
-
-    async def predict(
-        self, inputs: Inputs, **options: Unpack[CallOptions]
-    ) -> dict[str, np.ndarray]:
-        """`infer`'s outputs by name."""
-        return (await self.infer(inputs, **options)).outputs
-
-    async def infer(self, inputs: Inputs, **options: Unpack[CallOptions]) -> Prediction:
-        """Run the model; its outputs with the response metadata (`Core._infer`)."""
-        return await self._run(self._infer(inputs, **options))
-
-    async def call_raw(
-        self, body: bytes, metadata: Mapping[str, str] | None = None, timeout: float | None = None
-    ) -> Reply:
-        """One Predict of a serialized PredictRequest; a failure is the Reply's status."""
-        return await self._run(self._raw(body, metadata, timeout))
-
-    async def health(self, *, model: str = "", timeout: float | None = None) -> pb.HealthResponse:
-        """The first target's Health (a model's, when named)."""
-        return await self._run(self._health(model, timeout))
-
-    async def metadata(
-        self, *, model: str = "", version: str = "", timeout: float | None = None
-    ) -> pb.MetadataResponse:
-        """A model's metadata (the default one unless named), from a target that answers."""
-        return await self._run(self._metadata(model, version, self._deadline(timeout)))
-
-    async def close(self) -> None:
-        """Unregister the regions, then close the channels this client made."""
-        await self._run(self._unregister_all())
-        for channel in itertools.chain(*self._channels.values()) if self._owned else ():
-            await channel.close(grace=None)
-
-    async def _run(self, steps: Steps[T]) -> T:
-        exchange = Exchange(steps)
-        for step in exchange:
-            try:
-                exchange.answer = await self._perform(step)
-            except BaseException as exc:
-                exchange.error = exc
-        return exchange.value
-
-    async def _perform(self, step: Step) -> Any:
-        if isinstance(step, Send):
-            return await self._routed(step)
-        if isinstance(step, Unary):
-            stub = getattr(self._stub, step.method)
-            return await stub(step.request, timeout=step.timeout, metadata=self._auth)
-        return await asyncio.to_thread(self._explained, step)  # a probe blocks
-
-    async def _routed(self, send: Send) -> Reply:
-        step = self._send if send.predict else self._ask
-        if self._router is None:
-            return await step(self.target, send.body, send.metadata, send.terms.timeout)
-
-        async def attempt(backend: Backend, left: float | None) -> Reply:
-            try:
-                return await step(backend.address, send.body, send.metadata, left)
-            except grpc.aio.AioRpcError as exc:
-                return unary.failure(exc)  # for the planner to classify
-
-        return await self._router.run(send.terms.key, send.terms.deadline, attempt)
-
-    async def _send(
-        self, target: str, body: bytes, metadata: Metadata, timeout: float | None
-    ) -> Reply:
-        """One Predict to one target: the transport step. Raises grpc.aio.AioRpcError."""
-        return await unary.call(self._method(True, target), body, metadata, timeout)
-
-    async def _ask(
-        self, target: str, body: bytes, metadata: Metadata, timeout: float | None
-    ) -> Reply:
-        return await unary.call(self._method(False, target), body, metadata, timeout)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
-
-
-class SluiceClient(Core):
-    """The blocking client, on grpc's blocking channels (no event loop or thread of its own);
-    safe to share between threads. Options and methods: as AsyncSluiceClient's."""
-
-    def _open(self, target: str, security: ClientTLS | None, settings: ChannelOptions) -> Any:
-        return blocking_channel(target, security, settings)
-
-    def predict(self, inputs: Inputs, **options: Unpack[CallOptions]) -> dict[str, np.ndarray]:
-        return self.infer(inputs, **options).outputs
-
-    def infer(self, inputs: Inputs, **options: Unpack[CallOptions]) -> Prediction:
-        return self._run(self._infer(inputs, **options))
-
-    def call_raw(
-        self, body: bytes, metadata: Mapping[str, str] | None = None, timeout: float | None = None
-    ) -> Reply:
-        return self._run(self._raw(body, metadata, timeout))
-
-    def health(self, *, model: str = "", timeout: float | None = None) -> pb.HealthResponse:
-        return self._run(self._health(model, timeout))
-
-    def metadata(
-        self, *, model: str = "", version: str = "", timeout: float | None = None
-    ) -> pb.MetadataResponse:
-        return self._run(self._metadata(model, version, self._deadline(timeout)))
-
-    def close(self) -> None:
-        self._run(self._unregister_all())
-        for channel in itertools.chain(*self._channels.values()) if self._owned else ():
-            channel.close()
-
-    def _run(self, steps: Steps[T]) -> T:
-        exchange = Exchange(steps)
-        for step in exchange:
-            try:
-                exchange.answer = self._perform(step)
-            except BaseException as exc:
-                exchange.error = exc
-        return exchange.value
-
-    def _perform(self, step: Step) -> Any:
-        if isinstance(step, Send):
-            return self._routed(step)
-        if isinstance(step, Unary):
-            return getattr(self._stub, step.method)(
-                step.request, timeout=step.timeout, metadata=self._auth
-            )
-        return self._explained(step)
-
-    def _routed(self, send: Send) -> Reply:
-        step = self._send if send.predict else self._ask
-        if self._router is None:
-            return step(self.target, send.body, send.metadata, send.terms.timeout)
-
-        def attempt(backend: Backend, left: float | None) -> Reply:
-            try:
-                return step(backend.address, send.body, send.metadata, left)
-            except grpc.RpcError as exc:
-                return unary.failure(exc)  # for the planner to classify
-
-        key, deadline = send.terms.key, send.terms.deadline
-        if self._router.hedging is None:
-            return self._router.run_sync(key, deadline, attempt, self._lock)
-
-        def start(backend: Backend, left: float | None) -> Sent:
-            method: Any = self._method(send.predict, backend.address)
-            return Sent(method.future(send.body, timeout=left, metadata=send.metadata))
-
-        return self._router.run_sync(key, deadline, attempt, self._lock, start=start)  # type: ignore[call-arg]
-
-    def _send(self, target: str, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
-        """One Predict to one target: the transport step. Raises grpc.RpcError."""
-        return unary.call_sync(self._method(True, target), body, metadata, timeout)
-
-    def _ask(self, target: str, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
-        return unary.call_sync(self._method(False, target), body, metadata, timeout)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
