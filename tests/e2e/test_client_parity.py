@@ -165,7 +165,7 @@ def test_several_servers_are_routed_past_one_down(connect: Connect, servers: lis
 def test_hedging_answers_a_stopped_servers_calls(connect: Connect, servers: list[Process]) -> None:
     # Keepalive long: only a hedge can answer the stopped server's calls before the deadline.
     targets = [s.address for s in servers]
-    client = connect(targets, timeout=5.0, hedge_after_ms=100, keepalive_s=60)
+    client = connect(targets, timeout=8.0, hedge_after_ms=100, keepalive_s=60)
     for seed in range(100):  # connected to every server, and a tenth of a hedge a call earned
         client.predict({"input": digit(seed % 6)})
     with stopped(servers[0]):
@@ -173,6 +173,6 @@ def test_hedging_answers_a_stopped_servers_calls(connect: Connect, servers: list
             started = time.monotonic()
             answer = client.infer({"input": digit(seed)}, no_cache=True)
             assert answer.node_id != "server-0"
-            assert time.monotonic() - started < 2.5
+            assert time.monotonic() - started < 4.0  # half the deadline a stuck call runs out
     router = client._router
     assert router is not None and router.hedging is not None and router.hedging.won >= 1
