@@ -18,10 +18,10 @@ from google.protobuf.json_format import MessageToDict
 
 from sluice import models
 from sluice.client import connect
-from sluice.client.client import (
+from sluice.client.blocking import SluiceClient
+from sluice.client.core import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Prediction,
-    SluiceClient,
     declared,
     plain,
 )

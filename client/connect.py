@@ -104,6 +104,26 @@ def has_port(target: str) -> bool:
     return bool(colon and host) and port.isdigit() and (":" not in host or bracketed)
 
 
+# The string options `add_options` adds: (flag, its SLUICE_ variable, metavar, help).
+STRING_OPTIONS = (
+    ("--tls-ca", "SLUICE_TLS_CA", "PEM", "TLS, trusting the CAs in this PEM bundle"),
+    (
+        "--tls-cert",
+        "SLUICE_CLIENT_TLS_CERT",
+        "PEM",
+        "client certificate for mutual TLS; needs --tls-key",
+    ),
+    ("--tls-key", "SLUICE_CLIENT_TLS_KEY", "PEM", "the private key of --tls-cert"),
+    (
+        "--server-name",
+        "SLUICE_SERVER_NAME",
+        None,
+        "check the server's certificate against this name, not the target's host",
+    ),
+    ("--api-key", "SLUICE_API_KEY", None, "send 'authorization: Bearer KEY' on every call"),
+)
+
+
 def add_options(parser: argparse.ArgumentParser) -> None:
     """--tls, --tls-ca, --tls-cert, --tls-key, --server-name and --api-key, each defaulting to
     its SLUICE_ variable."""
@@ -114,35 +134,10 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         default=env("SLUICE_TLS", "") not in ("", "0", "false"),
         help="TLS, trusting the system's CAs (implied by the options below) [env SLUICE_TLS]",
     )
-    parser.add_argument(
-        "--tls-ca",
-        default=env("SLUICE_TLS_CA", ""),
-        metavar="PEM",
-        help="TLS, trusting the CAs in this PEM bundle [env SLUICE_TLS_CA]",
-    )
-    parser.add_argument(
-        "--tls-cert",
-        default=env("SLUICE_CLIENT_TLS_CERT", ""),
-        metavar="PEM",
-        help="client certificate for mutual TLS; needs --tls-key [env SLUICE_CLIENT_TLS_CERT]",
-    )
-    parser.add_argument(
-        "--tls-key",
-        default=env("SLUICE_CLIENT_TLS_KEY", ""),
-        metavar="PEM",
-        help="the private key of --tls-cert [env SLUICE_CLIENT_TLS_KEY]",
-    )
-    parser.add_argument(
-        "--server-name",
-        default=env("SLUICE_SERVER_NAME", ""),
-        help="check the server's certificate against this name, not the target's host "
-        "[env SLUICE_SERVER_NAME]",
-    )
-    parser.add_argument(
-        "--api-key",
-        default=env("SLUICE_API_KEY", ""),
-        help="send 'authorization: Bearer KEY' on every call [env SLUICE_API_KEY]",
-    )
+    for flag, variable, metavar, words in STRING_OPTIONS:
+        parser.add_argument(
+            flag, default=env(variable, ""), metavar=metavar, help=f"{words} [env {variable}]"
+        )
 
 
 def from_args(args: argparse.Namespace) -> Connection:

@@ -1,24 +1,13 @@
 """`sluice top`: a live terminal view of a server's or a balancer's Health.
 
-It polls `sluice.v1.Inference/Health` every `--interval` seconds and redraws one screen:
-node, role, status and provider; calls/s (from the change in the request counter between two
-polls), latency percentiles over the target's window of recent calls, errors by status (new
-since the last poll and in all); for a server its batcher (queue, batch sizes, why batches
-closed, admission refusals) and cache; for a balancer every backend (health, breaker, in
-flight, share, EWMA latency, failures, learned limit, why it is out) and its retries, shed
-and unavailable calls.
-
-`render` turns two Health answers into a rich renderable and touches no terminal, so it is
-tested alone. The loop keeps going when the target does not answer (it shows "unreachable:
-<status>" and polls again) and exits 0 on Ctrl-C or after `--iterations`. `--once` prints one
-snapshot, without rates (one poll has nothing to take a difference from), and exits 0; when
-the target does not answer it prints one line to stderr and exits 1 (2 for bad arguments).
-
-Ctrl-C is a flag, not an exception: while the view runs, SIGINT's handler (`CtrlC`) only records
-it and wakes the wait between polls, and the loop checks it. A KeyboardInterrupt raised wherever
-the main thread happened to be (inside grpc's blocking call and its locks, inside rich's
-redraw) could leave their state half-changed on the way out; the flag never does, and the
-longest Ctrl-C can wait is the poll under way (`--timeout`, at most 2 s by default).
+It polls Health every `--interval` seconds and redraws one screen: node, role, status,
+provider, calls/s (the request counter's change between polls), latency percentiles, errors
+by status; a server's batcher and cache; a balancer's backends, retries and sheds. `render`
+turns two Health answers into a rich renderable and touches no terminal, so it is tested
+alone. An unanswering target shows "unreachable: <status>" and is polled again; `--once`
+prints one snapshot without rates (exit 1 if unanswered). Ctrl-C is a flag (`CtrlC`), not an
+exception: a KeyboardInterrupt inside grpc's blocking call or rich's redraw could leave their
+state half-changed; the loop checks the flag between polls, at most `--timeout` late.
 """
 
 from __future__ import annotations
@@ -43,7 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from sluice.client import connect
-from sluice.client.client import SluiceClient
+from sluice.client.blocking import SluiceClient
 from sluice.v1 import inference_pb2 as pb
 
 NO_VALUE = "-"

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import grpc
 
-from sluice.client.client import auth_metadata
 from sluice.client.connect import PLAINTEXT, Connection
+from sluice.client.core import auth_metadata
 from sluice.perf import stats
 from sluice.perf.loadgen import LevelResult
 from sluice.runtime.tls import blocking_channel

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from sluice.client.client import AsyncSluiceClient, auth_metadata
+from sluice.client import AsyncSluiceClient
 from sluice.client.connect import PLAINTEXT, Connection
+from sluice.client.core import auth_metadata
 from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import status_name
 from sluice.perf import stats

@@ -29,8 +29,8 @@ import numpy as np
 
 from sluice import models
 from sluice.client import connect
-from sluice.client.client import auth_metadata
 from sluice.client.connect import PLAINTEXT, Connection
+from sluice.client.core import auth_metadata
 from sluice.core.datatypes import DATATYPES
 from sluice.core.keys import PREDICT
 from sluice.kserve import grpc_predict_v2_pb2 as kserve

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from sluice.client import SluiceClient
-from sluice.client.client import SPAN as CLIENT_SPAN
+from sluice.client.core import SPAN as CLIENT_SPAN
 from sluice.runtime import tracing
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc

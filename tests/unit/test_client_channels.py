@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 
-from sluice.client import AsyncSluiceClient, SluiceClient
-from sluice.client import client as module
-from sluice.client.client import channel_options, keepalive_of
+from sluice.client import AsyncSluiceClient, SluiceClient, aio, blocking, core
+from sluice.client.core import channel_options, keepalive_of
 
 TWO = ["127.0.0.1:1", "127.0.0.1:2"]  # never dialled: no call is made
 KEEPALIVE_KEYS = {"grpc.keepalive_time_ms", "grpc.min_reconnect_backoff_ms"}
@@ -50,7 +49,7 @@ def test_the_callers_options_come_last_so_they_win() -> None:
 
 
 def test_keepalive_is_on_by_default_with_several_targets_only() -> None:
-    assert keepalive_of(None, TWO) == module.KEEPALIVE_S > 0
+    assert keepalive_of(None, TWO) == core.KEEPALIVE_S > 0
     assert keepalive_of(None, TWO[:1]) == 0.0
     assert keepalive_of(0.5, TWO[:1]) == 0.5  # asked for, one target gets it too
     assert keepalive_of(0, TWO) == 0.0
@@ -62,18 +61,18 @@ def test_keepalive_is_on_by_default_with_several_targets_only() -> None:
 def made(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, dict[str, Any]]]:
     """The options of each channel the clients make, by target (real channels, unused)."""
     seen: dict[str, dict[str, Any]] = {}
-    blocking, aio = module.blocking_channel, module.aio_channel
+    blocking_channel, aio_channel = blocking.blocking_channel, aio.aio_channel
 
     def record_blocking(target: str, tls: Any, settings: list[tuple[str, Any]]) -> Any:
         seen[target] = options_of(settings)
-        return blocking(target, tls, settings)
+        return blocking_channel(target, tls, settings)
 
     def record_aio(target: str, tls: Any, settings: list[tuple[str, Any]]) -> Any:
         seen[target] = options_of(settings)
-        return aio(target, tls, settings)
+        return aio_channel(target, tls, settings)
 
-    monkeypatch.setattr(module, "blocking_channel", record_blocking)
-    monkeypatch.setattr(module, "aio_channel", record_aio)
+    monkeypatch.setattr(blocking, "blocking_channel", record_blocking)
+    monkeypatch.setattr(aio, "aio_channel", record_aio)
     yield seen
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from sluice.client import AsyncSluiceClient, Prediction, SluiceClient
-from sluice.client.client import rpc_error
+from sluice.client.core import rpc_error
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 from sluice.wire.mux import Reply

@@ -1,5 +1,5 @@
-"""Hedging in the proxyless client: the asyncio client given several servers hedges as the
-balancer does; one target, or the blocking client, refuses the option aloud."""
+"""Hedging in the proxyless client: either client given several servers hedges as the
+balancer does; one target refuses the option aloud."""
 
 from __future__ import annotations
 
@@ -31,7 +31,15 @@ async def test_one_target_has_nothing_to_hedge_to() -> None:
         AsyncSluiceClient(SERVERS[0], hedge_after_ms=5)
 
 
-def test_the_blocking_client_refuses_to_hedge() -> None:
-    with pytest.raises(ValueError, match="SluiceClient does not hedge: use AsyncSluiceClient"):
-        SluiceClient(SERVERS, hedge_after_ms=5)
-    SluiceClient(SERVERS, hedge_after_ms=0).close()  # off is no hedging
+@pytest.mark.parametrize(("hedge_after_ms", "after_s"), [(5, 0.005), ("auto", None)])
+def test_the_blocking_client_over_several_servers_hedges(
+    hedge_after_ms: float | str, after_s: float | None
+) -> None:
+    with SluiceClient(SERVERS, hedge_after_ms=hedge_after_ms) as client:
+        router = client._router
+        assert router is not None and router.hedging is not None
+        assert router.hedging.settings.after_s == after_s
+    with SluiceClient(SERVERS, hedge_after_ms=0) as client:  # off is no hedging
+        assert client._router is not None and client._router.hedging is None
+    with pytest.raises(ValueError, match=r"several targets.*--hedge-after-ms"):
+        SluiceClient(SERVERS[0], hedge_after_ms=5)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from sluice.client import AsyncSluiceClient, SluiceClient
-from sluice.client.client import rpc_error
+from sluice.client.core import rpc_error
 from sluice.core.datatypes import DATATYPES
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec

@@ -21,7 +21,7 @@ from opentelemetry.trace import NoOpTracerProvider, SpanKind, StatusCode
 from sluice import models
 from sluice.balancer.service import ATTEMPT, BalancerService
 from sluice.client import AsyncSluiceClient, SluiceClient
-from sluice.client.client import SPAN as CLIENT_SPAN
+from sluice.client.core import SPAN as CLIENT_SPAN
 from sluice.core.errors import DeadlineExpired
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.routing.budget import RetryBudget
@@ -774,7 +774,7 @@ def test_the_clients_span_each_call_and_send_its_context(
 def test_a_client_span_records_a_failed_call(
     application: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sluice.client.client import rpc_error
+    from sluice.client.core import rpc_error
 
     def fail(*args: Any) -> Reply:
         raise rpc_error(Reply(14, "down"))
