@@ -24,14 +24,14 @@ from sluice.balancer.membership import Membership, upstreams
 from sluice.balancer.metrics import RoutingCollector
 from sluice.balancer.service import SERVICE, BalancerService
 from sluice.balancer.settings import BalancerSettings
-from sluice.core.shm import Regions
 from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Pool
 from sluice.runtime import door, program
 from sluice.runtime.health import Readiness
-from sluice.runtime.regions import regions_of, sweep
 from sluice.runtime.supervise import SLOT_ENV
 from sluice.runtime.workers import Workers
+from sluice.shm.registry import Regions
+from sluice.shm.setup import regions_of, sweep
 
 log = logging.getLogger("sluice.balancer")
 WORKER_ENV = "SLUICE_BALANCER_WORKER"  # set in the extra worker processes

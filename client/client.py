@@ -12,7 +12,7 @@ no event loop or thread of its own) add only the sending.
 
 With `shared_memory=True` (one target, a server or balancer on this host started with
 --shared-memory), tensors travel in POSIX shared memory regions the client creates,
-registers and reuses (sluice.client.shm), the messages carrying only where they lie;
+registers and reuses (sluice.shm.client), the messages carrying only where they lie;
 `predict` returns the same arrays. close() unregisters the regions and removes their objects.
 
 Plain values need their inputs' datatypes first: the model's Metadata, asked as a Predict
@@ -45,7 +45,6 @@ import numpy as np
 import numpy.typing as npt
 
 from sluice.client import diagnose
-from sluice.client.shm import Arena, Plan, SharedMemory, check_target, registration_error
 from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, PREDICT, affinity_key
 from sluice.core.tenants import authorization
 from sluice.routing.breaker import BreakerSettings
@@ -56,6 +55,7 @@ from sluice.routing.pool import Backend, Pool
 from sluice.runtime import tracing
 from sluice.runtime.status import grpc_code
 from sluice.runtime.tls import ClientTLS, aio_channel, blocking_channel
+from sluice.shm.client import Arena, Layout, SharedMemory, check_target, registration_error
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec, unary
@@ -402,7 +402,7 @@ def prediction(reply: Reply) -> Prediction:
     )
 
 
-def shared_prediction(memory: SharedMemory, plan: Plan, reply: Reply) -> Prediction:
+def shared_prediction(memory: SharedMemory, plan: Layout, reply: Reply) -> Prediction:
     """`prediction` of a shared memory call: the outputs in its region copied out."""
     if reply.code:
         raise rpc_error(reply)
@@ -593,7 +593,7 @@ class AsyncSluiceClient(_Core):
             return await self._shared_send(memory, plan, metadata, deadline)
 
     async def _shared_send(
-        self, memory: SharedMemory, plan: Plan, metadata: Metadata, deadline: Deadline
+        self, memory: SharedMemory, plan: Layout, metadata: Metadata, deadline: Deadline
     ) -> Prediction:
         if plan.fresh:
             await self._register(plan.arena, deadline)
@@ -858,7 +858,7 @@ class SluiceClient(_Core):
             return self._shared_send(memory, plan, metadata, deadline)
 
     def _shared_send(
-        self, memory: SharedMemory, plan: Plan, metadata: Metadata, deadline: Deadline
+        self, memory: SharedMemory, plan: Layout, metadata: Metadata, deadline: Deadline
     ) -> Prediction:
         if plan.fresh:
             self._register(plan.arena, deadline)

@@ -25,7 +25,6 @@ from pathlib import Path
 from sluice.core.errors import SluiceError
 from sluice.runtime import door, program
 from sluice.runtime.health import Readiness
-from sluice.runtime.regions import ONE_PROCESS, regions_of, sweep
 from sluice.runtime.workers import Workers
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import CUDA, choose_providers
@@ -38,6 +37,7 @@ from sluice.server.metrics import DataplaneCollector
 from sluice.server.modelconfig import read_config
 from sluice.server.service import SERVICE, InferenceService
 from sluice.server.settings import ServerSettings
+from sluice.shm.setup import ONE_PROCESS, regions_of, sweep
 
 log = logging.getLogger("sluice.server")
 

@@ -424,7 +424,7 @@ class Regions:
             raise QuotaExceeded(
                 f"quota: shared memory region '{region.info.name}': a copy of {size} bytes "
                 f"would bring the bytes the calls in flight copy to {total}, over the most "
-                f"allowed ({self.max_copy_bytes}, sluice.core.shm.MAX_COPY_BYTES); retry when "
+                f"allowed ({self.max_copy_bytes}, sluice.shm.registry.MAX_COPY_BYTES); retry when "
                 "calls end, or place smaller ranges"
             )
         self._copying = total

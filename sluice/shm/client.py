@@ -30,12 +30,12 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 import grpc
 import numpy as np
 
-from sluice.client.diagnose import Audience
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 
@@ -50,14 +50,14 @@ NOT_LOCAL = (
     "socket): {target} is not one"
 )
 ONE_TARGET = "shared memory needs one target, a server or balancer on this host: {count} were given"
-# A registration's refusal where the server cannot open the object (sluice.core.shm's words).
+# A registration's refusal where the server cannot open the object (sluice.shm.registry's words).
 UNOPENED = "Unable to open shared memory region"
 # A target that takes no regions (a server or balancer without --shared-memory, an older
 # Sluice): what to do, by audience.
 NO_REGIONS = {
-    Audience.PYTHON: "{target} takes no shared memory regions: start it (sluice-server or "
+    "python": "{target} takes no shared memory regions: start it (sluice-server or "
     "sluice-balancer) with --shared-memory, or drop shared_memory=True",
-    Audience.COMMANDS: "{target} takes no shared memory regions: start it (sluice-server or "
+    "commands": "{target} takes no shared memory regions: start it (sluice-server or "
     "sluice-balancer) with --shared-memory, or drop this command's --shared-memory",
 }
 
@@ -71,14 +71,14 @@ def check_target(targets: Sequence[str]) -> None:
 
 
 def registration_error(
-    error: grpc.RpcError, name: str, target: str, audience: Audience
+    error: grpc.RpcError, name: str, target: str, audience: Enum
 ) -> grpc.aio.AioRpcError:
     """A failed region call as grpc raises it, its code kept, its message saying what the
     call was for (and, where the server has no such call, what to do)."""
     code = error.code()
     details = error.details() or ""
     if code == grpc.StatusCode.UNIMPLEMENTED:
-        details = f"{NO_REGIONS[audience].format(target=target)} (it said: {details})"
+        details = f"{NO_REGIONS[audience.value].format(target=target)} (it said: {details})"
     return grpc.aio.AioRpcError(
         code,
         grpc.aio.Metadata(),
@@ -263,7 +263,7 @@ class Learned:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Layout:
     """One call's placement: its arena, where its outputs go in it (those of known size),
     and the body that names them and its inputs."""
 
@@ -310,7 +310,7 @@ class SharedMemory:
     @contextlib.contextmanager
     def planned(
         self, arrays: Mapping[str, np.ndarray], outputs: Sequence[str], model: str, version: str
-    ) -> Iterator[Plan]:
+    ) -> Iterator[Layout]:
         """`plan`, its arena handed back when the call is done; retired instead when the
         call was given up before its answer (`abandoned`)."""
         plan = self.plan(arrays, outputs, model, version)
@@ -326,7 +326,7 @@ class SharedMemory:
 
     def plan(
         self, arrays: Mapping[str, np.ndarray], outputs: Sequence[str], model: str, version: str
-    ) -> Plan:
+    ) -> Layout:
         """An arena holding the call's inputs and room for its outputs where their sizes are
         known, and the body naming them. The inputs are written now, or, when the arena is
         to be registered (`fresh`), once it is (Arena.registered_now). Hand it back with
@@ -357,9 +357,9 @@ class SharedMemory:
                 for n, r in placed.items()
             },
         )
-        return Plan(arena, key, placed, fresh, request.SerializeToString())
+        return Layout(arena, key, placed, fresh, request.SerializeToString())
 
-    def answer(self, plan: Plan, body: bytes) -> tuple[pb.PredictResponse, dict[str, np.ndarray]]:
+    def answer(self, plan: Layout, body: bytes) -> tuple[pb.PredictResponse, dict[str, np.ndarray]]:
         """A PredictResponse and its outputs: those in the arena copied out of it (it is the
         next call's), the others views of the message's bytes, as without shared memory.
         Their sizes are learned for the next call of the same shapes."""
@@ -373,7 +373,7 @@ class SharedMemory:
             self.learned.put(plan.key, sizes)
         return response, outputs
 
-    def failed(self, plan: Plan, error: grpc.RpcError) -> bool:
+    def failed(self, plan: Layout, error: grpc.RpcError) -> bool:
         """After a failed call: whether sending it again may succeed. A refusal naming the
         call's region (a server that lost its regions in a restart, or outputs that outgrew
         the room this client made for them) has the region registered afresh, and the

@@ -1,4 +1,4 @@
-"""A program's shared memory registry (sluice.core.shm) as its settings ask for it
+"""A program's shared memory registry (sluice.shm.registry) as its settings ask for it
 (--shared-memory and its bounds), and the sweep that lets go of the regions whose objects
 their callers unlinked: the server's and the balancer's alike."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from sluice.core.shm import Regions
 from sluice.runtime.settings import ProgramSettings
+from sluice.shm.registry import Regions
 
 SWEEP_S = 2.0  # how often regions whose object its caller unlinked are let go
 # Regions live in the process they were registered with.
