@@ -36,8 +36,8 @@ from sluice.core.errors import InvalidInput, SluiceError
 from sluice.runtime.listener import MAX_PENDING_CALLS
 from sluice.runtime.process import event_loop
 from sluice.runtime.status import status_of
+from sluice.shm import placement
 from sluice.shm.calls import V1_CALLS, RegionCalls, unserved
-from sluice.shm.placement import predict_tensors
 from sluice.shm.registry import Regions
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec, facts
@@ -95,7 +95,7 @@ def model_floor(
     def shared(body: bytes, regions: Regions) -> bytes:
         request = parse(pb.PredictRequest, body)
         with regions.lease("") as lease:
-            inputs, memory = predict_tensors(request, lease, NO_SHARED_MEMORY)
+            inputs, memory = placement.predict_tensors(request, lease, NO_SHARED_MEMORY)
             array = next(iter(inputs.values()))  # the first input, a view of its region
             outputs = session.run(None, {first.name: array})
             try:

@@ -18,8 +18,8 @@ from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Asked, Request
 from sluice.server.settings import ServerSettings
+from sluice.shm import placement
 from sluice.shm.calls import unserved
-from sluice.shm.placement import predict_tensors
 from sluice.shm.registry import Lease
 from sluice.shm.slots import OutputSlot
 from sluice.v1 import inference_pb2 as pb
@@ -71,7 +71,7 @@ class SluiceV1:
                 inputs, outputs, typed = read
                 return Request(inputs, outputs, Options(typed, {}))
         request = parse(pb.PredictRequest, body)
-        inputs, memory = predict_tensors(request, lease, NO_SHARED_MEMORY)
+        inputs, memory = placement.predict_tensors(request, lease, NO_SHARED_MEMORY)
         return Request(inputs, request.outputs, Options(request.typed_outputs, memory))
 
     def encode(self, model: Model, request: Request[Options], outputs: Arrays) -> bytes:

@@ -1,21 +1,15 @@
-"""A client's shared memory (`shared_memory=True`): its inputs written into POSIX shared
-memory objects it creates, registered on the server as regions, so a Predict carries only
-where each tensor lies (Tensor.shared_memory) and the server reads it in place; the outputs
-the server writes into them (output_memory) come back the same way.
+"""A client's shared memory (`shared_memory=True`): its inputs written into POSIX shm objects
+it creates, registered on the server as regions, so a Predict carries only where each tensor
+lies and the server reads it in place; outputs come back the same way (output_memory).
 
-Each call holds one `Arena` of its own (a region: one object, registered under one name),
-taken from the client's pool and handed back when the call ends, so calls on several
-threads or tasks never share bytes. An arena too small for a call is replaced by an object
-that fits (re-registered under its name); none shrinks. Every object this process creates
-is unlinked on close(), and at the latest when the interpreter exits.
+Each call holds an `Arena` of its own (one object under one name) from the client's pool,
+so calls on several threads never share bytes; one too small is replaced (re-registered),
+none shrinks, and every object is unlinked on close() or at exit.
 
-The outputs' sizes: a model's are known only once it answered (most shapes have a dynamic
-batch dimension, and some depend on the inputs' values), so a call whose input shapes and
-datatypes this client has not sent to that model before gets its outputs as bytes, and the
-calls after it get theirs in their arena, sized from that answer (`Learned`). Should an
-answer outgrow them (outputs whose shape depends on the values), the server refuses it
-(codec.TOO_SMALL) and the call is sent again, its outputs as bytes.
-"""
+A model's output sizes are known only once it answered: a call of input shapes this client
+has not sent that model before gets its outputs as bytes, the calls after it in the arena,
+sized from that answer (`Learned`). An answer that outgrows them is refused
+(codec.TOO_SMALL) and the call sent again, its outputs as bytes."""
 
 from __future__ import annotations
 

@@ -1,22 +1,16 @@
 """The shared memory regions callers on this host register (Triton's system shared memory
-extension, and the sluice.v1 API's): a POSIX shared memory object the caller wrote a tensor
-into, mapped once here, from which calls read inputs and into which they write outputs in
-place. Transport-free: the gRPC faces turn requests into these calls, and these errors into
-statuses.
+extension, and sluice.v1's): a POSIX shm object the caller wrote a tensor into, mapped once,
+from which calls read inputs and into which they write outputs in place. Transport-free.
 
-A caller that truncates its object while a call reads or writes the mapping would have the
-server take SIGBUS and die (the size check before each view narrows that window, it cannot
-close it: POSIX shm objects cannot be sealed). Where callers are not all trusted (tenants),
-`Regions(copy=True)` maps nothing: a view is a buffer of this process's own, an input's read
-from the object with preadv (a short read refuses the call), an output's written back with
-pwrite when the lease is released, and only the bytes the call's writer marked (`wrote`), only
-when the call succeeded (past a truncated end it just extends the caller's object). The bytes
-the calls in flight hold in copies are bounded (`max_copy_bytes`).
+A caller that truncates its object under a call would have the server take SIGBUS (POSIX
+shm cannot be sealed): where callers are not all trusted (tenants), `Regions(copy=True)`
+maps nothing, and a view is a buffer of this process's own, read with preadv and written
+back with pwrite on release, only the bytes marked (`wrote`) of a call that succeeded,
+within `max_copy_bytes` in flight.
 
-Each tenant has its own name space ("" when tenants are off: one for everyone): a name
-another tenant registered is, to a caller, one nobody registered. A call takes a `Lease`
-and reads and writes through it; a region unregistered under a running call loses its name
-at once, its mapping only when the last lease on it is released."""
+Each tenant has its own name space ("" with tenants off). A call reads and writes through a
+`Lease`; a region unregistered under it loses its name at once, its mapping when the last
+lease goes."""
 
 from __future__ import annotations
 
