@@ -3,7 +3,7 @@ Protocol of Triton and MLServer). ModelInfer takes Predict's way (BalancerServic
 with method "ModelInfer": routing by the model it names, affinity, limits, retries and
 trailers alike), carried on the servers' PredictStreams. ModelReady and ModelMetadata ask a
 usable backend that serves the model; the server calls answer for the balancer itself, and so
-do the system shared memory calls (the regions are the balancer's: sluice.shm.balancer).
+do the region calls (sluice.shm.balancer).
 The repository calls are each server's own, not the balancer's: they answer UNIMPLEMENTED."""
 
 from __future__ import annotations

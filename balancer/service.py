@@ -5,9 +5,8 @@ backend the pool chooses among those that serve the model. The attempt loop (ret
 retry budget and the caller's deadline, what counts against a backend) is the shared call
 planner, sluice.routing.planner, called from one place (`_call`); tracing hangs on it as
 observers (sluice.runtime.spans). KServe v2 ModelInfer bodies take the same way
-(`forward(..., method=INFER)`; the facade is sluice.balancer.kserve). A body that names shared
-memory regions its caller registered here goes with their bytes in it, and its answer's
-outputs are written into them (sluice.shm.balancer)."""
+(`forward(..., method=INFER)`; the facade is sluice.balancer.kserve). A body whose tensors
+lie in its caller's regions is relayed by sluice.shm.balancer."""
 
 from __future__ import annotations
 

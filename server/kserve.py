@@ -1,13 +1,8 @@
 """The KServe v2 / Open Inference Protocol over gRPC (`inference.GRPCInferenceService`, the API
 of Triton and MLServer), served beside sluice.v1 so their clients work unchanged: the
 ModelInferRequest wire format as a dataplane protocol, and a thin servicer for the protocol's
-calls. ModelInfer takes Predict's path (validation, cache, batching, status codes).
-
-With --shared-memory, Triton's system shared memory extension: callers on this host register
-POSIX shared memory regions (sluice.shm), and an input or requested output names one
-with the parameters shared_memory_region, shared_memory_byte_size and shared_memory_offset.
-An input is then a view of the region's bytes; an output is written into it, its tensor in
-the answer carrying no values (an empty raw entry, as Triton answers)."""
+calls. ModelInfer takes Predict's path (validation, cache, batching, status codes); tensors
+placed by Triton's parameters are read and written by sluice.shm.placement."""
 
 from __future__ import annotations
 

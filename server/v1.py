@@ -1,11 +1,7 @@
 """The sluice.v1 protocol on the dataplane: PredictRequest bytes to a core request, outputs
 to PredictResponse bytes (both read and written by sluice.wire.codec where it can), a model's
-specs to a ModelInfo.
-
-With shared memory on (--shared-memory), a tensor may lie in a region its caller registered
-(Tensor.shared_memory): decoded through the call's lease (sluice.shm), a view of the
-region, and the outputs output_memory names are written into theirs (their tensors in the
-answer carry where, not the bytes)."""
+specs to a ModelInfo. Tensors the caller placed (Tensor.shared_memory, output_memory) are
+read and written through the call's lease (sluice.shm)."""
 
 from __future__ import annotations
 

@@ -8,9 +8,7 @@ converted to the input's declared datatype (`array_of`). Predict's request and r
 bodies are written here by hand (`encode_predict`, `encode_predict_response`): the arrays'
 bytes copied once, each request input aligned for the server to read it in place.
 
-A tensor may instead name bytes in a shared memory region (Tensor.shared_memory): decoded,
-it is a view of the region (a `Memory`: the server's lease, or a client's own regions), and
-the outputs a request places there (output_memory) are written into them once.
+A tensor placed in shared memory (sluice.shm.slots) decodes to a view of a `Memory`.
 """
 
 from __future__ import annotations
