@@ -369,11 +369,8 @@ class SharedMemory:
 
     def failed(self, plan: Layout, error: grpc.RpcError) -> bool:
         """After a failed call: whether sending it again may succeed. A refusal naming the
-        call's region (a server that lost its regions in a restart, or outputs that outgrew
-        the room this client made for them) has the region registered afresh, and the
-        outputs' sizes learned afresh (their bytes sent first). A registration refused as
-        if its object were not there (another tenant registered it first, or it was
-        unlinked) has the region take a fresh object."""
+        call's region has it registered afresh (a restarted server) or its output sizes
+        relearned (outgrown); one as if its object were not there gives it a fresh object."""
         details = error.details() or ""
         arena = plan.arena
         ours = repr(arena.name) in details

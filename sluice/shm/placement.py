@@ -247,11 +247,9 @@ def triton_writes(
     tensors: Iterable[OutputTensor],
     data: Mapping[str, Buffer],
 ) -> SlotWrites:
-    """A KServe answer's outputs placed in regions (`places`, by name; `data`: each one's
-    bytes), checked as Triton checks them (each one the answer has; each within the bytes
-    its request placed it in); their `tensors` then say where each went and how many bytes
-    it took, as Triton answers (their raw entries are the caller's to empty). The caller
-    makes the rest of its answer, then lands the writes."""
+    """A KServe answer's outputs placed in regions (`places`; `data`: their bytes), checked
+    as Triton checks them, their `tensors` then saying where each went and its size. The
+    caller makes the rest of its answer (emptying their raw entries), then lands the writes."""
     writes = SlotWrites(places, data, _too_small, _lacking)
     for tensor in tensors:
         placed = places.get(tensor.name)

@@ -173,11 +173,9 @@ class Regions:
         copy: bool = False,
         max_copy_bytes: int = MAX_COPY_BYTES,
     ) -> None:
-        """`require_tmpfs`: refuse objects not on a tmpfs; by default only for SHM_ROOT, as a
-        test's root is a plain directory (on a host whose /dev/shm is a directory on the root
-        filesystem, a hard link there could reach any file the server may write). `copy`:
-        map no object, copy each view in and out (no caller can make the server fault), the
-        copies of the calls in flight within `max_copy_bytes` together."""
+        """`require_tmpfs`: refuse objects not on a tmpfs (default: only for SHM_ROOT; a hard
+        link in a plain-directory /dev/shm could reach any file). `copy`: map nothing, copy
+        views in and out, within `max_copy_bytes` for the calls in flight."""
         self.max_regions = max_regions
         self.max_bytes = max_bytes
         self.root = Path(root)
@@ -424,11 +422,9 @@ class Regions:
         self._copying = total
 
     def _copied(self, lease: Lease, region: _Region, at: int, size: int, write: bool) -> memoryview:
-        """A copy mode view of `size` bytes from `at` in `region`'s object (counted by
-        `_reserve`) in a buffer (a pooled one if idle): an input's read into it outside the
-        lock, an output's zeros (it is written back only as far as the call marks it). Only
-        the _Copy made here refers to the buffer: the pool takes it back only while that is
-        so."""
+        """A copy mode view of `size` bytes from `at` (counted by `_reserve`) in a buffer, pooled
+        if one is idle: an input's read outside the lock, an output's zeroed. Only its _Copy
+        refers to the buffer, so the pool can tell when a view outlived the call."""
         with self._lock:
             buffer = self._take(size)
         if buffer is None:

@@ -11,11 +11,9 @@ Buffer = bytes | memoryview  # flat bytes
 
 
 class Memory(Protocol):
-    """Byte views of registered shared memory regions (the server's: a call's
-    sluice.shm.registry.Lease; a client's: its own regions). Each raises a SluiceError (or a
-    TensorError) for a region it does not know or a range outside it. `wrote` is told how
-    many bytes the writer put at the start of an output view (a copying lease writes back
-    those only)."""
+    """Byte views of registered regions (a server's Lease, a client's arena); each refuses a
+    region it does not know or a range outside it. `wrote`: how many bytes the writer put at
+    an output view's start (all a copying lease writes back)."""
 
     def input(self, region: str, offset: int, byte_size: int) -> memoryview: ...
 
@@ -42,12 +40,9 @@ class OutputSlot(NamedTuple):
 
 
 class SlotWrites:
-    """The one writer of outputs placed in shared memory, for both faces, in the server and
-    the balancer: every placed output checked first (one the answer has, `missing` if not;
-    within its view, `too_small` if not: each face's refusal), then, once the caller has
-    made the rest of its answer, each written into its view, once (`land`), and marked on
-    its memory (a copying lease writes back those bytes only). A refused answer writes
-    nothing. `data`: each output's bytes, by name."""
+    """The one writer of outputs placed in shared memory, both faces, server and balancer:
+    every output checked first (`missing`, `too_small`: each face's refusal), then, once the
+    rest of the answer is made, each written once (`land`) and marked on its memory."""
 
     def __init__(
         self,
