@@ -443,10 +443,10 @@ async def test_an_output_that_cannot_be_written_back_is_the_calls_answer(
     """Copied (tenants), an output whose write-back fails answers INTERNAL with why, on a
     unary call and on a stream, and the call is counted so."""
 
-    def failing(copy: shm._Copy) -> SluiceError:
+    def failing(copy: shm.Copy) -> SluiceError:
         return SluiceError("shared memory region 'out': could not be written: No space")
 
-    monkeypatch.setattr(shm, "_written", failing)
+    monkeypatch.setattr(shm, "write_back", failing)
     async with rig(tmp_path, copy=True) as r:
         await register(r.v1, "in", r.object("in", X.tobytes()), X.nbytes)
         await register(r.v1, "out", r.object("out", b"\xee" * X.nbytes), X.nbytes)

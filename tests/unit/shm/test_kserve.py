@@ -309,10 +309,10 @@ def test_an_answer_refused_writes_none_of_its_outputs(
 async def test_a_write_back_that_fails_fails_the_call_and_masks_no_error(
     plane: Dataplane, shm: Callable[[int], Shm], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def failing(copy: shm_core._Copy) -> SluiceError:
+    def failing(copy: shm_core.Copy) -> SluiceError:
         return SluiceError("shared memory region 'out': could not be written: No space")
 
-    monkeypatch.setattr(shm_core, "_written", failing)
+    monkeypatch.setattr(shm_core, "write_back", failing)
     regions = Regions(copy=True)
     inputs, outputs = shm(X.nbytes), shm(4096)
     inputs.array(np.float32, X.shape)[:] = X

@@ -41,7 +41,7 @@ from sluice.shm.registry import SHM_ROOT, RegionInfo, Regions
 PAGE = mmap.ALLOCATIONGRANULARITY
 
 pytestmark = pytest.mark.skipif(
-    not SHM_ROOT.is_dir() or os.stat(SHM_ROOT).st_dev not in shm._tmpfs_devices(),
+    not SHM_ROOT.is_dir() or os.stat(SHM_ROOT).st_dev not in shm.tmpfs_devices(),
     reason="no tmpfs at /dev/shm",
 )
 
@@ -236,7 +236,7 @@ def test_a_directory_or_fifo_is_refused(root: Path, regions: Regions) -> None:
 
 def test_a_hard_link_to_a_file_off_tmpfs_is_refused(tmp_path: Path, copy: bool) -> None:
     """Where /dev/shm is a plain directory on a disk, a hard link there reaches any file."""
-    if os.stat(tmp_path).st_dev in shm._tmpfs_devices():
+    if os.stat(tmp_path).st_dev in shm.tmpfs_devices():
         pytest.skip("the temporary directory is on a tmpfs")
     root = tmp_path / "root"
     root.mkdir()
@@ -614,13 +614,13 @@ def test_a_lease_released_during_a_copy_gives_no_view(
 ) -> None:
     regions.register("", "x", make(root, 64), 0, 64)
     lease = regions.lease("")
-    read = shm._read
+    read = shm.read_in
 
-    def released_meanwhile(copy: shm._Copy) -> None:
+    def released_meanwhile(copy: shm.Copy) -> None:
         lease.release()  # as another thread might, while this one reads
         read(copy)
 
-    monkeypatch.setattr(shm, "_read", released_meanwhile)
+    monkeypatch.setattr(shm, "read_in", released_meanwhile)
     assert "after its release" in str(error(lease.input, "x", 0, 64))
     assert regions._pooled == mmap.PAGESIZE  # its buffer back in the pool
     assert regions._copying == 0
