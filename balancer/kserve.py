@@ -3,7 +3,7 @@ Protocol of Triton and MLServer). ModelInfer takes Predict's way (BalancerServic
 with method "ModelInfer": routing by the model it names, affinity, limits, retries and
 trailers alike), carried on the servers' PredictStreams. ModelReady and ModelMetadata ask a
 usable backend that serves the model; the server calls answer for the balancer itself, and so
-do the system shared memory calls (the regions are the balancer's: sluice.balancer.regions).
+do the region calls (sluice.shm.balancer).
 The repository calls are each server's own, not the balancer's: they answer UNIMPLEMENTED."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from sluice.routing.pool import Want
 from sluice.runtime import door
 from sluice.runtime.process import package_version
 from sluice.runtime.status import grpc_code
-from sluice.wire.regions import SYSTEM_SHARED_MEMORY, parse
+from sluice.shm.calls import SYSTEM_SHARED_MEMORY
+from sluice.wire.body import parse
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 MODEL_READY = f"/{SERVICE}/ModelReady"

@@ -15,7 +15,7 @@ import functools
 import logging
 import random
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 from sluice.balancer.discovery import Discovery
 from sluice.balancer.kserve import SERVICE as KSERVE
@@ -24,14 +24,13 @@ from sluice.balancer.membership import Membership, upstreams
 from sluice.balancer.metrics import RoutingCollector
 from sluice.balancer.service import SERVICE, BalancerService
 from sluice.balancer.settings import BalancerSettings
-from sluice.core.shm import Regions
 from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Pool
 from sluice.runtime import door, program
 from sluice.runtime.health import Readiness
-from sluice.runtime.regions import regions_of, sweep
 from sluice.runtime.supervise import SLOT_ENV
 from sluice.runtime.workers import Workers
+from sluice.shm.setup import closers, regions_of, sweeps
 
 log = logging.getLogger("sluice.balancer")
 WORKER_ENV = "SLUICE_BALANCER_WORKER"  # set in the extra worker processes
@@ -94,21 +93,12 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
             background=[
                 functools.partial(discovery.watch, settings.refresh_s, membership.apply, known),
                 membership.tick,
-                *([functools.partial(sweep, regions, log)] if regions is not None else []),
+                *sweeps(regions, log),
             ],
-            closing=[membership.close, *([_closer(regions)] if regions is not None else [])],
+            closing=[membership.close, *closers(regions)],
         ),
         argv,
     )
-
-
-def _closer(regions: Regions) -> Callable[[], Awaitable[None]]:
-    """The regions let go once no call is left."""
-
-    async def close() -> None:
-        regions.close()
-
-    return close
 
 
 def banner(node_id: str, backends: int) -> str:

@@ -5,9 +5,8 @@ backend the pool chooses among those that serve the model. The attempt loop (ret
 retry budget and the caller's deadline, what counts against a backend) is the shared call
 planner, sluice.routing.planner, called from one place (`_call`); tracing hangs on it as
 observers (sluice.runtime.spans). KServe v2 ModelInfer bodies take the same way
-(`forward(..., method=INFER)`; the facade is sluice.balancer.kserve). A body that names shared
-memory regions its caller registered here goes with their bytes in it, and its answer's
-outputs are written into them (sluice.balancer.regions)."""
+(`forward(..., method=INFER)`; the facade is sluice.balancer.kserve). A body whose tensors
+lie in its caller's regions is relayed by sluice.shm.balancer."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from sluice.balancer import fanout
-from sluice.balancer.regions import Placing, SharedMemory
 from sluice.balancer.upstream import Upstream
 from sluice.core.calls import check_request_id, stream_timeout
 from sluice.core.errors import (
@@ -40,7 +38,6 @@ from sluice.core.keys import (
     affinity_key,
 )
 from sluice.core.limits import too_large
-from sluice.core.shm import Regions
 from sluice.core.stats import ServingStats, health_fields
 from sluice.core.tenants import HEADER, Account, Tenants, tenant_name
 from sluice.core.versions import version_key
@@ -50,6 +47,8 @@ from sluice.routing.planner import Observer, Planner, rule_of
 from sluice.routing.pool import Backend, Pool, Want
 from sluice.runtime import door, spans, tracing
 from sluice.runtime.status import grpc_code
+from sluice.shm.balancer import Relay, SharedMemory
+from sluice.shm.registry import Regions
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import facts, peek, stream
 from sluice.wire.mux import Reply, StreamBroken
@@ -315,7 +314,7 @@ class BalancerService:
         stream: bool,
         method: str,
         sized: Sized | None,
-        placing: Placing | None = None,
+        placing: Relay | None = None,
     ) -> Reply:
         """`forward` past the door and the regions (`placing`: the call's, whose outputs
         are written from the answer returned, once, whatever the attempts)."""
@@ -615,7 +614,7 @@ def hedged(stats: pb.BalancerStats, hedging: Hedging) -> None:
     stats.hedge_after_ms = (hedging.delay() or 0.0) * 1000
 
 
-def _answered(placing: Placing, reply: Reply) -> Reply:
+def _answered(placing: Relay, reply: Reply) -> Reply:
     """The caller's answer to a call that placed outputs in its regions, written there, and
     its regions let go: a failure in either is the call's answer (counted as it is sent),
     never an exception past the call, nor in place of the server's own failure."""

@@ -9,8 +9,8 @@ from sluice.routing.breaker import BreakerSettings
 from sluice.routing.hedge import HedgeSettings
 from sluice.routing.pool import OutlierSettings
 from sluice.runtime import config
-from sluice.runtime.regions import ONE_PROCESS
 from sluice.runtime.settings import ProgramSettings
+from sluice.shm.setup import ONE_PROCESS
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ I/O it needs (`Send`, `Unary`, `Explain`) and reads what comes back into a Predi
 exception; the drivers (sluice.client.aio, sluice.client.blocking) only perform the steps.
 Tensors travel as raw little-endian bytes, plain values in the datatypes the model's metadata
 declares. Several targets are servers balanced with the balancer's planner, hedging included;
-with `shared_memory`, tensors travel in regions (sluice.client.shm). Failures raise
+with `shared_memory`, tensors travel in regions (sluice.shm.client). Failures raise
 grpc.RpcError, with sluice.client.diagnose's hint where grpc's words leave out what to fix.
 """
 
@@ -24,7 +24,6 @@ import numpy as np
 import numpy.typing as npt
 
 from sluice.client import diagnose
-from sluice.client.shm import Arena, Plan, SharedMemory, check_target, registration_error
 from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, PREDICT, affinity_key
 from sluice.core.tenants import authorization
 from sluice.routing.breaker import BreakerSettings
@@ -35,6 +34,7 @@ from sluice.routing.pool import Pool
 from sluice.runtime import tracing
 from sluice.runtime.status import grpc_code
 from sluice.runtime.tls import ClientTLS
+from sluice.shm.client import Arena, Layout, SharedMemory, check_target, registration_error
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec, unary
@@ -299,7 +299,7 @@ def prediction(reply: Reply) -> Prediction:
     )
 
 
-def shared_prediction(memory: SharedMemory, plan: Plan, reply: Reply) -> Prediction:
+def shared_prediction(memory: SharedMemory, plan: Layout, reply: Reply) -> Prediction:
     """`prediction` of a shared memory call: the outputs in its region copied out."""
     if reply.code:
         raise rpc_error(reply)
@@ -448,7 +448,7 @@ class Core:
     def _shared(
         self,
         memory: SharedMemory,
-        planned: Callable[[], contextlib.AbstractContextManager[Plan]],
+        planned: Callable[[], contextlib.AbstractContextManager[Layout]],
         metadata: Metadata,
         deadline: Deadline,
     ) -> Steps[Prediction]:
@@ -463,7 +463,7 @@ class Core:
             return (yield from self._shared_send(memory, plan, metadata, deadline))
 
     def _shared_send(
-        self, memory: SharedMemory, plan: Plan, metadata: Metadata, deadline: Deadline
+        self, memory: SharedMemory, plan: Layout, metadata: Metadata, deadline: Deadline
     ) -> Steps[Prediction]:
         if plan.fresh:
             yield from self._register(plan.arena, deadline)

@@ -8,7 +8,7 @@ with the server's session options, and answers with the model's outputs. Nothing
 checks, no cache, no routing, no metrics.
 
 With --shared-memory as well it is the floor of a served model reading shared memory: it
-takes sluice.v1's region calls (sluice.wire.regions over a sluice.core.shm registry, mapped,
+takes sluice.v1's region calls (sluice.shm.calls over a sluice.shm.registry registry, mapped,
 one caller), and a Predict that names regions is read and answered by the functions the
 server's own path uses: its inputs views of the caller's region through the call's lease,
 the outputs output_memory names written into theirs and answered by reference. A refusal
@@ -33,13 +33,15 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from sluice.core.errors import InvalidInput, SluiceError
-from sluice.core.shm import Regions
 from sluice.runtime.listener import MAX_PENDING_CALLS
 from sluice.runtime.process import event_loop
 from sluice.runtime.status import status_of
+from sluice.shm import placement
+from sluice.shm.calls import V1_CALLS, RegionCalls, unserved
+from sluice.shm.registry import Regions
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec, facts
-from sluice.wire.regions import V1_CALLS, RegionCalls, parse, predict_tensors, unserved
+from sluice.wire.body import parse
 
 log = logging.getLogger("sluice.echo")
 
@@ -93,7 +95,7 @@ def model_floor(
     def shared(body: bytes, regions: Regions) -> bytes:
         request = parse(pb.PredictRequest, body)
         with regions.lease("") as lease:
-            inputs, memory = predict_tensors(request, lease, NO_SHARED_MEMORY)
+            inputs, memory = placement.predict_tensors(request, lease, NO_SHARED_MEMORY)
             array = next(iter(inputs.values()))  # the first input, a view of its region
             outputs = session.run(None, {first.name: array})
             try:

@@ -65,8 +65,8 @@ from perf.shm_figures import (
 )
 from perf.tensors_figures import IMAGE, ort_alone, rotated, served_threads
 from sluice import SluiceClient, models
-from sluice.client.shm import signature
 from sluice.perf.sweep import duration
+from sluice.shm.client import signature
 
 
 @dataclass

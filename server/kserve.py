@@ -1,13 +1,8 @@
 """The KServe v2 / Open Inference Protocol over gRPC (`inference.GRPCInferenceService`, the API
 of Triton and MLServer), served beside sluice.v1 so their clients work unchanged: the
 ModelInferRequest wire format as a dataplane protocol, and a thin servicer for the protocol's
-calls. ModelInfer takes Predict's path (validation, cache, batching, status codes).
-
-With --shared-memory, Triton's system shared memory extension: callers on this host register
-POSIX shared memory regions (sluice.core.shm), and an input or requested output names one
-with the parameters shared_memory_region, shared_memory_byte_size and shared_memory_offset.
-An input is then a view of the region's bytes; an output is written into it, its tensor in
-the answer carrying no values (an empty raw entry, as Triton answers)."""
+calls. ModelInfer takes Predict's path (validation, cache, batching, status codes); tensors
+placed by Triton's parameters are read and written by sluice.shm.placement."""
 
 from __future__ import annotations
 
@@ -20,7 +15,6 @@ from google.protobuf.message import DecodeError
 
 from sluice.core.datatypes import DataType
 from sluice.core.errors import InvalidInput, ModelNotFound, Unimplemented
-from sluice.core.shm import Lease
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.runtime.door import ADMIN, OPEN, TENANT
 from sluice.runtime.process import package_version
@@ -31,8 +25,12 @@ from sluice.server.dataplane.plane import Asked, Request
 from sluice.server.dataplane.repository import LoadReport
 from sluice.server.service import Call, InferenceService, Method
 from sluice.server.v1 import NO_SHARED_MEMORY
-from sluice.wire import codec, facts, peek, regions
-from sluice.wire.regions import KSERVE_CALLS, SYSTEM_SHARED_MEMORY, parse
+from sluice.shm import placement
+from sluice.shm.calls import KSERVE_CALLS, SYSTEM_SHARED_MEMORY
+from sluice.shm.registry import Lease
+from sluice.shm.slots import OutputSlot
+from sluice.wire import codec, facts, peek
+from sluice.wire.body import parse
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 INFER = "ModelInfer"  # the method name, also a PredictStream message's `method`
@@ -70,7 +68,7 @@ _NO_VALUES = np.empty(0, np.uint8)  # an output in shared memory: its raw entry,
 
 # By output name, each output's place in a region and the view it is written into (through
 # the call's lease); None: no output in shared memory.
-Placements = Mapping[str, codec.Placed] | None
+OutputSlots = Mapping[str, OutputSlot] | None
 
 
 class KServeV2:
@@ -94,12 +92,12 @@ class KServeV2:
         shared = self.shared_memory and facts.infer_uses_regions(body)
         return Asked(read.model, read.version, read.id_span, shared)
 
-    def decode(self, body: bytes, lease: Lease | None = None) -> Request[Placements]:
+    def decode(self, body: bytes, lease: Lease | None = None) -> Request[OutputSlots]:
         request, raw = read_infer(body)
         model = request.model_name
         # Request-level parameters (Triton's priority, sequence ids, ...) change nothing here.
-        places = regions.triton_inputs(request.inputs, lease, NO_SHARED_MEMORY)
-        regions.check_raw_entries(len(raw), places.count(None))
+        places = placement.triton_inputs(request.inputs, lease, NO_SHARED_MEMORY)
+        placement.check_raw_entries(len(raw), places.count(None))
         inputs: dict[str, np.ndarray] = {}
         at = 0
         for tensor, place in zip(request.inputs, places, strict=True):
@@ -108,29 +106,29 @@ class KServeV2:
             if place is not None:
                 assert lease is not None  # triton_ref refused a region without one
                 # A view of the region's bytes (no copy, unless they are not aligned).
-                view, dt, shape = regions.triton_input(tensor, model, place, lease)
+                view, dt, shape = placement.triton_input(tensor, model, place, lease)
                 where = f"shared memory region '{place.region}' holds"
-                inputs[tensor.name] = _array(regions.input_label(tensor), view, dt, shape, where)
+                inputs[tensor.name] = _array(placement.input_label(tensor), view, dt, shape, where)
             else:
                 inputs[tensor.name] = _decode(tensor, raw[at] if raw else None)
                 at += 1
         outputs = []
-        placements: dict[str, codec.Placed] = {}
+        placements: dict[str, OutputSlot] = {}
         for output in request.outputs:
             outputs.append(output.name)
             if not output.parameters:
                 continue
             if "classification" in output.parameters:
                 raise InvalidInput(
-                    f"{regions.output_label(output)} asks for classification, which Sluice "
+                    f"{placement.output_label(output)} asks for classification, which Sluice "
                     "does not serve; ask for the output itself and take the top classes from it"
                 )
-            placed = regions.triton_output(output, lease, NO_SHARED_MEMORY)
+            placed = placement.triton_output(output, lease, NO_SHARED_MEMORY)
             if placed is not None:
                 placements[output.name] = placed
         return Request(inputs, outputs, placements or None)
 
-    def encode(self, model: Model, request: Request[Placements], outputs: Arrays) -> bytes:
+    def encode(self, model: Model, request: Request[OutputSlots], outputs: Arrays) -> bytes:
         # Always raw, as Triton answers over gRPC: one entry per output, in order; an output
         # written into shared memory has an empty one.
         placements = request.options or {}
@@ -150,7 +148,7 @@ class KServeV2:
                 arrays.append(np.ascontiguousarray(array, dtype=dt.dtype))
         # Every placed output checked before any is written, and written once the answer
         # is made: a refused call writes nothing.
-        writes = regions.triton_writes(placements, tensors, placed) if placements else None
+        writes = placement.triton_writes(placements, tensors, placed) if placements else None
         if sum(a.nbytes for a in arrays) < FRAMED_FROM:
             raw = [a.tobytes() for a in arrays]
             answer = kpb.ModelInferResponse(
@@ -213,12 +211,12 @@ def _decode(
     """One input's array, from its raw bytes (`raw`, when the request uses them) or its
     typed contents. The checks against the model come later (Model.check)."""
     if raw is None:
-        return regions.triton_contents(tensor)
-    label = regions.input_label(tensor)
-    dt = regions.input_datatype(label, tensor)
+        return placement.triton_contents(tensor)
+    label = placement.input_label(tensor)
+    dt = placement.input_datatype(label, tensor)
     shape = tuple(tensor.shape)
-    count = regions.element_count(label, shape)
-    present = regions.contents_filled(tensor)
+    count = placement.element_count(label, shape)
+    present = placement.contents_filled(tensor)
     if present:
         raise InvalidInput(
             f"{label} fills contents.{present[0]} but the request uses "

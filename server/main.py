@@ -16,7 +16,6 @@ if __name__ == "__main__":
         raise SystemExit(str(exc)) from None
 
 import contextlib
-import functools
 import logging
 import sys
 from collections.abc import Sequence
@@ -25,7 +24,6 @@ from pathlib import Path
 from sluice.core.errors import SluiceError
 from sluice.runtime import door, program
 from sluice.runtime.health import Readiness
-from sluice.runtime.regions import ONE_PROCESS, regions_of, sweep
 from sluice.runtime.workers import Workers
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import CUDA, choose_providers
@@ -38,6 +36,7 @@ from sluice.server.metrics import DataplaneCollector
 from sluice.server.modelconfig import read_config
 from sluice.server.service import SERVICE, InferenceService
 from sluice.server.settings import ServerSettings
+from sluice.shm.setup import ONE_PROCESS, closers, regions_of, sweeps
 
 log = logging.getLogger("sluice.server")
 
@@ -96,12 +95,11 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
         if repository is not None:
             await repository.close()  # versions being retired finish unloading
         await plane.close()  # each model: its running batches, then its engine
-        if regions is not None:
-            regions.close()  # no call is left to write into one
+        for closer in closers(regions):  # no call is left to write into one
+            await closer()
 
     background = [repository.run] if repository is not None else []
-    if regions is not None:
-        background.append(functools.partial(sweep, regions, log))
+    background += sweeps(regions, log)
 
     def banner() -> str:
         # Each model's own settings (a config's override the flags' defaults), and the node's

@@ -32,7 +32,6 @@ from sluice.core.keys import (
     RETRY_AFTER_HEADER,
 )
 from sluice.core.limits import too_large
-from sluice.core.shm import Regions
 from sluice.core.stats import ServingStats, health_fields
 from sluice.core.tenants import HEADER, INTERACTIVE, Account, Tenants, tenant_name
 from sluice.runtime import door, spans, tracing
@@ -44,9 +43,11 @@ from sluice.server.dataplane.models import Model
 from sluice.server.dataplane.plane import Dataplane, WireProtocol
 from sluice.server.settings import ServerSettings
 from sluice.server.v1 import SluiceV1, model_info, model_statuses
+from sluice.shm.calls import V1_CALLS, RegionCall, RegionCalls
+from sluice.shm.registry import Regions
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import stream
-from sluice.wire.regions import V1_CALLS, RegionCall, RegionCalls, parse
+from sluice.wire.body import parse
 
 log = logging.getLogger("sluice.service")
 

@@ -1,11 +1,7 @@
 """The sluice.v1 protocol on the dataplane: PredictRequest bytes to a core request, outputs
 to PredictResponse bytes (both read and written by sluice.wire.codec where it can), a model's
-specs to a ModelInfo.
-
-With shared memory on (--shared-memory), a tensor may lie in a region its caller registered
-(Tensor.shared_memory): decoded through the call's lease (sluice.core.shm), a view of the
-region, and the outputs output_memory names are written into theirs (their tensors in the
-answer carry where, not the bytes)."""
+specs to a ModelInfo. Tensors the caller placed (Tensor.shared_memory, output_memory) are
+read and written through the call's lease (sluice.shm)."""
 
 from __future__ import annotations
 
@@ -13,15 +9,18 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from sluice.core.errors import InvalidInput
-from sluice.core.shm import Lease
 from sluice.server.dataplane.batcher import Arrays
 from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Asked, Request
 from sluice.server.settings import ServerSettings
+from sluice.shm import placement
+from sluice.shm.calls import unserved
+from sluice.shm.registry import Lease
+from sluice.shm.slots import OutputSlot
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec, facts, peek
-from sluice.wire.regions import parse, predict_tensors, unserved
+from sluice.wire.body import parse
 
 # Bodies from this size are read straight off the wire (codec.decode_predict): a 602 KB
 # image's parse and raw_data copies cost 1.1 ms a call in fresh memory; below it the full
@@ -36,7 +35,7 @@ class Options(NamedTuple):
     shared memory (their views taken at decode, through the call's lease)."""
 
     typed: bool
-    memory: Mapping[str, codec.Placed]
+    memory: Mapping[str, OutputSlot]
 
 
 class SluiceV1:
@@ -68,7 +67,7 @@ class SluiceV1:
                 inputs, outputs, typed = read
                 return Request(inputs, outputs, Options(typed, {}))
         request = parse(pb.PredictRequest, body)
-        inputs, memory = predict_tensors(request, lease, NO_SHARED_MEMORY)
+        inputs, memory = placement.predict_tensors(request, lease, NO_SHARED_MEMORY)
         return Request(inputs, request.outputs, Options(request.typed_outputs, memory))
 
     def encode(self, model: Model, request: Request[Options], outputs: Arrays) -> bytes:

@@ -5,7 +5,7 @@ back response bytes. Transport-free.
 A cache hit is answered from the body's digest alone: nothing is parsed. The key covers the
 protocol, the model's name and version and the body, so protocols never meet each other's
 answers, nor a new model version an old one's. A request whose tensors lie in shared memory
-regions (sluice.core.shm) is never cached: its answer depends on what the regions hold."""
+regions (sluice.shm) is never cached: its answer depends on what the regions hold."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ import numpy as np
 import xxhash
 
 from sluice.core.errors import DeadlineExpired
-from sluice.core.shm import Lease
 from sluice.runtime import tracing
 from sluice.server.dataplane.batcher import Arrays, Trip
 from sluice.server.dataplane.cache import Entry, LRUCache, SingleFlight
 from sluice.server.dataplane.models import Model, Models
+from sluice.shm.registry import Lease
 
 Opts = TypeVar("Opts")
 T = TypeVar("T")

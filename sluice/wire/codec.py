@@ -8,16 +8,14 @@ converted to the input's declared datatype (`array_of`). Predict's request and r
 bodies are written here by hand (`encode_predict`, `encode_predict_response`): the arrays'
 bytes copied once, each request input aligned for the server to read it in place.
 
-A tensor may instead name bytes in a shared memory region (Tensor.shared_memory): decoded,
-it is a view of the region (a `Memory`: the server's lease, or a client's own regions), and
-the outputs a request places there (output_memory) are written into them once.
+A tensor placed in shared memory (sluice.shm.slots) decodes to a view of a `Memory`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple, Protocol, cast
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +23,8 @@ import numpy.typing as npt
 from sluice.core.datatypes import DATATYPES, DataType
 from sluice.core.datatypes import datatype_of as _datatype_of
 from sluice.core.errors import SluiceError
+from sluice.shm.slots import Memory, OutputSlot, SlotWrites
+from sluice.shm.slots import Ref as Ref
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import facts, peek
 
@@ -38,34 +38,12 @@ class Unshared(TensorError):
     reader was given no `Memory` (a node that takes no shared memory)."""
 
 
-class Memory(Protocol):
-    """Byte views of registered shared memory regions (the server's: a call's
-    sluice.core.shm.Lease; a client's: its own regions). Each raises a SluiceError (or a
-    TensorError) for a region it does not know or a range outside it. `wrote` is told how
-    many bytes the writer put at the start of an output view (a copying lease writes back
-    those only)."""
-
-    def input(self, region: str, offset: int, byte_size: int) -> memoryview: ...
-
-    def output(self, region: str, offset: int, byte_size: int) -> memoryview: ...
-
-    def wrote(self, view: memoryview, nbytes: int) -> None: ...
-
-
-class Ref(NamedTuple):
-    """Bytes in a shared memory region, as a SharedMemoryRef names them."""
-
-    region: str
-    offset: int
-    byte_size: int
-
-
 def ref_of(message: pb.SharedMemoryRef) -> Ref:
     return Ref(message.region, message.offset, message.byte_size)
 
 
 # In the message that refuses an output region too small for its output: a client that
-# sized it from an earlier answer sends that output's bytes instead (sluice.client.shm).
+# sized it from an earlier answer sends that output's bytes instead (sluice.shm.client).
 TOO_SMALL = "too small for"
 
 
@@ -137,12 +115,12 @@ def encode_predict_response(
     version: str,
     outputs: Mapping[str, np.ndarray],
     typed: bool,
-    memory: Mapping[str, Placed] | None = None,
+    memory: Mapping[str, OutputSlot] | None = None,
 ) -> bytes:
     """A PredictResponse's bytes, as protobuf writes them. Raw outputs are written here, the
     arrays' bytes copied once, into the reply (ORT's outputs are views of its own memory;
     through protobuf they were copied three times). Typed outputs go through protobuf. The
-    outputs `memory` places (`placed`) are copied once, into their regions (`Writes`), once
+    outputs `memory` places are copied once, into their regions (`SlotWrites`), once
     the whole answer is made (a refused one writes nothing): their tensors carry a
     SharedMemoryRef, not their bytes."""
     writes = _predict_writes(outputs, memory) if memory else None
@@ -607,82 +585,9 @@ def bytes_of(array: np.ndarray) -> memoryview:
     return np.ascontiguousarray(array, dtype=dt.dtype).reshape(-1).view(np.uint8).data
 
 
-class Placed(NamedTuple):
-    """An output's region, as its request named it, the writable view of it, and the
-    `memory` it is of (told what is written into it)."""
-
-    ref: Ref
-    view: memoryview
-    memory: Memory
-
-
-def placed(memory: Memory | None, refs: Mapping[str, Ref]) -> dict[str, Placed]:
-    """The views an answer's outputs are written into (output_memory), each taken now, so
-    that a region unknown or a range outside it refuses the call before the model runs.
-    Unshared for any without `memory`."""
-    if not refs:
-        return {}
-    if memory is None:
-        names = ", ".join(repr(n) for n in refs)
-        raise Unshared(f"output_memory names shared memory for output {names}")
-    # `memory` refuses two outputs over each other (a lease compares the objects' bytes,
-    # whatever region names reach them).
-    views: dict[str, Placed] = {}
-    # In the regions' order, so that of two outputs over each other the later is named.
-    for name, ref in sorted(refs.items(), key=lambda item: (item[1], item[0])):
-        try:
-            views[name] = Placed(ref, memory.output(*ref), memory)
-        except SluiceError as exc:
-            raise _led(f"output_memory of output {name!r}", exc) from None
-    return {name: views[name] for name in refs}
-
-
-Buffer = bytes | memoryview  # flat bytes
-
-
-class Writes:
-    """The one writer of outputs placed in shared memory, for both faces, in the server and
-    the balancer: every placed output checked first (one the answer has, `missing` if not;
-    within its view, `too_small` if not: each face's refusal), then, once the caller has
-    made the rest of its answer, each written into its view, once (`land`), and marked on
-    its memory (a copying lease writes back those bytes only). A refused answer writes
-    nothing. `data`: each output's bytes, by name."""
-
-    def __init__(
-        self,
-        placed: Mapping[str, Placed],
-        data: Mapping[str, Buffer],
-        too_small: Callable[[str, Placed, int], Exception],
-        missing: Callable[[str], Exception],
-    ) -> None:
-        for name, place in placed.items():
-            if name not in data:
-                raise missing(name)
-            if len(data[name]) > len(place.view):
-                raise too_small(name, place, len(data[name]))
-        self.placed = placed
-        self.data = data
-
-    def size(self, name: str) -> int:
-        """The bytes output `name` takes in its region."""
-        return len(self.data[name])
-
-    def refs(self) -> dict[str, Ref]:
-        """Where each output goes, as an answer names it (byte_size: the bytes it takes)."""
-        return {
-            name: Ref(p.ref.region, p.ref.offset, self.size(name))
-            for name, p in self.placed.items()
-        }
-
-    def land(self) -> None:
-        """Write each output into its view."""
-        for name, place in self.placed.items():
-            data = self.data[name]
-            place.view[: len(data)] = data
-            place.memory.wrote(place.view, len(data))
-
-
-def _predict_writes(outputs: Mapping[str, np.ndarray], memory: Mapping[str, Placed]) -> Writes:
+def _predict_writes(
+    outputs: Mapping[str, np.ndarray], memory: Mapping[str, OutputSlot]
+) -> SlotWrites:
     """sluice.v1's placed outputs (output_memory), checked in its words."""
 
     def missing(name: str) -> TensorError:
@@ -691,7 +596,7 @@ def _predict_writes(outputs: Mapping[str, np.ndarray], memory: Mapping[str, Plac
             f"(it returns {', '.join(repr(o) for o in outputs) or 'nothing'})"
         )
 
-    def too_small(name: str, placed: Placed, needed: int) -> TensorError:
+    def too_small(name: str, placed: OutputSlot, needed: int) -> TensorError:
         array, ref = outputs[name], placed.ref
         return TensorError(
             f"output_memory of output {name!r} ({ref.byte_size} bytes at offset "
@@ -700,4 +605,4 @@ def _predict_writes(outputs: Mapping[str, np.ndarray], memory: Mapping[str, Plac
         )
 
     data = {name: bytes_of(outputs[name]) for name in memory if name in outputs}
-    return Writes(memory, data, too_small, missing)
+    return SlotWrites(memory, data, too_small, missing)

@@ -23,9 +23,9 @@ import pytest
 from perf import make_pool
 from sluice import models
 from sluice.client import SluiceClient
-from sluice.client import shm as client_shm
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
+from sluice.shm import client as client_shm
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import SAMPLES

@@ -19,7 +19,7 @@ import pytest
 
 from perf import make_pool
 from sluice.client import AsyncSluiceClient, SluiceClient
-from sluice.client import shm as client_shm
+from sluice.shm import client as client_shm
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec

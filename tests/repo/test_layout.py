@@ -1,7 +1,7 @@
 """The two programs share one lifecycle and one set of listen settings (sluice.runtime): no
 block of their mains, nor of their settings modules, is written twice, even with other
-names, strings or numbers in it. So does their shared memory (sluice.wire.regions,
-sluice.runtime.regions): no block of the server's modules that take it is written again in
+names, strings or numbers in it. So does their shared memory (sluice.shm.calls,
+sluice.shm.setup): no block of the server's modules that take it is written again in
 the balancer's."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WINDOW = 6  # lines in a row: a block this long, written in both, is a copy
 PAIRS = [("server/main.py", "balancer/main.py"), ("server/settings.py", "balancer/settings.py")]
 PAIRS += [
-    (server, "balancer/regions.py")
+    (server, "sluice/shm/balancer.py")
     for server in ("server/kserve.py", "server/v1.py", "server/service.py", "server/main.py")
 ]
 

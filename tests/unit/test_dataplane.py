@@ -15,13 +15,13 @@ import pytest
 
 from sluice import models
 from sluice.core.errors import DeadlineExpired, InvalidInput, ModelNotFound
-from sluice.core.shm import Lease
 from sluice.server.dataplane.batcher import Arrays, Batcher, Pending
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine, Instance
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Asked, Dataplane, Request
 from sluice.server.v1 import Options, SluiceV1
+from sluice.shm.registry import Lease
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 from tests.conftest import SAMPLES

@@ -18,7 +18,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sluice.client import SluiceClient
-from sluice.client import shm as client_shm
 from sluice.client.diagnose import Audience
 from sluice.core.errors import (
     AlreadyExists,
@@ -29,14 +28,15 @@ from sluice.core.errors import (
     SluiceError,
     Unimplemented,
 )
-from sluice.core.shm import Regions
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.modelsettings import WireType
 from sluice.server.v1 import NO_SHARED_MEMORY, WIRE_READ_FROM, SluiceV1, _specs
+from sluice.shm import client as client_shm
+from sluice.shm.calls import RegionCalls, on_this_host
+from sluice.shm.registry import Regions
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec, facts
-from sluice.wire.regions import RegionCalls, on_this_host
 
 SHARED = SluiceV1(shared_memory=True)
 V1 = SluiceV1()
@@ -421,7 +421,7 @@ def test_a_client_with_shared_memory_refuses_a_target_elsewhere_or_several() -> 
         SluiceClient(["127.0.0.1:1", "127.0.0.1:2"], shared_memory=True)
 
 
-def serve(memory: client_shm.SharedMemory, plan: client_shm.Plan, regions: Regions) -> bytes:
+def serve(memory: client_shm.SharedMemory, plan: client_shm.Layout, regions: Regions) -> bytes:
     """What a server with shared memory on answers to `plan`'s body: y = 2x, and a label."""
     if plan.fresh:
         registration = plan.arena.registration()

@@ -1,14 +1,17 @@
-"""A program's shared memory registry (sluice.core.shm) as its settings ask for it
+"""A program's shared memory registry (sluice.shm.registry) as its settings ask for it
 (--shared-memory and its bounds), and the sweep that lets go of the regions whose objects
 their callers unlinked: the server's and the balancer's alike."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
 
-from sluice.core.shm import Regions
 from sluice.runtime.settings import ProgramSettings
+from sluice.shm.registry import Regions
 
 SWEEP_S = 2.0  # how often regions whose object its caller unlinked are let go
 # Regions live in the process they were registered with.
@@ -39,3 +42,22 @@ async def sweep(regions: Regions, log: logging.Logger, every_s: float = SWEEP_S)
         await asyncio.sleep(every_s)
         for name in regions.sweep():
             log.info("shared memory region %r let go: its object was unlinked", name)
+
+
+Task = Callable[[], Coroutine[Any, Any, None]]
+
+
+def sweeps(regions: Regions | None, log: logging.Logger) -> list[Task]:
+    """A program's background work for `regions`: their sweep (none when off)."""
+    return [] if regions is None else [functools.partial(sweep, regions, log)]
+
+
+def closers(regions: Regions | None) -> list[Task]:
+    """What a program runs once no call is left: `regions` let go (none when off)."""
+    if regions is None:
+        return []
+
+    async def close() -> None:
+        regions.close()
+
+    return [close]

@@ -1,4 +1,4 @@
-"""sluice.core.shm: the shared memory region registry, on real objects in /dev/shm (each test
+"""sluice.shm.registry: the shared memory region registry, on real objects in /dev/shm (each test
 in its own directory there, removed after it), and its leases' views; each test in both modes
 (mapped, and copy: whose views are buffers of the server's own) where it holds in both."""
 
@@ -26,7 +26,6 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from sluice.core import shm
 from sluice.core.errors import (
     AlreadyExists,
     InvalidInput,
@@ -35,13 +34,14 @@ from sluice.core.errors import (
     RegionNotFound,
     SluiceError,
 )
-from sluice.core.shm import SHM_ROOT, RegionInfo, Regions
 from sluice.runtime.status import status_of
+from sluice.shm import registry as shm
+from sluice.shm.registry import SHM_ROOT, RegionInfo, Regions
 
 PAGE = mmap.ALLOCATIONGRANULARITY
 
 pytestmark = pytest.mark.skipif(
-    not SHM_ROOT.is_dir() or os.stat(SHM_ROOT).st_dev not in shm._tmpfs_devices(),
+    not SHM_ROOT.is_dir() or os.stat(SHM_ROOT).st_dev not in shm.tmpfs_devices(),
     reason="no tmpfs at /dev/shm",
 )
 
@@ -236,7 +236,7 @@ def test_a_directory_or_fifo_is_refused(root: Path, regions: Regions) -> None:
 
 def test_a_hard_link_to_a_file_off_tmpfs_is_refused(tmp_path: Path, copy: bool) -> None:
     """Where /dev/shm is a plain directory on a disk, a hard link there reaches any file."""
-    if os.stat(tmp_path).st_dev in shm._tmpfs_devices():
+    if os.stat(tmp_path).st_dev in shm.tmpfs_devices():
         pytest.skip("the temporary directory is on a tmpfs")
     root = tmp_path / "root"
     root.mkdir()
@@ -614,13 +614,13 @@ def test_a_lease_released_during_a_copy_gives_no_view(
 ) -> None:
     regions.register("", "x", make(root, 64), 0, 64)
     lease = regions.lease("")
-    read = shm._read
+    read = shm.read_in
 
-    def released_meanwhile(copy: shm._Copy) -> None:
+    def released_meanwhile(copy: shm.Copy) -> None:
         lease.release()  # as another thread might, while this one reads
         read(copy)
 
-    monkeypatch.setattr(shm, "_read", released_meanwhile)
+    monkeypatch.setattr(shm, "read_in", released_meanwhile)
     assert "after its release" in str(error(lease.input, "x", 0, 64))
     assert regions._pooled == mmap.PAGESIZE  # its buffer back in the pool
     assert regions._copying == 0
@@ -718,7 +718,7 @@ def test_the_bytes_copied_in_flight_are_bounded(root: Path) -> None:
         assert str(err) == (
             "quota: shared memory region 'x': a copy of 1 bytes would bring the bytes the "
             f"calls in flight copy to {2 * PAGE + 1}, over the most allowed ({2 * PAGE}, "
-            "sluice.core.shm.MAX_COPY_BYTES); retry when calls end, or place smaller ranges"
+            "sluice.shm.registry.MAX_COPY_BYTES); retry when calls end, or place smaller ranges"
         )
         assert isinstance(error(second.input, "x", 0, 1), QuotaExceeded)
         first.release()
@@ -953,7 +953,7 @@ TRUNCATED = """
 import sys
 from pathlib import Path
 from sluice.core.errors import InvalidInput
-from sluice.core.shm import Regions
+from sluice.shm.registry import Regions
 
 root, key, mode, page = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 regions = Regions(root=root, require_tmpfs=True, copy=mode == "copy")
@@ -1027,7 +1027,7 @@ UNWRITABLE = """
 import resource, signal, sys
 from pathlib import Path
 from sluice.core.errors import SluiceError
-from sluice.core.shm import Regions
+from sluice.shm.registry import Regions
 
 root, key, page = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 regions = Regions(root=root, require_tmpfs=True, copy=True)

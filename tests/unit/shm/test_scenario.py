@@ -21,9 +21,9 @@ import pytest
 from perf import echo_server
 from perf import shm_figures as shm
 from sluice import AsyncSluiceClient, models
-from sluice.client.shm import signature
 from sluice.core.errors import InvalidInput
-from sluice.core.shm import Regions
+from sluice.shm.client import signature
+from sluice.shm.registry import Regions
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec

@@ -20,20 +20,22 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from sluice.balancer.settings import BalancerSettings
 from sluice.core.errors import InvalidInput, SluiceError
-from sluice.core.shm import Lease, Regions
 from sluice.core.tenants import Account, tenant_name
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.runtime import door
 from sluice.runtime.status import status_of
+from sluice.shm import placement
+from sluice.shm.calls import KSERVE_CALLS, V1_CALLS, RegionCall, RegionCalls, unserved
+from sluice.shm.registry import Lease, Regions
+from sluice.shm.slots import OutputSlot
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import codec, facts, peek, regions
-from sluice.wire.regions import KSERVE_CALLS, V1_CALLS, RegionCall, RegionCalls, unserved
+from sluice.wire import codec, facts, peek
 
 # After what names a region in a body (INVALID_ARGUMENT), the servers' words naming this
 # program.
-NO_SHARED_MEMORY = unserved(BalancerSettings.PROG)
+PROGRAM = "sluice-balancer"  # BalancerSettings.PROG: the program this part plugs into
+NO_SHARED_MEMORY = unserved(PROGRAM)
 _RAW_INPUT = peek.tag(facts.INFER_RAW_INPUTS)
 # Appended to a written PredictRequest: protobuf merges a message's fields in order.
 _TYPED_OUTPUTS = pb.PredictRequest(typed_outputs=True).SerializeToString()
@@ -45,12 +47,12 @@ Gate = Callable[[Context, str], Awaitable[tuple[Account | None, dict[str, str]]]
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
 
 
-class Placing(ABC):
+class Relay(ABC):
     """One call whose body names regions: `body`, the one forwarded (the regions' bytes in
     it), and `answer`, which writes the answer's placed outputs into their regions and
     gives the caller's answer. Its lease holds the regions until `release`."""
 
-    def __init__(self, body: bytes, lease: Lease, places: dict[str, codec.Placed]) -> None:
+    def __init__(self, body: bytes, lease: Lease, places: dict[str, OutputSlot]) -> None:
         self.body = body
         self.lease = lease
         self.places = places  # the outputs to write, by name
@@ -76,9 +78,9 @@ def _answered(kind: type[M], body: bytes) -> M:
         ) from None
 
 
-class _Predict(Placing):
+class _Predict(Relay):
     def __init__(
-        self, body: bytes, lease: Lease, places: dict[str, codec.Placed], typed: bool
+        self, body: bytes, lease: Lease, places: dict[str, OutputSlot], typed: bool
     ) -> None:
         super().__init__(body, lease, places)
         self.typed = typed
@@ -97,7 +99,7 @@ class _Predict(Placing):
             raise InvalidInput(str(exc)) from None
 
 
-class _Infer(Placing):
+class _Infer(Relay):
     def answer(self, body: bytes) -> bytes:
         if not self.places:
             return body
@@ -112,7 +114,7 @@ class _Infer(Placing):
         at = {t.name: i for i, t in enumerate(response.outputs)}
         # The server's writer: as a server with the regions would answer.
         data = {name: raw[at[name]] for name in self.places if name in at}
-        writes = regions.triton_writes(self.places, response.outputs, data)
+        writes = placement.triton_writes(self.places, response.outputs, data)
         for name in self.places:
             raw[at[name]] = b""
         answer = response.SerializeToString()
@@ -127,7 +129,7 @@ class SharedMemory:
 
     def __init__(self, regions: Regions | None, gate: Gate) -> None:
         self.regions = regions
-        self.calls = RegionCalls(regions, BalancerSettings.PROG)
+        self.calls = RegionCalls(regions, PROGRAM)
         self.gate = gate
 
     # The region calls.
@@ -164,7 +166,7 @@ class SharedMemory:
 
     # The calls that name regions.
 
-    def prepare(self, body: bytes, kind: facts.Kind, tenant: str) -> Placing | None:
+    def prepare(self, body: bytes, kind: facts.Kind, tenant: str) -> Relay | None:
         """The call `body` (a `kind` request of `tenant`'s) makes of its caller's regions;
         None when it names none (it goes as it came). SluiceError (its status) when it may
         not: shared memory off, a region unknown to the tenant, a range outside it, a size
@@ -180,7 +182,7 @@ class SharedMemory:
                 if request.output_memory or any(
                     t.HasField("shared_memory") for t in request.inputs
                 ):
-                    return self._placing(_predict, request, tenant)
+                    return self._relay(_predict, request, tenant)
                 return None
             if not facts.infer_uses_regions(body):
                 return None
@@ -188,13 +190,11 @@ class SharedMemory:
         except DecodeError:
             return None
         named = [t.parameters for t in infer.inputs] + [t.parameters for t in infer.outputs]
-        if any(regions.REGION in p for p in named):
-            return self._placing(_infer, infer, tenant)
+        if any(placement.REGION in p for p in named):
+            return self._relay(_infer, infer, tenant)
         return None
 
-    def _placing(
-        self, place: Callable[[R, Lease | None], Placing], request: R, tenant: str
-    ) -> Placing:
+    def _relay(self, place: Callable[[R, Lease | None], Relay], request: R, tenant: str) -> Relay:
         """`place` the request with a lease on `tenant`'s regions (none when off: refused),
         let go if it is refused."""
         lease = None if self.regions is None else self.regions.lease(tenant)
@@ -206,9 +206,9 @@ class SharedMemory:
             raise
 
 
-def _predict(request: pb.PredictRequest, lease: Lease | None) -> Placing:
+def _predict(request: pb.PredictRequest, lease: Lease | None) -> Relay:
     # A view of the region per input in it: written into the body once.
-    inputs, places = regions.predict_tensors(request, lease, NO_SHARED_MEMORY)
+    inputs, places = placement.predict_tensors(request, lease, NO_SHARED_MEMORY)
     assert lease is not None  # without one a region is refused
     body = codec.encode_predict(inputs, request.outputs, request.model, request.version)
     if request.typed_outputs:
@@ -216,7 +216,7 @@ def _predict(request: pb.PredictRequest, lease: Lease | None) -> Placing:
     return _Predict(body, lease, places, request.typed_outputs)
 
 
-def _infer(request: kpb.ModelInferRequest, lease: Lease | None) -> Placing:
+def _infer(request: kpb.ModelInferRequest, lease: Lease | None) -> Relay:
     body, places = _infer_body(request, lease)
     assert lease is not None  # without one a region is refused
     return _Infer(body, lease, places)
@@ -224,14 +224,14 @@ def _infer(request: kpb.ModelInferRequest, lease: Lease | None) -> Placing:
 
 def _infer_body(
     request: kpb.ModelInferRequest, lease: Lease | None
-) -> tuple[bytes, dict[str, codec.Placed]]:
+) -> tuple[bytes, dict[str, OutputSlot]]:
     """A ModelInferRequest's body with its inputs' region bytes as raw_input_contents
     (protobuf writes the rest; the entries, its last field, are framed here so that each is
     copied once, into the body), and the views its outputs are to be written into. No
     `lease`: shared memory is off, and a region named is refused."""
-    refs = regions.triton_inputs(request.inputs, lease, NO_SHARED_MEMORY)
+    refs = placement.triton_inputs(request.inputs, lease, NO_SHARED_MEMORY)
     given = list(request.raw_input_contents)
-    regions.check_raw_entries(len(given), refs.count(None))
+    placement.check_raw_entries(len(given), refs.count(None))
     entries: list[bytes | memoryview] = []
     rest = iter(given)
     for tensor, ref in zip(request.inputs, refs, strict=True):
@@ -239,16 +239,16 @@ def _infer_body(
             if given:
                 entries.append(next(rest))
             else:  # its values typed: raw too now, as the regions' bytes go
-                entries.append(codec.bytes_of(regions.triton_contents(tensor)))
+                entries.append(codec.bytes_of(placement.triton_contents(tensor)))
                 tensor.ClearField("contents")
             continue
         assert lease is not None  # triton_ref refused a region without one
         # The region's bytes, copied once: into the body.
-        entries.append(regions.triton_input(tensor, request.model_name, ref, lease)[0])
+        entries.append(placement.triton_input(tensor, request.model_name, ref, lease)[0])
         _unplaced(tensor.parameters)
-    places: dict[str, codec.Placed] = {}
+    places: dict[str, OutputSlot] = {}
     for output in request.outputs:
-        placed = regions.triton_output(output, lease, NO_SHARED_MEMORY)
+        placed = placement.triton_output(output, lease, NO_SHARED_MEMORY)
         if placed is not None:
             _unplaced(output.parameters)
             places[output.name] = placed
@@ -261,5 +261,5 @@ def _infer_body(
 
 def _unplaced(parameters: MutableMapping[str, kpb.InferParameter]) -> None:
     """A tensor's placement taken off it: the server gets (or answers) its bytes instead."""
-    for key in (regions.REGION, regions.OFFSET, regions.BYTE_SIZE):
+    for key in (placement.REGION, placement.OFFSET, placement.BYTE_SIZE):
         parameters.pop(key, None)

@@ -22,14 +22,11 @@ import onnxruntime as ort
 import pytest
 
 from sluice import models
-from sluice.core import shm as shm_core
 from sluice.core.errors import InvalidInput, SluiceError
-from sluice.core.shm import SHM_ROOT, Regions
 from sluice.core.tenants import digest
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.kserve.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
 from sluice.runtime import door
-from sluice.runtime.regions import ONE_PROCESS, regions_of
 from sluice.server.dataplane.batcher import Batcher
 from sluice.server.dataplane.cache import LRUCache
 from sluice.server.dataplane.engine import Engine
@@ -39,10 +36,13 @@ from sluice.server.kserve import KServeService, KServeV2
 from sluice.server.main import serve
 from sluice.server.service import InferenceService
 from sluice.server.settings import ServerSettings
+from sluice.shm import registry as shm_core
+from sluice.shm.calls import SYSTEM_SHARED_MEMORY
+from sluice.shm.registry import SHM_ROOT, Regions
+from sluice.shm.setup import ONE_PROCESS, regions_of
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec
-from sluice.wire.regions import SYSTEM_SHARED_MEMORY
 from tests.conftest import SAMPLES
 from tests.unit.test_dataplane import Gated
 
@@ -309,10 +309,10 @@ def test_an_answer_refused_writes_none_of_its_outputs(
 async def test_a_write_back_that_fails_fails_the_call_and_masks_no_error(
     plane: Dataplane, shm: Callable[[int], Shm], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def failing(copy: shm_core._Copy) -> SluiceError:
+    def failing(copy: shm_core.Copy) -> SluiceError:
         return SluiceError("shared memory region 'out': could not be written: No space")
 
-    monkeypatch.setattr(shm_core, "_written", failing)
+    monkeypatch.setattr(shm_core, "write_back", failing)
     regions = Regions(copy=True)
     inputs, outputs = shm(X.nbytes), shm(4096)
     inputs.array(np.float32, X.shape)[:] = X

@@ -1,4 +1,4 @@
-"""Shared memory through the balancer (sluice.balancer.regions): regions registered with the
+"""Shared memory through the balancer (sluice.shm.balancer): regions registered with the
 balancer on both faces, per tenant, never reaching a server; bodies naming them forwarded
 with the region bytes in them (the content's affinity key), outputs written back into the
 caller's regions once, from the answer returned; leases released however a call ends;
@@ -20,21 +20,21 @@ import grpc
 import numpy as np
 import pytest
 
-from sluice.balancer import regions as balancer_regions
 from sluice.balancer.kserve import SERVICE as KSERVE
 from sluice.balancer.kserve import KServeFacade
-from sluice.balancer.regions import NO_SHARED_MEMORY
 from sluice.balancer.service import INFER, SERVICE, BalancerService
 from sluice.balancer.settings import BalancerSettings
-from sluice.core import shm
 from sluice.core.errors import Code, SluiceError
-from sluice.core.shm import Regions
 from sluice.core.tenants import Tenants, authorization, digest, parse, tenant_name
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from sluice.routing.budget import RetryBudget
 from sluice.routing.pool import Pool
-from sluice.runtime.regions import sweep
+from sluice.shm import balancer as balancer_regions
+from sluice.shm import registry as shm
+from sluice.shm.balancer import NO_SHARED_MEMORY
+from sluice.shm.registry import Regions
+from sluice.shm.setup import sweep
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec, facts
@@ -443,10 +443,10 @@ async def test_an_output_that_cannot_be_written_back_is_the_calls_answer(
     """Copied (tenants), an output whose write-back fails answers INTERNAL with why, on a
     unary call and on a stream, and the call is counted so."""
 
-    def failing(copy: shm._Copy) -> SluiceError:
+    def failing(copy: shm.Copy) -> SluiceError:
         return SluiceError("shared memory region 'out': could not be written: No space")
 
-    monkeypatch.setattr(shm, "_written", failing)
+    monkeypatch.setattr(shm, "write_back", failing)
     async with rig(tmp_path, copy=True) as r:
         await register(r.v1, "in", r.object("in", X.tobytes()), X.nbytes)
         await register(r.v1, "out", r.object("out", b"\xee" * X.nbytes), X.nbytes)

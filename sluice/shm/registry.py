@@ -1,40 +1,29 @@
 """The shared memory regions callers on this host register (Triton's system shared memory
-extension, and the sluice.v1 API's): a POSIX shared memory object the caller wrote a tensor
-into, mapped once here, from which calls read inputs and into which they write outputs in
-place. Transport-free: the gRPC faces turn requests into these calls, and these errors into
-statuses.
+extension, and sluice.v1's): a POSIX shm object the caller wrote a tensor into, mapped once,
+from which calls read inputs and into which they write outputs in place. Transport-free.
 
-A caller that truncates its object while a call reads or writes the mapping would have the
-server take SIGBUS and die (the size check before each view narrows that window, it cannot
-close it: POSIX shm objects cannot be sealed). Where callers are not all trusted (tenants),
-`Regions(copy=True)` maps nothing: a view is a buffer of this process's own, an input's read
-from the object with preadv (a short read refuses the call), an output's written back with
-pwrite when the lease is released, and only the bytes the call's writer marked (`wrote`), only
-when the call succeeded (past a truncated end it just extends the caller's object). The bytes
-the calls in flight hold in copies are bounded (`max_copy_bytes`).
+A caller that truncates its object under a call would have the server take SIGBUS (POSIX
+shm cannot be sealed): where callers are not all trusted (tenants), `Regions(copy=True)`
+maps nothing, and a view is a buffer of this process's own, read with preadv and written
+back with pwrite on release, only the bytes marked (`wrote`) of a call that succeeded,
+within `max_copy_bytes` in flight.
 
-Each tenant has its own name space ("" when tenants are off: one for everyone): a name
-another tenant registered is, to a caller, one nobody registered. A call takes a `Lease`
-and reads and writes through it; a region unregistered under a running call loses its name
-at once, its mapping only when the last lease on it is released."""
+Each tenant has its own name space ("" with tenants off). A call reads and writes through a
+`Lease`; a region unregistered under it loses its name at once, its mapping when the last
+lease goes."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import itertools
 import mmap
 import os
-import re
 import stat
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import NamedTuple
-
-import numpy as np
 
 from sluice.core.errors import (
     AlreadyExists,
@@ -45,12 +34,13 @@ from sluice.core.errors import (
     RegionNotFound,
     SluiceError,
 )
+from sluice.shm.copies import Copy, read_in, rounded, truncated, write_back, zero
+from sluice.shm.objects import MAX_NAME as MAX_NAME
+from sluice.shm.objects import SHM_ROOT as SHM_ROOT
+from sluice.shm.objects import Region, check_key, check_name, quoted
+from sluice.shm.objects import RegionInfo as RegionInfo
+from sluice.shm.objects import tmpfs_devices as tmpfs_devices
 
-SHM_ROOT = Path("/dev/shm")  # where POSIX shm objects live on Linux; Regions(root=...) for tests
-MAX_NAME = 256
-_KEY = re.compile(r"/[A-Za-z0-9._-]{1,250}")
-_KEY_RULE = "'/' then 1-250 of A-Z a-z 0-9 . _ - (not '/.' or '/..', no other '/')"
-_MOUNTS = Path("/proc/self/mountinfo")
 # Open without following a symlink, without blocking on a FIFO, and kept from children.
 _OPEN = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 # Copy mode's buffers kept for reuse (a steady call faults no fresh pages): per size (a few
@@ -60,61 +50,9 @@ POOL_BYTES = 64 << 20
 # Copy mode's bound on the bytes the calls in flight hold in copies, all tenants together: a
 # region's size is bounded by --shared-memory-bytes, not how many calls copy it at once.
 MAX_COPY_BYTES = 256 << 20
-# References to a buffer held only by its _Copy, as sys.getrefcount counts them (the slot and
+# References to a buffer held only by its Copy, as sys.getrefcount counts them (the slot and
 # the call's argument); one more is a view of it a caller still holds.
 _BARE = 2
-
-
-@dataclass(frozen=True)
-class RegionInfo:
-    """A registered region, as Status reports it."""
-
-    name: str
-    key: str
-    offset: int
-    byte_size: int
-
-
-class _Region:
-    """A registered region: its object's fd (kept, to check its size and links, and in copy
-    mode to read and write it), the mapping from the page at or below its offset (None in
-    copy mode), and the leases using it."""
-
-    __slots__ = ("fd", "gone", "holders", "info", "inode", "map", "start")
-
-    def __init__(self, info: RegionInfo, fd: int, mapped: mmap.mmap | None, start: int) -> None:
-        self.info = info
-        self.fd = fd
-        st = os.fstat(fd)
-        self.inode = st.st_dev, st.st_ino  # the object, whatever name reached it
-        self.map: mmap.mmap | None = mapped
-        self.start = start  # where the region begins in the mapping
-        self.holders = 0  # leases that used it and are not released
-        self.gone = False  # unregistered: closed when the last holder releases
-
-    def close(self) -> None:
-        mapped, self.map = self.map, None
-        if mapped is not None:
-            # Views of it may outlive the call (a caller's array): it goes with the last.
-            with contextlib.suppress(BufferError):
-                mapped.close()
-        os.close(self.fd)
-
-
-class _Copy:
-    """A copy mode view's buffer: `size` bytes of `region`'s object from its offset `at`; if
-    `write`, an output's, whose first `wrote` bytes go back there when its lease is released
-    after a call that succeeded."""
-
-    __slots__ = ("at", "buffer", "region", "size", "write", "wrote")
-
-    def __init__(self, region: _Region, at: int, buffer: mmap.mmap, size: int, write: bool) -> None:
-        self.region = region
-        self.at = at
-        self.buffer = buffer  # anonymous memory: page aligned, as ONNX Runtime likes its input
-        self.size = size
-        self.write = write
-        self.wrote = 0  # marked by Lease.wrote: what the call's writer put there
 
 
 class _Claim(NamedTuple):
@@ -125,44 +63,6 @@ class _Claim(NamedTuple):
     end: int
     name: str
     offset: int
-
-
-def _shown(text: str) -> str:
-    """`text` quoted as Triton quotes names; escaped and cut short when a caller sent junk."""
-    if len(text) <= MAX_NAME and text.isprintable():
-        return f"'{text}'"
-    return repr(text[:64]) + ("..." if len(text) > 64 else "")
-
-
-def _tmpfs_devices() -> set[int]:
-    """The st_dev of each tmpfs mounted here (mountinfo's third field is its major:minor)."""
-    devices: set[int] = set()
-    try:
-        text = _MOUNTS.read_text()
-    except OSError:
-        return devices
-    for line in text.splitlines():
-        fields, _, tail = line.partition(" - ")  # mountinfo escapes spaces within a field
-        parts = fields.split()
-        if len(parts) > 2 and tail.split()[:1] == ["tmpfs"]:
-            major, _, minor = parts[2].partition(":")
-            if major.isdigit() and minor.isdigit():
-                devices.add(os.makedev(int(major), int(minor)))
-    return devices
-
-
-def _check_name(name: str) -> None:
-    if not 0 < len(name) <= MAX_NAME or not name.isprintable():
-        raise InvalidInput(
-            f"shared memory region name {_shown(name)} must be 1-{MAX_NAME} printable characters"
-        )
-
-
-def _check_key(key: str) -> None:
-    if not _KEY.fullmatch(key) or key in ("/.", "/.."):
-        raise InvalidInput(
-            f"shared memory key {_shown(key)} must be a POSIX shared memory name: {_KEY_RULE}"
-        )
 
 
 class Regions:
@@ -179,11 +79,9 @@ class Regions:
         copy: bool = False,
         max_copy_bytes: int = MAX_COPY_BYTES,
     ) -> None:
-        """`require_tmpfs`: refuse objects not on a tmpfs; by default only for SHM_ROOT, as a
-        test's root is a plain directory (on a host whose /dev/shm is a directory on the root
-        filesystem, a hard link there could reach any file the server may write). `copy`:
-        map no object, copy each view in and out (no caller can make the server fault), the
-        copies of the calls in flight within `max_copy_bytes` together."""
+        """`require_tmpfs`: refuse objects not on a tmpfs (default: only for SHM_ROOT; a hard
+        link in a plain-directory /dev/shm could reach any file). `copy`: map nothing, copy
+        views in and out, within `max_copy_bytes` for the calls in flight."""
         self.max_regions = max_regions
         self.max_bytes = max_bytes
         self.root = Path(root)
@@ -192,7 +90,7 @@ class Regions:
         self.max_copy_bytes = max_copy_bytes
         self._copying = 0  # the bytes of the copies leases hold now
         self._lock = threading.Lock()  # leases may be released from another thread
-        self._tenants: dict[str, dict[str, _Region]] = {}
+        self._tenants: dict[str, dict[str, Region]] = {}
         self._ids = itertools.count(1)
         # The bytes each lease writes into, by object (whatever region names reach it).
         self._writing: dict[tuple[int, int], dict[int, list[_Claim]]] = {}
@@ -206,8 +104,8 @@ class Regions:
     def register(self, tenant: str, name: str, key: str, offset: int, byte_size: int) -> None:
         """Take `byte_size` bytes at `offset` of the object `key` as `tenant`'s region `name`
         (mapped, unless in copy mode)."""
-        _check_name(name)
-        _check_key(key)
+        check_name(name)
+        check_key(key)
         if offset < 0:
             raise InvalidInput(
                 f"shared memory region '{name}': offset must be 0 or more, got {offset}"
@@ -236,7 +134,7 @@ class Regions:
                 return [held[n].info for n in sorted(held)]
             region = held.get(name)
             if region is None:
-                raise RegionNotFound(f"Unable to find system shared memory region: {_shown(name)}")
+                raise RegionNotFound(f"Unable to find system shared memory region: {quoted(name)}")
             return [region.info]
 
     def unregister(self, tenant: str, name: str = "") -> None:
@@ -254,7 +152,7 @@ class Regions:
         gone); the names swept."""
         with self._lock:
             swept: list[str] = []
-            closing: list[_Region] = []
+            closing: list[Region] = []
             for tenant, held in list(self._tenants.items()):
                 names = [n for n, r in held.items() if os.fstat(r.fd).st_nlink == 0]
                 swept += names
@@ -295,7 +193,7 @@ class Regions:
                 "unregister a region first"
             )
 
-    def _unshared(self, tenant: str, region: _Region) -> None:
+    def _unshared(self, tenant: str, region: Region) -> None:
         """Refuse an object another tenant registered (under the lock): the server may open
         what that tenant's caller made for it alone. Answered as for a missing object, so a
         tenant cannot learn which objects others use."""
@@ -303,7 +201,7 @@ class Regions:
             if other != tenant and any(r.inode == region.inode for r in held.values()):
                 raise InvalidInput(f"Unable to open shared memory region: '{region.info.key}'")
 
-    def _open(self, name: str, key: str, offset: int, byte_size: int) -> _Region:
+    def _open(self, name: str, key: str, offset: int, byte_size: int) -> Region:
         try:
             fd = os.open(os.path.join(self.root, key[1:]), _OPEN)
         except FileNotFoundError:
@@ -327,7 +225,7 @@ class Regions:
                     f"is past the end of '{key}' ({st.st_size} bytes)"
                 )
             if self.copy:
-                return _Region(RegionInfo(name, key, offset, byte_size), fd, None, 0)
+                return Region(RegionInfo(name, key, offset, byte_size), fd, None, 0)
             page = offset - offset % mmap.ALLOCATIONGRANULARITY  # mmap's offset is aligned
             try:
                 mapped = mmap.mmap(
@@ -350,7 +248,7 @@ class Regions:
         except BaseException:
             os.close(fd)
             raise
-        return _Region(RegionInfo(name, key, offset, byte_size), fd, mapped, offset - page)
+        return Region(RegionInfo(name, key, offset, byte_size), fd, mapped, offset - page)
 
     def _check_object(self, key: str, st: os.stat_result) -> None:
         """Refuse what is not a shm object: not a regular file, on another filesystem than
@@ -360,12 +258,12 @@ class Regions:
             why = "not a regular file"
         elif st.st_dev != os.stat(self.root).st_dev:
             why = f"on another filesystem than {self.root}"
-        elif self.require_tmpfs and st.st_dev not in _tmpfs_devices():
+        elif self.require_tmpfs and st.st_dev not in tmpfs_devices():
             why = f"{self.root} is not a tmpfs"
         if why:
             raise InvalidInput(f"shared memory key '{key}' is not shared memory: {why}")
 
-    def _remove(self, tenant: str, names: list[str] | None) -> list[_Region]:
+    def _remove(self, tenant: str, names: list[str] | None) -> list[Region]:
         """Take `names` (None: all) of `tenant`'s regions out of the table (under the lock);
         those no lease holds, to close once the lock is let go."""
         held = self._tenants.get(tenant, {})
@@ -384,7 +282,7 @@ class Regions:
                 raise _after_release()
             region = self._tenants.get(lease.tenant, {}).get(name)
             if region is None:
-                raise InvalidInput(f"Unable to find shared memory region: {_shown(name)}")
+                raise InvalidInput(f"Unable to find shared memory region: {quoted(name)}")
             info = region.info
             if offset < 0 or byte_size < 0 or offset + byte_size > info.byte_size:
                 raise InvalidInput(
@@ -398,7 +296,7 @@ class Regions:
                 # A caller that shrank its object would have us fault (SIGBUS) past its end.
                 size = os.fstat(region.fd).st_size
                 if at + byte_size > size:
-                    raise _truncated(info, size, at + byte_size)
+                    raise truncated(info, size, at + byte_size)
             if write and byte_size:
                 self._claim(region, lease._id, offset, offset + byte_size)
             if all(r is not region for r in lease._held):
@@ -415,7 +313,7 @@ class Regions:
                 return view if write else view.toreadonly()
         return self._copied(lease, region, at, byte_size, write)
 
-    def _reserve(self, lease: Lease, region: _Region, at: int, size: int, write: bool) -> None:
+    def _reserve(self, lease: Lease, region: Region, at: int, size: int, write: bool) -> None:
         """Count a copy of `size` bytes against `max_copy_bytes` (under the lock), or refuse
         it, its claim taken back."""
         total = self._copying + size
@@ -424,22 +322,20 @@ class Regions:
             raise QuotaExceeded(
                 f"quota: shared memory region '{region.info.name}': a copy of {size} bytes "
                 f"would bring the bytes the calls in flight copy to {total}, over the most "
-                f"allowed ({self.max_copy_bytes}, sluice.core.shm.MAX_COPY_BYTES); retry when "
+                f"allowed ({self.max_copy_bytes}, sluice.shm.registry.MAX_COPY_BYTES); retry when "
                 "calls end, or place smaller ranges"
             )
         self._copying = total
 
-    def _copied(self, lease: Lease, region: _Region, at: int, size: int, write: bool) -> memoryview:
-        """A copy mode view of `size` bytes from `at` in `region`'s object (counted by
-        `_reserve`) in a buffer (a pooled one if idle): an input's read into it outside the
-        lock, an output's zeros (it is written back only as far as the call marks it). Only
-        the _Copy made here refers to the buffer: the pool takes it back only while that is
-        so."""
+    def _copied(self, lease: Lease, region: Region, at: int, size: int, write: bool) -> memoryview:
+        """A copy mode view of `size` bytes from `at` (counted by `_reserve`) in a buffer, pooled
+        if one is idle: an input's read outside the lock, an output's zeroed. Only its Copy
+        refers to the buffer, so the pool can tell when a view outlived the call."""
         with self._lock:
             buffer = self._take(size)
         if buffer is None:
             try:
-                buffer = mmap.mmap(-1, _rounded(size))  # zeros, its pages faulted when used
+                buffer = mmap.mmap(-1, rounded(size))  # zeros, its pages faulted when used
             except OSError as exc:
                 with self._lock:
                     self._unclaim(lease, region, at, size, write)
@@ -449,12 +345,12 @@ class Regions:
                     f"copy of {size} bytes ({exc.strerror}); retry later, or place smaller ranges"
                 ) from None
         elif write:  # another call's bytes are not this one's to see
-            _zero(buffer, size)
-        copy = _Copy(region, at, buffer, size, write)
+            zero(buffer, size)
+        copy = Copy(region, at, buffer, size, write)
         del buffer
         try:
             if not write:
-                _read(copy)
+                read_in(copy)
         except SluiceError:
             with self._lock:
                 self._unclaim(lease, region, at, size, write)
@@ -482,7 +378,7 @@ class Regions:
                     return
         raise ValueError("bytes marked written in a view that is not one of this lease's outputs")
 
-    def _unclaim(self, lease: Lease, region: _Region, at: int, size: int, write: bool) -> None:
+    def _unclaim(self, lease: Lease, region: Region, at: int, size: int, write: bool) -> None:
         """Take back the claim of a view refused (under the lock): as in mapped mode, none
         is left behind."""
         claims = self._writing.get(region.inode, {}).get(lease._id) if write else None
@@ -499,7 +395,7 @@ class Regions:
         if not by_lease:
             self._writing.pop(inode, None)
 
-    def _claim(self, region: _Region, lease: int, start: int, end: int) -> None:
+    def _claim(self, region: Region, lease: int, start: int, end: int) -> None:
         """Mark bytes [start, end) of `region` as written by `lease`, unless a lease writes
         into them already, through this region or another of its object: another call
         (RegionBusy), or this one (two outputs over each other would leave the caller one of
@@ -527,7 +423,7 @@ class Regions:
 
     def _take(self, size: int) -> mmap.mmap | None:
         """A pooled buffer for `size` bytes, if one is idle (under the lock)."""
-        length = _rounded(size)
+        length = rounded(size)
         kept = self._pool.get(length)
         if kept is None:
             return None
@@ -537,7 +433,7 @@ class Regions:
         self._pooled -= length
         return buffer
 
-    def _keep(self, copy: _Copy) -> None:
+    def _keep(self, copy: Copy) -> None:
         """Pool `copy`'s buffer (under the lock), unless the pool is full or a view of it
         outlived its call: that one goes when the view does, never to another call."""
         length = len(copy.buffer)
@@ -557,9 +453,9 @@ class Regions:
             copies, lease._copies = lease._copies, []
         # The outputs land before their ranges are free to other calls, and while the lease
         # still holds their regions' fds (an unregistered region's too, as in mapped mode).
-        failed = [_written(c) for c in copies if ok and c.write and c.wrote]
+        failed = [write_back(c) for c in copies if ok and c.write and c.wrote]
         with self._lock:
-            closing: list[_Region] = []
+            closing: list[Region] = []
             for region in lease._held:
                 self._unclaimed(region.inode, lease._id)
                 region.holders -= 1
@@ -579,81 +475,8 @@ class Regions:
             raise (Overloaded if full else SluiceError)("; ".join(map(str, errors)))
 
 
-def _rounded(size: int) -> int:
-    """A buffer's length for `size` bytes: whole pages, so that near sizes share a pool."""
-    return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
-
-
 def _after_release() -> SluiceError:
     return SluiceError("a call's shared memory lease was used after its release")
-
-
-def _truncated(info: RegionInfo, size: int, end: int) -> InvalidInput:
-    return InvalidInput(
-        f"shared memory region '{info.name}': its object '{info.key}' is {size} bytes now, "
-        f"short of the {end} this call uses (truncated since it was registered)"
-    )
-
-
-def _zero(buffer: mmap.mmap, size: int) -> None:
-    """Zero the first `size` bytes of a pooled buffer."""
-    into = memoryview(buffer)
-    try:  # released at once: the pool counts views
-        np.frombuffer(into, np.uint8, size).fill(0)
-    finally:
-        into.release()
-
-
-def _read(copy: _Copy) -> None:
-    """Fill an input's `copy` from its object."""
-    into = memoryview(copy.buffer)
-    got = 0
-    try:  # released at once, even when a traceback keeps this frame: the pool counts views
-        while got < copy.size:
-            n = os.preadv(copy.region.fd, [into[got : copy.size]], copy.at + got)
-            if not n:  # the object ends short of the view: its caller truncated it
-                size = min(os.fstat(copy.region.fd).st_size, copy.at + got)
-                raise _truncated(copy.region.info, size, copy.at + copy.size)
-            got += n
-    except OSError as exc:
-        info = copy.region.info
-        raise _unmoved(
-            exc,
-            f"shared memory region '{info.name}': the call's input of {copy.size} bytes at "
-            f"offset {copy.at - info.offset} could not be read from '{info.key}' (its first "
-            f"{got} were): {exc.strerror}",
-        ) from None
-    finally:
-        into.release()
-
-
-def _written(copy: _Copy) -> SluiceError | None:
-    """Write the bytes the call marked in an output's buffer to its object; None if done,
-    else why not."""
-    out = memoryview(copy.buffer)
-    done = 0
-    try:
-        while done < copy.wrote:
-            done += os.pwrite(copy.region.fd, out[done : copy.wrote], copy.at + done)
-    except OSError as exc:
-        info = copy.region.info
-        return _unmoved(
-            exc,
-            f"shared memory region '{info.name}': the call's output of {copy.wrote} bytes at "
-            f"offset {copy.at - info.offset} could not be written to '{info.key}' (its first "
-            f"{done} were): {exc.strerror}",
-        )
-    finally:
-        out.release()
-    return None
-
-
-def _unmoved(exc: OSError, why: str) -> SluiceError:
-    """A copy's read or write that failed: RESOURCE_EXHAUSTED where memory or /dev/shm ran
-    out (as a caller's sparse object can make it), INTERNAL otherwise."""
-    if exc.errno in (errno.ENOMEM, errno.ENOSPC):
-        return Overloaded(f"overloaded: {why}")
-    return SluiceError(why)
 
 
 class Lease:
@@ -664,8 +487,8 @@ class Lease:
         self.tenant = tenant
         self._regions = regions
         self._id = next(regions._ids)
-        self._held: list[_Region] = []
-        self._copies: list[_Copy] = []  # copy mode's views, in the order taken
+        self._held: list[Region] = []
+        self._copies: list[Copy] = []  # copy mode's views, in the order taken
         self._released = False
 
     def input(self, region: str, offset: int, byte_size: int) -> memoryview:

@@ -1,21 +1,15 @@
-"""A client's shared memory (`shared_memory=True`): its inputs written into POSIX shared
-memory objects it creates, registered on the server as regions, so a Predict carries only
-where each tensor lies (Tensor.shared_memory) and the server reads it in place; the outputs
-the server writes into them (output_memory) come back the same way.
+"""A client's shared memory (`shared_memory=True`): its inputs written into POSIX shm objects
+it creates, registered on the server as regions, so a Predict carries only where each tensor
+lies and the server reads it in place; outputs come back the same way (output_memory).
 
-Each call holds one `Arena` of its own (a region: one object, registered under one name),
-taken from the client's pool and handed back when the call ends, so calls on several
-threads or tasks never share bytes. An arena too small for a call is replaced by an object
-that fits (re-registered under its name); none shrinks. Every object this process creates
-is unlinked on close(), and at the latest when the interpreter exits.
+Each call holds an `Arena` of its own (one object under one name) from the client's pool,
+so calls on several threads never share bytes; one too small is replaced (re-registered),
+none shrinks, and every object is unlinked on close() or at exit.
 
-The outputs' sizes: a model's are known only once it answered (most shapes have a dynamic
-batch dimension, and some depend on the inputs' values), so a call whose input shapes and
-datatypes this client has not sent to that model before gets its outputs as bytes, and the
-calls after it get theirs in their arena, sized from that answer (`Learned`). Should an
-answer outgrow them (outputs whose shape depends on the values), the server refuses it
-(codec.TOO_SMALL) and the call is sent again, its outputs as bytes.
-"""
+A model's output sizes are known only once it answered: a call of input shapes this client
+has not sent that model before gets its outputs as bytes, the calls after it in the arena,
+sized from that answer (`Learned`). An answer that outgrows them is refused
+(codec.TOO_SMALL) and the call sent again, its outputs as bytes."""
 
 from __future__ import annotations
 
@@ -30,12 +24,12 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 import grpc
 import numpy as np
 
-from sluice.client.diagnose import Audience
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 
@@ -50,14 +44,14 @@ NOT_LOCAL = (
     "socket): {target} is not one"
 )
 ONE_TARGET = "shared memory needs one target, a server or balancer on this host: {count} were given"
-# A registration's refusal where the server cannot open the object (sluice.core.shm's words).
+# A registration's refusal where the server cannot open the object (sluice.shm.registry's words).
 UNOPENED = "Unable to open shared memory region"
 # A target that takes no regions (a server or balancer without --shared-memory, an older
 # Sluice): what to do, by audience.
 NO_REGIONS = {
-    Audience.PYTHON: "{target} takes no shared memory regions: start it (sluice-server or "
+    "python": "{target} takes no shared memory regions: start it (sluice-server or "
     "sluice-balancer) with --shared-memory, or drop shared_memory=True",
-    Audience.COMMANDS: "{target} takes no shared memory regions: start it (sluice-server or "
+    "commands": "{target} takes no shared memory regions: start it (sluice-server or "
     "sluice-balancer) with --shared-memory, or drop this command's --shared-memory",
 }
 
@@ -71,14 +65,14 @@ def check_target(targets: Sequence[str]) -> None:
 
 
 def registration_error(
-    error: grpc.RpcError, name: str, target: str, audience: Audience
+    error: grpc.RpcError, name: str, target: str, audience: Enum
 ) -> grpc.aio.AioRpcError:
     """A failed region call as grpc raises it, its code kept, its message saying what the
     call was for (and, where the server has no such call, what to do)."""
     code = error.code()
     details = error.details() or ""
     if code == grpc.StatusCode.UNIMPLEMENTED:
-        details = f"{NO_REGIONS[audience].format(target=target)} (it said: {details})"
+        details = f"{NO_REGIONS[audience.value].format(target=target)} (it said: {details})"
     return grpc.aio.AioRpcError(
         code,
         grpc.aio.Metadata(),
@@ -263,7 +257,7 @@ class Learned:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Layout:
     """One call's placement: its arena, where its outputs go in it (those of known size),
     and the body that names them and its inputs."""
 
@@ -310,7 +304,7 @@ class SharedMemory:
     @contextlib.contextmanager
     def planned(
         self, arrays: Mapping[str, np.ndarray], outputs: Sequence[str], model: str, version: str
-    ) -> Iterator[Plan]:
+    ) -> Iterator[Layout]:
         """`plan`, its arena handed back when the call is done; retired instead when the
         call was given up before its answer (`abandoned`)."""
         plan = self.plan(arrays, outputs, model, version)
@@ -326,7 +320,7 @@ class SharedMemory:
 
     def plan(
         self, arrays: Mapping[str, np.ndarray], outputs: Sequence[str], model: str, version: str
-    ) -> Plan:
+    ) -> Layout:
         """An arena holding the call's inputs and room for its outputs where their sizes are
         known, and the body naming them. The inputs are written now, or, when the arena is
         to be registered (`fresh`), once it is (Arena.registered_now). Hand it back with
@@ -357,9 +351,9 @@ class SharedMemory:
                 for n, r in placed.items()
             },
         )
-        return Plan(arena, key, placed, fresh, request.SerializeToString())
+        return Layout(arena, key, placed, fresh, request.SerializeToString())
 
-    def answer(self, plan: Plan, body: bytes) -> tuple[pb.PredictResponse, dict[str, np.ndarray]]:
+    def answer(self, plan: Layout, body: bytes) -> tuple[pb.PredictResponse, dict[str, np.ndarray]]:
         """A PredictResponse and its outputs: those in the arena copied out of it (it is the
         next call's), the others views of the message's bytes, as without shared memory.
         Their sizes are learned for the next call of the same shapes."""
@@ -373,13 +367,10 @@ class SharedMemory:
             self.learned.put(plan.key, sizes)
         return response, outputs
 
-    def failed(self, plan: Plan, error: grpc.RpcError) -> bool:
+    def failed(self, plan: Layout, error: grpc.RpcError) -> bool:
         """After a failed call: whether sending it again may succeed. A refusal naming the
-        call's region (a server that lost its regions in a restart, or outputs that outgrew
-        the room this client made for them) has the region registered afresh, and the
-        outputs' sizes learned afresh (their bytes sent first). A registration refused as
-        if its object were not there (another tenant registered it first, or it was
-        unlinked) has the region take a fresh object."""
+        call's region has it registered afresh (a restarted server) or its output sizes
+        relearned (outgrown); one as if its object were not there gives it a fresh object."""
         details = error.details() or ""
         arena = plan.arena
         ours = repr(arena.name) in details
