@@ -33,7 +33,7 @@ from sluice.server.service import InferenceService
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 from sluice.wire.mux import Reply, StreamBroken
-from tests.unit.test_fanout import answer, batch, cluster
+from tests.unit.test_fanout import answer, batch, fanout_service
 from tests.unit.test_tracing import (
     BODY,
     PARENT,
@@ -79,7 +79,7 @@ def test_off_neither_program_runs_span_code(
     for metadata in ({"traceparent": PARENT}, {"x-cache-control": "no-cache"}):
         assert asyncio.run(service.forward(BODY, metadata, None, stream=True)).code == 0
     assert upstreams["a:1"].sent[0] == {"traceparent": PARENT}  # the caller's, as it came
-    fanned, _ = cluster(2, fanout_rows=4)
+    fanned, _ = fanout_service(2, fanout_rows=4)
     _, body = batch(8)
     assert asyncio.run(fanned.forward(body, {"traceparent": PARENT}, None)).code == 0
     assert fanned.fanned.chunks == 2
@@ -107,7 +107,7 @@ def test_an_unsampled_call_runs_no_span_code_past_its_decision(
     not_sampled = PARENT[:-2] + "00"
     service, upstreams = balancer({"a:1": [Reply(0)]})
     assert asyncio.run(service.forward(BODY, {"traceparent": not_sampled}, None)).code == 0
-    fanned, chunks = cluster(2, fanout_rows=4)
+    fanned, chunks = fanout_service(2, fanout_rows=4)
     _, body = batch(8)
     assert asyncio.run(fanned.forward(body, {"traceparent": not_sampled}, None)).code == 0
     sent = upstreams["a:1"].sent + [m for model in chunks for m in model.sent]
@@ -222,7 +222,7 @@ def test_a_span_that_fails_to_be_made_leaves_no_balancer_call_in_flight(
 
 
 def test_a_fanned_out_call_that_went_whole_counts_no_chunks(spans: InMemorySpanExporter) -> None:
-    service, _ = cluster(2, fanout_rows=4)
+    service, _ = fanout_service(2, fanout_rows=4)
 
     async def summed(
         body: bytes, metadata: Mapping[str, str], timeout: float | None, method: str = ""
