@@ -3,12 +3,9 @@ injected, and a backend's connection is whatever object the transport hangs on i
 
 A call with an affinity key goes to the key's owner on the ring, or, when the owner is out
 or over its bounded load, to the next backend on the ring; a call without one goes to the
-cheaper of two random backends: (in flight + 1) x its peak-EWMA latency. With hedging on
-(the planner sets `stall_factor`), the larger of that latency and its silence, how long it
-has owed an answer (`Pool.silence`), and one silent for longer than `stall_factor` x its
-mean latency is stalled and loses to any that is not (keyed calls pass over it too); off,
-a backend holding one long call would get nothing else until it ended. A backend is out
-while its health watch says it is not serving or its breaker refuses calls.
+cheaper of two random backends by its `Cost`: (in flight + 1) x its peak-EWMA latency, unless
+a layer above injects another (which may also have keyed calls pass over some). A backend is
+out while its health watch says it is not serving or its breaker refuses calls.
 
 What holds a backend out, and the one cap on it:
 - its health watch (NOT_SERVING: draining, down, or hung, as the transport found): never
@@ -72,9 +69,9 @@ class Backend:
     # Why its transport holds it out (it refuses connections, does not answer, ...), for
     # the message when none is usable; "" while it serves or when the server said so.
     down: str = ""
-    # Attempts sent and not answered, those given up on (cancelled by a hedge, timed out)
-    # included until it answers anything, and when the oldest of them was sent (at most:
-    # once it answers, the time of that answer): `Pool.silence`.
+    # Attempts sent and not answered, those given up on (cancelled, timed out) included
+    # until it answers anything, and when the oldest of them was sent (at most: once it
+    # answers, the time of that answer).
     owed: int = 0
     owed_since: float = 0.0
 
@@ -144,8 +141,19 @@ class Placement:
 # a longer name than any model has is refused, and a refusal is not kept.
 MAX_ROUTES = 1024
 MAX_NAME = 256
-STALLED = 3600.0  # added to a stalled backend's cost: more than any latency
-STALL_FACTOR = 3.0  # with hedging: silent this many times its mean latency is stalled
+
+
+class Cost:
+    """What least-loaded choice weighs a backend by, and whether keyed calls pass over it
+    (`passes_over` says whether any may be): the pool's seam for a layer above."""
+
+    passes_over = False
+
+    def __call__(self, backend: Backend) -> float:
+        return (backend.in_flight + 1) * backend.latency.current()
+
+    def shunned(self, backend: Backend) -> bool:
+        return False
 
 
 class Pool:
@@ -161,17 +169,16 @@ class Pool:
         max_ejection_percent: float = 50.0,
         outlier: OutlierSettings | None = None,
         probe_after_s: float = 0.05,
-        stall_factor: float = 0.0,  # 0: no silence rule (hedging sets STALL_FACTOR)
-        min_stall_s: float = 0.002,
+        cost: Cost | None = None,
     ) -> None:
         if not 0 <= max_ejection_percent <= 100:
             raise ValueError("max_ejection_percent must be between 0 and 100")
         self.breaker_settings = breaker or BreakerSettings()
         self.max_ejection_percent = max_ejection_percent
         self.outlier = outlier or OutlierSettings()
+        # With nothing in flight, what a backend owes is forgiven after this long.
         self.probe_after_s = probe_after_s
-        self.stall_factor = stall_factor
-        self.min_stall_s = min_stall_s
+        self.cost = cost or Cost()
         self.ejections = 0  # latency outlier ejections so far
         self._next_look = 0.0
         self.balance_factor = balance_factor
@@ -317,11 +324,10 @@ class Pool:
         if not usable:
             return Choice(None, self._why_none(candidates))
         if key is None:
-            chosen = p2c(usable, self._cost, self.rng)
+            chosen = p2c(usable, self.cost, self.rng)
         else:
-            # A stalled owner's keys go on along the ring, as an out one's do: its load
-            # bound counts calls in flight, and those a hedge cancelled are not.
-            fresh = [b for b in usable if not self.stalled(b)] if self.stall_factor else usable
+            cost = self.cost
+            fresh = [b for b in usable if not cost.shunned(b)] if cost.passes_over else usable
             by_address = {b.address: b for b in fresh or usable}
             address = pick_bounded(
                 route.ring,
@@ -345,7 +351,7 @@ class Pool:
         usable = [b for b in route.holders if b.usable]
         if route.refusal is not None or not usable:
             return [None] * count
-        order = sorted(usable, key=self._cost)
+        order = sorted(usable, key=self.cost)
         wanted = {b.address for b in order[:count]}
         first: dict[str, int] = {}  # each wanted backend's first slot on the ring: its key
         for key in range(route.ring.size):
@@ -356,37 +362,6 @@ class Pool:
                     break
         keys = [first[b.address] for b in order if b.address in first]
         return [keys[i % len(keys)] for i in range(count)]
-
-    def _cost(self, backend: Backend) -> float:
-        latency = backend.latency
-        if not self.stall_factor:
-            return (backend.in_flight + 1) * latency.current()
-        silence = self.silence(backend) if backend.owed else 0.0
-        cost = (backend.in_flight + 1) * max(latency.current(), silence)
-        if silence > self.stall_factor * max(latency.mean, self.min_stall_s):
-            # The peak estimates of busy backends on a loaded host reach tens of ms, so a
-            # pause would only outweigh them that late: stalled loses outright.
-            cost += STALLED
-        return cost
-
-    def stalled(self, backend: Backend) -> bool:
-        """Whether `backend` has been silent for over `stall_factor` x its mean latency."""
-        if not backend.owed or not self.stall_factor:
-            return False
-        limit = self.stall_factor * max(backend.latency.mean, self.min_stall_s)
-        return self.silence(backend) > limit
-
-    def silence(self, backend: Backend) -> float:
-        """How long `backend` has owed an answer: since its oldest attempt not answered was
-        sent, those given up on counted until it answers anything. A backend that pauses
-        learns nothing in the latency estimate until its attempts end, and one whose attempt
-        a hedge cancelled gives its in-flight slot back; this keeps calls off it from the
-        first milliseconds of a pause. With nothing in flight, what it owes is forgiven
-        after `probe_after_s`, so the next call may find out whether it is back."""
-        if not backend.owed:
-            return 0.0
-        age = self.clock() - backend.owed_since
-        return 0.0 if not backend.in_flight and age > self.probe_after_s else age
 
     def _why_none(self, candidates: list[Backend]) -> str:
         if not self.backends:
