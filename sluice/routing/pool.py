@@ -7,27 +7,12 @@ cheaper of two random backends by its `Cost`: (in flight + 1) x its peak-EWMA la
 a layer above injects another (which may also have keyed calls pass over some). A backend is
 out while its health watch says it is not serving or its breaker refuses calls.
 
-What holds a backend out, and the one cap on it:
-- its health watch (NOT_SERVING: draining, down, or hung, as the transport found): never
-  capped, never overruled, since that is the server's own word or a dead connection;
-- its breaker, opened by consecutive backend failures, by consecutive timeouts that were
-  its own fault (`OutlierSettings`), or by latency outlier ejection (its mean latency over
-  its last calls is `factor` x the median of the others'). These are what callers can
-  provoke, so they are capped: of the live backends (not NOT_SERVING), at most
-  floor(`max_ejection_percent` % x live) may be held OPEN by breakers at once (one on
-  HALF_OPEN probation takes calls, and does not count). A breaker
-  that would open beyond the cap stays closed (its failures still count) and an outlier
-  beyond it is not ejected. Should more be held out anyway (the live set changed under open
-  breakers: one went NOT_SERVING, or came back from it with its breaker still open), every
-  breaker is overruled until the count is back within the cap (Envoy's panic threshold,
-  which is thus 100% - max_ejection_percent).
+A backend is held out by its health watch (never capped: the server's own word) or by its
+breaker (failures, its own timeouts, latency outliers), at most `max_ejection_percent` of the
+live ones at once, beyond which every breaker is overruled (docs/DESIGN.md).
 
-Backends may serve different models. A call wants a model (`Want`; the empty name is the
-default model) and goes only to the backends that serve it (and the version, when named);
-each model has its own ring over the backends that serve it, so identical inputs for a
-model meet on one of them. A backend whose models are not learned yet is given the benefit
-of the doubt (like Health.UNKNOWN): it may take any call. The breaker cap and the panic
-threshold stay pool-wide: they are about backends, not models."""
+Backends may serve different models: a call wants one (`Want`) and goes only to those that
+serve it, each model with its own ring; one whose models are not learned yet may take any."""
 
 from __future__ import annotations
 
