@@ -43,7 +43,8 @@ from sluice.core.tenants import HEADER, Account, Tenants, tenant_name
 from sluice.core.versions import version_key
 from sluice.routing.budget import RetryBudget
 from sluice.routing.hedge import HedgeSettings, Hedging
-from sluice.routing.planner import Observer, Planner, rule_of
+from sluice.routing.plan import Observer, rule_of
+from sluice.routing.planner import Planner
 from sluice.routing.pool import Backend, Pool, Want
 from sluice.runtime import door, spans, tracing
 from sluice.runtime.status import grpc_code

@@ -106,15 +106,14 @@ class SluiceClient(core.Core):
             except grpc.RpcError as exc:
                 return unary.failure(exc)  # for the planner to classify
 
-        key, deadline = send.terms.key, send.terms.deadline
-        if self._router.hedging is None:
-            return self._router.run_sync(key, deadline, attempt, self._lock)
-
         def start(backend: Backend, left: float | None) -> Sent:
             method: Any = self._method(send.predict, backend.address)
             return Sent(method.future(send.body, timeout=left, metadata=send.metadata))
 
-        return self._router.run_sync(key, deadline, attempt, self._lock, start=start)  # type: ignore[call-arg]
+        hedged = start if self._router.hedging is not None else None
+        return self._router.run_sync(
+            send.terms.key, send.terms.deadline, attempt, self._lock, start=hedged
+        )
 
     def _send(
         self, target: str, body: bytes, metadata: core.Metadata, timeout: float | None

@@ -3,34 +3,16 @@ injected, and a backend's connection is whatever object the transport hangs on i
 
 A call with an affinity key goes to the key's owner on the ring, or, when the owner is out
 or over its bounded load, to the next backend on the ring; a call without one goes to the
-cheaper of two random backends: (in flight + 1) x its peak-EWMA latency. With hedging on
-(the planner sets `stall_factor`), the larger of that latency and its silence, how long it
-has owed an answer (`Pool.silence`), and one silent for longer than `stall_factor` x its
-mean latency is stalled and loses to any that is not (keyed calls pass over it too); off,
-a backend holding one long call would get nothing else until it ended. A backend is out
-while its health watch says it is not serving or its breaker refuses calls.
+cheaper of two random backends by its `Cost`: (in flight + 1) x its peak-EWMA latency, unless
+a layer above injects another (which may also have keyed calls pass over some). A backend is
+out while its health watch says it is not serving or its breaker refuses calls.
 
-What holds a backend out, and the one cap on it:
-- its health watch (NOT_SERVING: draining, down, or hung, as the transport found): never
-  capped, never overruled, since that is the server's own word or a dead connection;
-- its breaker, opened by consecutive backend failures, by consecutive timeouts that were
-  its own fault (`OutlierSettings`), or by latency outlier ejection (its mean latency over
-  its last calls is `factor` x the median of the others'). These are what callers can
-  provoke, so they are capped: of the live backends (not NOT_SERVING), at most
-  floor(`max_ejection_percent` % x live) may be held OPEN by breakers at once (one on
-  HALF_OPEN probation takes calls, and does not count). A breaker
-  that would open beyond the cap stays closed (its failures still count) and an outlier
-  beyond it is not ejected. Should more be held out anyway (the live set changed under open
-  breakers: one went NOT_SERVING, or came back from it with its breaker still open), every
-  breaker is overruled until the count is back within the cap (Envoy's panic threshold,
-  which is thus 100% - max_ejection_percent).
+A backend is held out by its health watch (never capped: the server's own word) or by its
+breaker (failures, its own timeouts, latency outliers), at most `max_ejection_percent` of the
+live ones at once, beyond which every breaker is overruled (docs/DESIGN.md).
 
-Backends may serve different models. A call wants a model (`Want`; the empty name is the
-default model) and goes only to the backends that serve it (and the version, when named);
-each model has its own ring over the backends that serve it, so identical inputs for a
-model meet on one of them. A backend whose models are not learned yet is given the benefit
-of the doubt (like Health.UNKNOWN): it may take any call. The breaker cap and the panic
-threshold stay pool-wide: they are about backends, not models."""
+Backends may serve different models: a call wants one (`Want`) and goes only to those that
+serve it, each model with its own ring; one whose models are not learned yet may take any."""
 
 from __future__ import annotations
 
@@ -72,9 +54,9 @@ class Backend:
     # Why its transport holds it out (it refuses connections, does not answer, ...), for
     # the message when none is usable; "" while it serves or when the server said so.
     down: str = ""
-    # Attempts sent and not answered, those given up on (cancelled by a hedge, timed out)
-    # included until it answers anything, and when the oldest of them was sent (at most:
-    # once it answers, the time of that answer): `Pool.silence`.
+    # Attempts sent and not answered, those given up on (cancelled, timed out) included
+    # until it answers anything, and when the oldest of them was sent (at most: once it
+    # answers, the time of that answer).
     owed: int = 0
     owed_since: float = 0.0
 
@@ -144,8 +126,19 @@ class Placement:
 # a longer name than any model has is refused, and a refusal is not kept.
 MAX_ROUTES = 1024
 MAX_NAME = 256
-STALLED = 3600.0  # added to a stalled backend's cost: more than any latency
-STALL_FACTOR = 3.0  # with hedging: silent this many times its mean latency is stalled
+
+
+class Cost:
+    """What least-loaded choice weighs a backend by, and whether keyed calls pass over it
+    (`passes_over` says whether any may be): the pool's seam for a layer above."""
+
+    passes_over = False
+
+    def __call__(self, backend: Backend) -> float:
+        return (backend.in_flight + 1) * backend.latency.current()
+
+    def shunned(self, backend: Backend) -> bool:
+        return False
 
 
 class Pool:
@@ -161,17 +154,16 @@ class Pool:
         max_ejection_percent: float = 50.0,
         outlier: OutlierSettings | None = None,
         probe_after_s: float = 0.05,
-        stall_factor: float = 0.0,  # 0: no silence rule (hedging sets STALL_FACTOR)
-        min_stall_s: float = 0.002,
+        cost: Cost | None = None,
     ) -> None:
         if not 0 <= max_ejection_percent <= 100:
             raise ValueError("max_ejection_percent must be between 0 and 100")
         self.breaker_settings = breaker or BreakerSettings()
         self.max_ejection_percent = max_ejection_percent
         self.outlier = outlier or OutlierSettings()
+        # With nothing in flight, what a backend owes is forgiven after this long.
         self.probe_after_s = probe_after_s
-        self.stall_factor = stall_factor
-        self.min_stall_s = min_stall_s
+        self.cost = cost or Cost()
         self.ejections = 0  # latency outlier ejections so far
         self._next_look = 0.0
         self.balance_factor = balance_factor
@@ -317,11 +309,10 @@ class Pool:
         if not usable:
             return Choice(None, self._why_none(candidates))
         if key is None:
-            chosen = p2c(usable, self._cost, self.rng)
+            chosen = p2c(usable, self.cost, self.rng)
         else:
-            # A stalled owner's keys go on along the ring, as an out one's do: its load
-            # bound counts calls in flight, and those a hedge cancelled are not.
-            fresh = [b for b in usable if not self.stalled(b)] if self.stall_factor else usable
+            cost = self.cost
+            fresh = [b for b in usable if not cost.shunned(b)] if cost.passes_over else usable
             by_address = {b.address: b for b in fresh or usable}
             address = pick_bounded(
                 route.ring,
@@ -345,7 +336,7 @@ class Pool:
         usable = [b for b in route.holders if b.usable]
         if route.refusal is not None or not usable:
             return [None] * count
-        order = sorted(usable, key=self._cost)
+        order = sorted(usable, key=self.cost)
         wanted = {b.address for b in order[:count]}
         first: dict[str, int] = {}  # each wanted backend's first slot on the ring: its key
         for key in range(route.ring.size):
@@ -356,37 +347,6 @@ class Pool:
                     break
         keys = [first[b.address] for b in order if b.address in first]
         return [keys[i % len(keys)] for i in range(count)]
-
-    def _cost(self, backend: Backend) -> float:
-        latency = backend.latency
-        if not self.stall_factor:
-            return (backend.in_flight + 1) * latency.current()
-        silence = self.silence(backend) if backend.owed else 0.0
-        cost = (backend.in_flight + 1) * max(latency.current(), silence)
-        if silence > self.stall_factor * max(latency.mean, self.min_stall_s):
-            # The peak estimates of busy backends on a loaded host reach tens of ms, so a
-            # pause would only outweigh them that late: stalled loses outright.
-            cost += STALLED
-        return cost
-
-    def stalled(self, backend: Backend) -> bool:
-        """Whether `backend` has been silent for over `stall_factor` x its mean latency."""
-        if not backend.owed or not self.stall_factor:
-            return False
-        limit = self.stall_factor * max(backend.latency.mean, self.min_stall_s)
-        return self.silence(backend) > limit
-
-    def silence(self, backend: Backend) -> float:
-        """How long `backend` has owed an answer: since its oldest attempt not answered was
-        sent, those given up on counted until it answers anything. A backend that pauses
-        learns nothing in the latency estimate until its attempts end, and one whose attempt
-        a hedge cancelled gives its in-flight slot back; this keeps calls off it from the
-        first milliseconds of a pause. With nothing in flight, what it owes is forgiven
-        after `probe_after_s`, so the next call may find out whether it is back."""
-        if not backend.owed:
-            return 0.0
-        age = self.clock() - backend.owed_since
-        return 0.0 if not backend.in_flight and age > self.probe_after_s else age
 
     def _why_none(self, candidates: list[Backend]) -> str:
         if not self.backends:

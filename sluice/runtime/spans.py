@@ -17,7 +17,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
 from sluice.core.errors import status_name
-from sluice.routing.planner import LOST, Attempt, ReplyLike
+from sluice.routing.hedge import LOST
+from sluice.routing.plan import Attempt, ReplyLike
 from sluice.routing.pool import Backend
 from sluice.runtime import tracing
 

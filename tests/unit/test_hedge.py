@@ -14,8 +14,9 @@ import pytest
 from sluice.core.errors import Code
 from sluice.routing.breaker import BreakerSettings, State
 from sluice.routing.budget import RetryBudget
-from sluice.routing.hedge import MIN_SAMPLES, HedgeSettings, Hedging
-from sluice.routing.planner import CROWDED_S, Attempt, Planner, ReplyLike
+from sluice.routing.hedge import CROWDED_S, MIN_SAMPLES, HedgeSettings, Hedging, Silence
+from sluice.routing.plan import Attempt, ReplyLike
+from sluice.routing.planner import Planner
 from sluice.routing.pool import Backend, Pool
 from sluice.wire.mux import Reply
 
@@ -210,7 +211,8 @@ async def test_a_keyed_calls_hedge_goes_to_the_next_backend_on_its_ring() -> Non
     plenty(p)
     # Each first attempt here is cancelled unanswered, and would stall its backend for the
     # next keys: the ring order alone is under test.
-    p.pool.stall_factor = float("inf")
+    assert isinstance(p.pool.cost, Silence)
+    p.pool.cost.factor = float("inf")
     gated = Gated()
     for key in range(8):
         first = p.pool.choose(key).backend

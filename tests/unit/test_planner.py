@@ -15,7 +15,8 @@ import pytest
 from sluice.core.errors import Code
 from sluice.routing.breaker import BreakerSettings, State
 from sluice.routing.budget import RetryBudget
-from sluice.routing.planner import RULES, Attempt, Outcome, Planner, outcome_of, rule_of
+from sluice.routing.plan import RULES, Attempt, Outcome, outcome_of, rule_of
+from sluice.routing.planner import Planner
 from sluice.routing.pool import Backend, Health, Pool
 from sluice.wire.mux import Reply
 

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from sluice.routing.breaker import Breaker, BreakerSettings, State
 from sluice.routing.budget import RetryBudget
+from sluice.routing.hedge import Silence
 from sluice.routing.p2c import PeakEwma, p2c
-from sluice.routing.pool import STALL_FACTOR, Backend, Health, OutlierSettings, Pool
+from sluice.routing.pool import Backend, Health, OutlierSettings, Pool
 from sluice.routing.ring import MaglevRing, load_bound, pick_bounded
 
 SMALL_TABLE = 5_003  # prime; keeps property tests quick
@@ -375,17 +376,17 @@ def test_a_backend_silent_on_an_attempt_given_up_on_is_shunned_until_it_answers(
     untouched), but the backend still owes that answer: calls stay off it."""
     clock = FakeClock()
     pool = make_pool(2, clock)
-    pool.stall_factor = STALL_FACTOR  # hedging's rule
+    silence = pool.cost = Silence(pool)  # hedging's rule
     paused, other = pool.backends["h0:1"], pool.backends["h1:1"]
     assert pool.start(paused)
     clock.now += 0.006
     pool.finish(paused, 0.006, "neutral", answered=False)
-    assert paused.in_flight == 0 and pool.silence(paused) == pytest.approx(0.006)
+    assert paused.in_flight == 0 and silence.silence(paused) == pytest.approx(0.006)
     assert picks_of(pool)["h1:1"] == 100
     # It answers another attempt (a hedge sent to it): what it owed is paid, calls return.
     assert pool.start(paused) and pool.start(other)
     pool.finish(paused, 0.001, "ok")
-    assert pool.silence(paused) == 0.0
+    assert silence.silence(paused) == 0.0
     pool.finish(other, 0.001, "ok")
     assert 30 < picks_of(pool)["h0:1"] < 70
 
@@ -395,7 +396,7 @@ def test_a_backend_silent_past_its_mean_latency_loses_to_one_with_slow_peaks() -
     3x its own mean latency is stalled and loses anyway, and wins again once it answers."""
     clock = FakeClock()
     pool = make_pool(2, clock)
-    pool.stall_factor = STALL_FACTOR  # hedging's rule
+    pool.cost = Silence(pool)  # hedging's rule
     paused, other = pool.backends["h0:1"], pool.backends["h1:1"]
     for backend in (paused, other):
         for _ in range(20):
@@ -415,7 +416,7 @@ def test_a_stalled_owners_keys_go_on_along_the_ring_until_it_answers() -> None:
     its load bound: its silence moves its keys to the next on each key's ring."""
     clock = FakeClock()
     pool = make_pool(3, clock)
-    pool.stall_factor = STALL_FACTOR  # hedging's rule
+    silence = pool.cost = Silence(pool)  # hedging's rule
     for backend in pool.backends.values():
         for _ in range(20):
             backend.latency.observe(0.002)
@@ -427,7 +428,7 @@ def test_a_stalled_owners_keys_go_on_along_the_ring_until_it_answers() -> None:
     assert pool.start(paused)
     clock.now += 0.007
     pool.finish(paused, 0.007, "neutral", answered=False)
-    assert pool.stalled(paused)
+    assert silence.stalled(paused)
     assert all(pool.choose(k).backend is not paused for k in mine)
     assert all(pool.choose(k).backend is owners[k] for k in sample if k not in mine)
     assert pool.start(paused)
@@ -438,35 +439,35 @@ def test_a_stalled_owners_keys_go_on_along_the_ring_until_it_answers() -> None:
 def test_a_silent_backend_with_nothing_in_flight_is_tried_again_after_the_probe_delay() -> None:
     clock = FakeClock()
     pool = make_pool(2, clock)
-    pool.stall_factor = STALL_FACTOR  # hedging's rule
+    silence = pool.cost = Silence(pool)  # hedging's rule
     paused = pool.backends["h0:1"]
     assert pool.start(paused)
     clock.now += 0.006
     pool.finish(paused, 0.006, "neutral", answered=False)
     clock.now += pool.probe_after_s
-    assert pool.silence(paused) == 0.0 and 30 < picks_of(pool)["h0:1"] < 70
+    assert silence.silence(paused) == 0.0 and 30 < picks_of(pool)["h0:1"] < 70
     # The probe is owed from its own sending, not from the attempt forgiven.
     assert pool.start(paused)
-    assert pool.silence(paused) == 0.0
+    assert silence.silence(paused) == 0.0
     clock.now += 0.002
-    assert pool.silence(paused) == pytest.approx(0.002)
+    assert silence.silence(paused) == pytest.approx(0.002)
 
 
 def test_silence_counts_an_attempt_in_flight_from_its_sending_and_ends_with_an_answer() -> None:
     clock = FakeClock()
     pool = make_pool(2, clock)
-    pool.stall_factor = STALL_FACTOR  # hedging's rule
+    silence = pool.cost = Silence(pool)  # hedging's rule
     backend = pool.backends["h0:1"]
     assert pool.start(backend)
     clock.now += 0.5  # well past the probe delay: an attempt in flight is never forgiven
     assert pool.start(backend)
-    assert pool.silence(backend) == pytest.approx(0.5)
+    assert silence.silence(backend) == pytest.approx(0.5)
     pool.finish(backend, 0.5, "ok")
-    assert pool.silence(backend) == 0.0  # it answers: the other is counted from now
+    assert silence.silence(backend) == 0.0  # it answers: the other is counted from now
     clock.now += 0.003
-    assert pool.silence(backend) == pytest.approx(0.003)
+    assert silence.silence(backend) == pytest.approx(0.003)
     pool.withdraw(backend)  # never sent: owes nothing
-    assert backend.owed == 0 and pool.silence(backend) == 0.0
+    assert backend.owed == 0 and silence.silence(backend) == 0.0
 
 
 def test_without_hedging_a_backend_holding_a_long_call_still_takes_its_share() -> None:
@@ -474,7 +475,7 @@ def test_without_hedging_a_backend_holding_a_long_call_still_takes_its_share() -
     and least-loaded share away (it would get nothing else until that call ended)."""
     clock = FakeClock()
     pool = make_pool(2, clock)
-    assert not pool.stall_factor
+    assert not isinstance(pool.cost, Silence)
     a = pool.backends["h0:1"]
     for backend in pool.backends.values():
         for _ in range(30):
@@ -484,7 +485,7 @@ def test_without_hedging_a_backend_holding_a_long_call_still_takes_its_share() -
     assert pool.start(a)  # one long call
     assert pool.start(pool.backends["h1:1"])  # and one on the other, begun later
     clock.now += 100.0
-    assert not pool.stalled(a)
+    assert not pool.cost.shunned(a)
     assert picks_of(pool)["h0:1"] > 10
     assert any(pool.choose(k).backend is a for k in keys(50))
 

@@ -1,38 +1,30 @@
-"""Hedged requests: when a call's attempt has not answered after a delay, a second copy goes
-to another backend and the first good answer wins (Envoy's `hedge_on_per_try_timeout`).
-Transport-free: the clock and the sleep are injected. The planner (sluice.routing.planner)
-sends the hedges; this module holds the policy: the delay, the budget and the counts.
-
-The delay is fixed (`after_s`) or `auto`: the median over the backends of each one's
-max(p99, 2 x p50) of its last `WINDOW` answered attempts (those with `MIN_SAMPLES` at least;
-none hedge before one has). Not the p95: on a fast model the answers bunch, the p95 sits
-near the p50, and hedging 5% of ordinary calls spent the budget before a pause came (perf.hedge:
-p99.9 100 ms, 402 hedges refused); past the p99 and twice the median, an ordinary call is
-seldom hedged and a paused one still early. The median over the backends, not the figure of
-the backend the call went to, nor of all answers pooled: a backend that pauses a third of
-the time has its own tail inside its pauses, and its slow answers, pooled, would lift the
-delay until the hedges that should cut them came too late; one slow backend of three moves
-the median little.
-
-Hedges spend from a budget of their own, not the retry budget: a pause that holds many
-calls at once would otherwise spend the tokens that broken streams need for their retries,
-and the two bounds are stated (and measured) apart. Hedges add at most `ratio` (10%) of the
-calls: each call earns a tenth of one, and by default no time-based floor adds more (the
-retry budget's `min_per_s`), so the bound holds at any rate; a quiet caller hedges once in
-ten calls at most. The bank holds `BANK` hedges at most (the retry budget's 100 would let a
-quiet spell pay for a burst of hedges well past the ratio)."""
+"""Hedging's policy: its settings, its delay (fixed, or `auto` from each backend's recent
+answers), its own budget and its counts, and how it plugs into a planner (`install`: the
+silence rule as the pool's cost, the answers' latencies as the auto delay's samples; `race`:
+a call's hedged driver). Transport-free: the clock, the sleep and the wait are injected.
+docs/DESIGN.md says why the delay and the budget are what they are."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from sluice.routing.budget import RetryBudget
+from sluice.routing.hedge.race import Race
+from sluice.routing.hedge.silence import Silence
+from sluice.routing.plan import NO_LOCK, Plan, R
+from sluice.routing.pool import Cost
+
+if TYPE_CHECKING:
+    from sluice.routing.planner import Planner
 
 AUTO = "auto"
 WINDOW = 128  # a backend's answered attempts its tail is of
@@ -84,9 +76,12 @@ class Hedging:
         settings: HedgeSettings,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        wait: Callable[[threading.Condition, float | None], object] = threading.Condition.wait,
     ) -> None:
         self.settings = settings
-        self.sleep = sleep
+        self.sleep = sleep  # the asyncio driver's delay
+        self.wait = wait  # the blocking driver's: a wait on its condition, with a timeout
+        self.planner: Planner[Any]  # the one it hedges for (`install`)
         self.budget = RetryBudget(settings.ratio, settings.min_per_s, BANK, clock)
         self.sent = 0
         self.won = 0
@@ -94,6 +89,28 @@ class Hedging:
         self._windows: dict[str, deque[float]] = {}  # by backend address
         self._since = 0  # samples since the auto delay was worked out
         self._auto: float | None = None
+
+    def install(self, planner: Planner[Any]) -> None:
+        """Hedge `planner`'s calls: its pool weighs backends by their silence too (unless
+        given another cost), and its OK answers are samples for the auto delay."""
+        self.planner = planner
+        if type(planner.pool.cost) is Cost:
+            planner.pool.cost = Silence(planner.pool)
+        planner.learn = self.answered
+
+    def race(
+        self, plan: Plan[R], lock: AbstractContextManager[object] = NO_LOCK
+    ) -> Race[R, Any] | None:
+        """A call's hedged driver state, or None when this call is not hedged: the delay is
+        not known yet, or the call has no more time left than the delay. Each call earns
+        `ratio` of a hedge."""
+        with lock:
+            self.budget.deposit()
+        after = self.delay()
+        if after is None:
+            return None
+        race: Race[R, Any] = Race(plan, self, after, lock)
+        return race if race.hedgeable() else None
 
     def delay(self) -> float | None:
         """How long an attempt may go unanswered before it is hedged (None: not yet known)."""
