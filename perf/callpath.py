@@ -62,7 +62,7 @@ class Recorder:
 
     def remove(self) -> None:
         sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
 
 
 @dataclass
@@ -110,9 +110,9 @@ class _Port(logging.Handler):
 
 async def profile(calls: int = 20, extra: Sequence[str] = ()) -> Profile:
     """Profile `calls` unique-input Predicts (after as many unprofiled ones, to warm up)."""
-    from server.main import serve
-    from server.settings import ServerSettings
     from sluice.runtime import config
+    from sluice.server.main import serve
+    from sluice.server.settings import ServerSettings
 
     argv = ["--port", "0", "--host", "127.0.0.1", "--device", "cpu", *extra]
     settings = config.parse(ServerSettings, argv, ServerSettings.PROG, "")
@@ -132,7 +132,7 @@ async def profile(calls: int = 20, extra: Sequence[str] = ()) -> Profile:
             raise RuntimeError(f"the server did not start: {running.result()}")
         port = found.port.result()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            predict = channel.unary_unary(PREDICT)
+            predict = channel.unary_unary(PREDICT, None, None)
             for body in _bodies(calls, seed=1):  # warm: first calls import and allocate
                 await predict(body)
             recorder.into = idle
