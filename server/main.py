@@ -15,6 +15,7 @@ if __name__ == "__main__":
             raise
         raise SystemExit(str(exc)) from None
 
+import asyncio
 import contextlib
 import logging
 import sys
@@ -44,7 +45,10 @@ log = logging.getLogger("sluice.server")
 WORKERS = Workers("sluice.server.main", "SLUICE_SERVER_WORKER", "SLUICE_SERVER_WORKERS", "worker")
 
 
-async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
+async def serve(
+    settings: ServerSettings, argv: Sequence[str] = (), stop: asyncio.Event | None = None
+) -> int:
+    """Serve until SIGTERM or SIGINT, or until `stop` is set (then with no signal handlers)."""
     processes = settings.worker_count(gpu=CUDA in choose_providers(settings.device))
     if settings.shared_memory and processes > 1:
         log.error(ONE_PROCESS)
@@ -131,6 +135,7 @@ async def serve(settings: ServerSettings, argv: Sequence[str] = ()) -> int:
             closing=[close],
         ),
         argv,
+        stop,
     )
 
 
