@@ -40,7 +40,7 @@ from sluice.core.keys import (
 from sluice.core.limits import too_large
 from sluice.core.stats import ServingStats, health_fields
 from sluice.core.tenants import HEADER, Account, Tenants, tenant_name
-from sluice.core.versions import version_key
+from sluice.core.version_order import version_key
 from sluice.routing.budget import RetryBudget
 from sluice.routing.hedge import HedgeSettings, Hedging
 from sluice.routing.plan import Observer, rule_of

@@ -25,7 +25,7 @@ import onnxruntime as ort
 
 from perf import paired
 from perf.launch import module_argv, running, server_argv
-from sluice.perf import h2engine, stats
+from sluice.perf import h2engine, histograms
 from sluice.perf.sweep import request_body
 
 MODEL = Path(onnx.__file__).parent / "backend/test/data/light/light_squeezenet.onnx"
@@ -55,7 +55,7 @@ def ort_best_ms(x: np.ndarray, runs: int = 50) -> dict[int, float]:
 def p50_ms(target: str, body: bytes, duration: float) -> float:
     h2engine.check_call(target, PREDICT, body, 10.0)
     level = h2engine.run_level(target, PREDICT, body, 1, 1, duration, 1.0)
-    return float(stats.summarize(stats.merge([level.histogram])).p50)
+    return float(histograms.summarize(histograms.merge([level.histogram])).p50)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,35 +1,11 @@
 """The scheduler between requests and model instances: a batch-of-one fast path when an
-instance is idle, and an SLO-aware micro-batcher when all are busy. Transport-free; the
-clock is injected.
+instance is idle, and an SLO-aware micro-batcher when all are busy (docs/DESIGN.md, "Batching
+policy"). Transport-free; the clock is injected.
 
-Policy. An idle instance takes work at once, so an idle server runs each request alone with
-no queue wait and no timer. While every instance is busy, requests wait in one bounded
-queue. When an instance frees up, its batch is the oldest waiting request plus the
-compatible requests (same non-batch dimensions, datatypes and requested outputs) that
-arrived within the latency budget of that oldest one, in arrival order, up to the maximum
-rows. Batches therefore grow with load and shrink to one when idle.
-
-Padded requests (sluice.server.dataplane.padding) are compatible within one length bucket,
-and a run's cost is counted in the positions it runs, padding included (rows x padded
-length): a request joins a batch only if the batch's run, longer by it, costs no more than
-running it alone would, so a padded batch is never slower than its requests one by one.
-That rule, not the budget, decides which waiting requests of the bucket join, whenever they
-arrived: a bucket's requests come a caller's cycle apart, spread over the other buckets, so
-few fall within the budget of one another, and one already queued adds no wait to the
-oldest's (it only lengthens the run by less than its own run alone).
-
-While another instance runs, a free one does not take a padded batch smaller than the
-maximum at once: it waits, up to the budget from the oldest's arrival and never so long that
-a waiting request's deadline would pass before the batch's run ends, for more of the oldest's
-bucket (each arrival, run's end and the timer look again). With every instance idle it runs
-at once, so an idle server still answers alone with no wait; an instance that would take a
-bucket's one or two waiting requests the moment it frees leaves the batches small.
-
-Deadlines are kept at both ends of the queue: a request that cannot be answered in time,
-given the rows ahead of it and the measured drain rate, is refused at the door (see
-admission); one whose deadline would pass before its run ends is dropped when it leaves the
-queue, before inference. A caller that cancels leaves the queue, or if its batch already
-runs, simply does not get the answer: its batch-mates are unaffected.
+A padded request joins a batch only if the longer run costs no more than running it alone. A
+free instance waits for more of a padded bucket only while another instance runs, never past
+the budget or a waiting deadline. A request that cannot finish in time is refused before it
+queues (admission) or dropped before its run; a cancelled caller leaves its batch-mates be.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import numpy as np
 
 from sluice.core.datatypes import DATATYPES, name_of
 from sluice.core.errors import InvalidInput, LoadFailed, ModelNotFound
-from sluice.core.versions import version_key
+from sluice.core.version_order import version_key
 from sluice.server.dataplane import padding, staging
 from sluice.server.dataplane.batcher import Arrays, Batcher, Trip
 from sluice.server.dataplane.engine import Engine, TensorSpec

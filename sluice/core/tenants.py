@@ -1,24 +1,12 @@
 """Tenants: who is calling, and what each caller may take. Transport-free; the clock is
 injected.
 
-A tenants file (TOML) names each tenant, the SHA-256 digests of its API keys (never the
-keys: `sluice key` makes a key and its line), and its limits in this process:
-
-    [tenants.search]
-    keys = ["sha256:2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae"]
-    priority = "interactive"  # or "batch": refused first when the server is overloaded
-    rate = 200                # calls per second, a token bucket (0 or absent: no quota)
-    burst = 400               # the bucket's size (default: one second of `rate`, at least 1)
-    concurrency = 32          # calls in flight at once (0 or absent: no limit)
-
-    [tenants.ops]
-    keys = ["sha256:..."]
-    admin = true              # may see backend details and load or unload models
-
-A call names its key as `authorization: Bearer KEY`. The file is re-read when it changes;
-a file that does not parse is refused and the one before it stays. A tenant's bucket and
-counts survive a re-read that keeps its name. Quotas and shares are per process: with N
-processes behind one port, a tenant may have N times its rate there.
+A tenants file (TOML, the README's "Tenants" shows one) names each tenant, the SHA-256
+digests of its API keys (never the keys: `sluice key` makes a key and its line), its
+priority, rate, burst and concurrency, and whether it is an admin. A call names its key as
+`authorization: Bearer KEY`. The file is re-read when it changes; one that does not parse is
+refused and the one before it stays; a tenant's bucket and counts survive a re-read that
+keeps its name. Quotas are per process: N processes behind one port give N times the rate.
 """
 
 from __future__ import annotations

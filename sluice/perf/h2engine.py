@@ -24,7 +24,7 @@ import grpc
 
 from sluice.client.connect import PLAINTEXT, Connection
 from sluice.client.core import auth_metadata
-from sluice.perf import stats
+from sluice.perf import histograms
 from sluice.perf.loadgen import LevelResult
 from sluice.runtime.tls import blocking_channel
 
@@ -125,12 +125,12 @@ def run_level(
         if h2load.returncode != 0:
             raise SystemExit(f"h2load failed ({h2load.returncode}): {stderr or stdout}")
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        histogram = stats.new_histogram()
+        histogram = histograms.new_histogram()
         statuses: Counter[str] = Counter()
         for line in log.read_text().splitlines():
             _, status, micros = line.split("\t")
             statuses["OK" if status.startswith("2") else f"HTTP {status}"] += 1
-            stats.record(histogram, int(micros) / 1e6)
+            histograms.record(histogram, int(micros) / 1e6)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return LevelResult(
         histogram=histogram.encode(),

@@ -24,7 +24,7 @@ from sluice.client.connect import PLAINTEXT, Connection
 from sluice.client.core import auth_metadata
 from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import status_name
-from sluice.perf import stats
+from sluice.perf import histograms
 from sluice.runtime.tls import aio_channel
 from sluice.wire.mux import MuxStream, StreamBroken
 
@@ -104,7 +104,7 @@ async def closed_loop(
 ) -> LevelResult:
     """`concurrency` workers, each sending its next call when the last one returns."""
     result = LevelResult()
-    histogram = stats.new_histogram()
+    histogram = histograms.new_histogram()
     stop_at = clock() + duration if duration else math.inf
     issued = 0
 
@@ -115,7 +115,7 @@ async def closed_loop(
             issued += 1
             started = clock()
             status = await call(bodies.body(k))
-            stats.record(histogram, clock() - started)
+            histograms.record(histogram, clock() - started)
             result.statuses[status] += 1
 
     started = clock()
@@ -137,14 +137,14 @@ async def open_loop(
 ) -> LevelResult:
     """Calls at `rate` per second on a fixed schedule, whatever the responses do."""
     result = LevelResult()
-    histogram = stats.new_histogram()
+    histogram = histograms.new_histogram()
     count = total or max(1, int(duration * rate))
     interval = 1.0 / rate
     outstanding: set[asyncio.Task[None]] = set()
 
     async def one(k: int, scheduled: float) -> None:
         status = await call(bodies.body(k))
-        stats.record(histogram, clock() - scheduled)
+        histograms.record(histogram, clock() - scheduled)
         result.statuses[status] += 1
 
     start = clock()

@@ -34,7 +34,7 @@ from sluice.client.core import auth_metadata
 from sluice.core.datatypes import DATATYPES
 from sluice.core.keys import PREDICT
 from sluice.kserve import grpc_predict_v2_pb2 as kserve
-from sluice.perf import h2engine, loadgen, report, stats
+from sluice.perf import h2engine, histograms, loadgen, report
 from sluice.perf.loadgen import (
     LEVEL_STRIDE,
     PROCESS_STRIDE,
@@ -67,7 +67,9 @@ class Level:
     wall_s: float = 0.0
     throughput: float = 0.0  # answered calls per second, errors included
     goodput: float = 0.0  # OK calls per second
-    latency: stats.Latency = field(default_factory=lambda: stats.summarize(stats.new_histogram()))
+    latency: histograms.Latency = field(
+        default_factory=lambda: histograms.summarize(histograms.new_histogram())
+    )
     client_cpu: float = 0.0  # busiest load-generator process, share of one core
     client_saturated: bool = False
     max_outstanding: int = 0
@@ -447,7 +449,7 @@ def summarize_level(
         wall_s=wall,
         throughput=calls / wall if wall else 0.0,
         goodput=statuses["OK"] / wall if wall else 0.0,
-        latency=stats.summarize(stats.merge([r.histogram for r in results])),
+        latency=histograms.summarize(histograms.merge([r.histogram for r in results])),
         client_cpu=busiest,
         client_saturated=busiest > SATURATED,
         max_outstanding=sum(r.max_outstanding for r in results),
@@ -477,7 +479,9 @@ def sweep(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
             results.append(level)
             if not args.quiet:
                 report.live_row(level, args.target_cpu != "off")
-    knee = stats.find_knee([lv.throughput for lv in results], [lv.latency.p99 for lv in results])
+    knee = histograms.find_knee(
+        [lv.throughput for lv in results], [lv.latency.p99 for lv in results]
+    )
     return {
         "title": args.title or f"sluice perf against {args.target}",
         "command": command,

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.perf import stats
+from sluice.perf import histograms
 from sluice.perf.loadgen import Bodies, closed_loop, open_loop
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
@@ -31,10 +31,10 @@ T = TypeVar("T")
     ids=["uniform", "exponential", "lognormal"],
 )
 def test_percentiles_match_the_distribution(samples_s: np.ndarray) -> None:
-    histogram = stats.new_histogram()
+    histogram = histograms.new_histogram()
     for s in samples_s:
-        stats.record(histogram, float(s))
-    summary = stats.summarize(histogram)
+        histograms.record(histogram, float(s))
+    summary = histograms.summarize(histogram)
     micros = np.floor(samples_s * 1e6)
     assert summary.count == len(samples_s)
     for got, q in ((summary.p50, 50), (summary.p90, 90), (summary.p99, 99), (summary.p999, 99.9)):
@@ -49,19 +49,19 @@ def test_percentiles_match_the_distribution(samples_s: np.ndarray) -> None:
 @settings(max_examples=25, deadline=None)  # each encode/decode of a histogram takes ~20 ms
 @given(st.lists(st.floats(1e-6, 100.0), min_size=1, max_size=300), st.integers(1, 5))
 def test_merge_across_processes_equals_one_histogram(values: list[float], parts: int) -> None:
-    whole = stats.new_histogram()
-    pieces = [stats.new_histogram() for _ in range(parts)]
+    whole = histograms.new_histogram()
+    pieces = [histograms.new_histogram() for _ in range(parts)]
     for i, v in enumerate(values):
-        stats.record(whole, v)
-        stats.record(pieces[i % parts], v)
-    merged = stats.merge([p.encode() for p in pieces])
-    assert stats.summarize(merged) == stats.summarize(whole)
+        histograms.record(whole, v)
+        histograms.record(pieces[i % parts], v)
+    merged = histograms.merge([p.encode() for p in pieces])
+    assert histograms.summarize(merged) == histograms.summarize(whole)
 
 
 def test_values_out_of_range_are_clamped_not_dropped() -> None:
-    histogram = stats.new_histogram()
-    stats.record(histogram, 0.0)
-    stats.record(histogram, 10_000.0)
+    histogram = histograms.new_histogram()
+    histograms.record(histogram, 0.0)
+    histograms.record(histogram, 10_000.0)
     assert histogram.get_total_count() == 2
 
 
@@ -76,7 +76,7 @@ def test_values_out_of_range_are_clamped_not_dropped() -> None:
     ],
 )
 def test_knee(throughput: list[float], p99: list[float], knee: int | None) -> None:
-    assert stats.find_knee(throughput, p99) == knee
+    assert histograms.find_knee(throughput, p99) == knee
 
 
 def test_unique_bodies_differ_and_still_parse() -> None:
@@ -160,7 +160,7 @@ def test_open_loop_keeps_to_its_schedule() -> None:
             server.call, Bodies((b"",)), rate=200, total=0, duration=1.0, clock=clock
         )
     )
-    summary = stats.summarize(stats.merge([result.histogram]))
+    summary = histograms.summarize(histograms.merge([result.histogram]))
     assert result.statuses == {"OK": 200}  # rate x duration calls
     # Sent every 5 ms, the last at 995 ms, each answered in 1 ms: never faster, never later.
     assert result.wall_s == pytest.approx(0.996)
@@ -176,7 +176,7 @@ def test_open_loop_latency_includes_the_wait_behind_a_slow_response() -> None:
             server.call, Bodies((b"",)), rate=100, total=20, duration=0, clock=clock
         )
     )
-    summary = stats.summarize(stats.merge([result.histogram]))
+    summary = histograms.summarize(histograms.merge([result.histogram]))
     assert result.statuses == {"OK": 20}
     # Arrivals kept to the schedule (every 10 ms) rather than waiting on the slow call: all
     # 20 were out before its answer at 200 ms, and the last was answered at 219 ms...
@@ -196,7 +196,7 @@ def test_closed_loop_hides_that_wait_which_is_why_open_loop_exists() -> None:
             server.call, Bodies((b"",)), concurrency=1, total=20, duration=0, clock=clock
         )
     )
-    summary = stats.summarize(stats.merge([result.histogram]))
+    summary = histograms.summarize(histograms.merge([result.histogram]))
     assert result.statuses == {"OK": 20}
     assert result.wall_s == pytest.approx(0.219)  # the same calls in the same time...
     assert summary.p50 == pytest.approx(1, abs=0.01)  # ...but only one call saw the stall
