@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ["core", "routing", "wire", "runtime", "v1", "models"]
 PACKAGES += ["server", "balancer", "client", "perf"]
 # What `sluice perf` imports: the wheel's whole sluice/perf.
-SWEEP = ["__init__", "sweep", "loadgen", "h2engine", "stats", "report", "target"]
+SWEEP = ["__init__", "sweep", "loadgen", "h2engine", "histograms", "report", "target"]
 PIP = [sys.executable, "-m", "pip", "--no-input", "--disable-pip-version-check", "--quiet"]
 # Each build of ONNX Runtime and the one extra that installs it.
 RUNTIMES = {"onnxruntime": "cpu", "onnxruntime-gpu": "gpu"}
