@@ -1,35 +1,14 @@
 """OpenTelemetry traces across client, balancer and server, off unless asked for.
 
-The rule: a program (`sluice-server`, `sluice-balancer`) traces when, and only when,
-OTEL_TRACES_EXPORTER names an exporter other than `none` (`otlp`, `console`, or both,
-comma-separated) and OTEL_SDK_DISABLED is not `true`. Everything else is read from the
-standard variables by the SDK: OTEL_EXPORTER_OTLP_ENDPOINT (and _TRACES_ENDPOINT, _INSECURE,
-_HEADERS, _TIMEOUT), OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG, OTEL_SERVICE_NAME and
-OTEL_RESOURCE_ATTRIBUTES, OTEL_BSP_* (the batch span processor), OTEL_PROPAGATORS. The
-sampler decides only for calls that arrive without a trace: a sampler that is not
-parent-based is made so, so that a trace the caller sampled is whole across the hops.
+A program traces when, and only when, OTEL_TRACES_EXPORTER names an exporter other than
+`none` (`otlp`, `console`, or both) and OTEL_SDK_DISABLED is not `true`; the SDK reads the
+other standard OTEL_* variables. A sampler that is not parent-based is made so, so that a
+trace the caller sampled is whole across the hops. W3C trace context travels in gRPC
+metadata on unary calls and in each StreamRequest's `metadata` map on PredictStream.
 
-W3C trace context (`traceparent`, `tracestate`) travels in gRPC metadata on unary calls and
-in each StreamRequest's `metadata` map on PredictStream, so every multiplexed call is a
-span of its own (an interceptor would see one long stream).
-
-Off, the cost on a call's path is one check of the module flag `ON`: no span is made and
-no header is read. The programs' spans are observers on their one request path
-(sluice.runtime.spans), None there when tracing is off or the call is not sampled.
-
-The client library does not need `setup`: it makes spans and injects the context whenever
-the application has installed a TracerProvider of its own (the check is one read of the
-API's global), and does nothing otherwise.
-
-Spans: `sluice.client/Predict` (CLIENT); `sluice.balancer/Predict` (SERVER) with one
-`sluice.balancer/attempt` (CLIENT) per attempt, whose context goes to the server;
-`sluice.server/Predict` (SERVER, one per unary call or stream message) and its child
-`sluice.model.run` (the request's way from its decoded arrays to its encoded answer), whose
-children say where that time went: `sluice.queue.wait` (arrival in the batcher's queue until
-its batch took it; zero long on the inline fast path), `sluice.batch.run` (the run of the
-batch the request was in: `sluice.batch.rows`, `sluice.batch.requests`, `sluice.batch.reason`
-full/budget/drained, `sluice.batch.inline`) and `sluice.encode` (the response's encode).
-Log records made inside a span carry `trace_id` and `span_id`."""
+Off, a call's path costs one check of the module flag `ON`. The client library needs no
+`setup`: it traces whenever the application has installed a TracerProvider. The spans and
+their attributes: docs/DESIGN.md, "Tracing"."""
 
 from __future__ import annotations
 
