@@ -9,7 +9,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from sluice import models
 from sluice.runtime import tracing
+from sluice.server.dataplane.engine import Engine
 
 
 @pytest.fixture
@@ -22,3 +24,11 @@ def spans() -> Iterator[InMemorySpanExporter]:
     yield exporter
     tracing.uninstall()
     provider.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    """The bundled digits model on the CPU, one engine a module."""
+    engine = Engine(models.DIGITS, device="cpu")
+    yield engine
+    engine.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,13 +29,6 @@ from tests.conftest import SAMPLES
 V1 = SluiceV1()  # the server's plain sluice.v1 protocol
 
 X = SAMPLES[0].input
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = Engine(models.DIGITS, device="cpu")
-    yield engine
-    engine.close()
 
 
 @dataclass

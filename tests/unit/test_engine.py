@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,13 +29,6 @@ from sluice.server.v1 import model_statuses
 from tests.conftest import SAMPLES
 
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = Engine(models.DIGITS, device="cpu")
-    yield engine
-    engine.close()
 
 
 def test_specs_describe_the_model(engine: Engine) -> None:

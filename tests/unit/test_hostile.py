@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -18,7 +18,6 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from sluice import models
 from sluice.balancer.service import refusal
 from sluice.core.calls import stream_timeout
 from sluice.core.datatypes import DATATYPES
@@ -134,13 +133,6 @@ def test_the_codec_refuses_only_with_tensor_error(tensors: list[pb.Tensor]) -> N
         return
     for tensor in tensors:
         assert arrays[tensor.name].shape == tuple(tensor.shape)
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = Engine(models.DIGITS, device="cpu")
-    yield engine
-    engine.close()
 
 
 async def outcome(plane: Dataplane, body: bytes, deadline: float | None, cache: bool) -> str:

@@ -5,7 +5,7 @@ the protocol's metadata calls on the bundled model."""
 from __future__ import annotations
 
 import tracemalloc
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,6 @@ import onnxruntime as ort
 import pytest
 
 from perf import make_pool
-from sluice import models
 from sluice.core.datatypes import DATATYPES
 from sluice.core.errors import InvalidInput, ModelNotFound, Unimplemented
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
@@ -279,13 +278,6 @@ def test_a_model_name_or_version_that_is_not_utf8_is_invalid_input(field: bytes)
 
 
 # The request path, on the bundled model.
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = Engine(models.DIGITS, device="cpu")
-    yield engine
-    engine.close()
 
 
 @pytest.fixture

@@ -4,13 +4,11 @@ was unloaded: that it is not loaded, why, and what is. Real engines from a repos
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sluice.core.errors import ModelNotFound
-from sluice.models import DIGITS
 from sluice.server.dataplane.batcher import Batcher
 from sluice.server.dataplane.engine import Engine
 from sluice.server.dataplane.models import GONE_MODELS, GONE_VERSIONS, Model, Models
@@ -89,13 +87,6 @@ def test_a_node_that_never_served_a_model_says_so_without_promising_one() -> Non
     with pytest.raises(ModelNotFound) as default:
         Models(default="digits").get()
     assert str(default.value) == "the default model 'digits' is not loaded; this node serves none"
-
-
-@pytest.fixture
-def engine() -> Iterator[Engine]:
-    engine = Engine(DIGITS, device="cpu")
-    yield engine
-    engine.close()
 
 
 def test_what_a_node_remembers_of_removed_versions_is_bounded_and_the_latest_are_kept(

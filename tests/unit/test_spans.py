@@ -17,7 +17,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 from opentelemetry.trace import SpanKind, StatusCode
 
-from sluice import models
 from sluice.balancer.service import ATTEMPT, CHUNK, FANOUT_CHUNKS
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.runtime import spans as observers
@@ -61,13 +60,6 @@ def forbid(monkeypatch: pytest.MonkeyPatch, names: dict[Any, Sequence[str]]) -> 
     for module, found in names.items():
         for name in found:
             monkeypatch.setattr(module, name, forbidden)
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = Engine(models.DIGITS, device="cpu")
-    yield engine
-    engine.close()
 
 
 def test_off_neither_program_runs_span_code(

@@ -18,7 +18,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ParentBased
 from opentelemetry.trace import NoOpTracerProvider, SpanKind, StatusCode
 
-from sluice import models
 from sluice.balancer.service import ATTEMPT, BalancerService
 from sluice.client import AsyncSluiceClient, SluiceClient
 from sluice.client.core import SPAN as CLIENT_SPAN
@@ -238,13 +237,6 @@ def test_log_records_carry_the_trace_id(spans: InMemorySpanExporter) -> None:
 
 
 # The server's face and the dataplane, without a socket.
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = Engine(models.DIGITS, device="cpu")
-    yield engine
-    engine.close()
 
 
 class FakeContext:

@@ -21,7 +21,6 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from sluice import models
 from sluice.core.errors import InvalidInput, SluiceError
 from sluice.core.tenants import digest
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
@@ -94,13 +93,6 @@ def shm() -> Iterator[Callable[[int], Shm]]:
     yield make
     for obj in made:
         obj.close()
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = Engine(models.DIGITS, device="cpu")
-    yield engine
-    engine.close()
 
 
 @pytest.fixture
