@@ -103,8 +103,8 @@ class Planner(Generic[R]):
         attempt and returns its future, as grpc's `.future()` does), the call is hedged."""
         with lock:
             plan = LockedPlan(self, key, deadline, want, observer, lock)
-            hedging = self.hedging if start is not None else None
-            race = None if hedging is None else hedging.race(plan, lock)
+        hedging = self.hedging if start is not None else None
+        race = None if hedging is None else hedging.race(plan, lock)  # takes the lock itself
         try:
             if race is not None and start is not None:
                 return plan.finish(hedged_sync(race, start))

@@ -72,7 +72,9 @@ class Driven:
 
     def call(self, p: Planner[Reply], deadline_s: float = 1.0) -> threading.Thread:
         def run() -> None:
-            self.answer = p.run_sync(42, self.clock() + deadline_s, _never, start=self.start)
+            # A real lock, as the blocking client passes: the driver must never take it twice.
+            lock = threading.Lock()
+            self.answer = p.run_sync(42, self.clock() + deadline_s, _never, lock, start=self.start)
             self.idle.set()
 
         thread = threading.Thread(target=run)
