@@ -74,8 +74,7 @@ class Discovery:
         apply: Callable[[list[str]], None],
         last: list[str] | None = None,
     ) -> None:
-        """Apply the backends now (unless they are `last`, applied already) and whenever they
-        change, checking every `interval_s`."""
+        """Apply the backends now (unless they are `last`) and whenever they change."""
         while True:
             backends = await self.current()
             if backends != last:

@@ -1,10 +1,6 @@
-"""The balancer's KServe v2 face, `inference.GRPCInferenceService` (the Open Inference
-Protocol of Triton and MLServer). ModelInfer takes Predict's way (BalancerService.forward
-with method "ModelInfer": routing by the model it names, affinity, limits, retries and
-trailers alike), carried on the servers' PredictStreams. ModelReady and ModelMetadata ask a
-usable backend that serves the model; the server calls answer for the balancer itself, and so
-do the region calls (sluice.shm.balancer).
-The repository calls are each server's own, not the balancer's: they answer UNIMPLEMENTED."""
+"""The balancer's KServe v2 face: ModelInfer routed as Predict is, on the servers' streams;
+ModelReady and ModelMetadata asked of a backend that serves the model; the server calls
+answered for the balancer itself; the repository calls (each server's own) UNIMPLEMENTED."""
 
 from __future__ import annotations
 
@@ -45,7 +41,6 @@ class KServeFacade:
         self.version = package_version()
 
     def methods(self) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]:
-        """inference.GRPCInferenceService's handlers by method name."""
         methods: dict[str, Handler] = {
             "ServerLive": self.server_live,
             "ServerReady": self.server_ready,
@@ -83,8 +78,7 @@ class KServeFacade:
         want = Want(request.name, request.version)
         reply = await self.service.ask(MODEL_READY, body, want, context.time_remaining(), headers)
         if reply.code in (Code.NOT_FOUND, Code.UNAVAILABLE):
-            # No backend serves it, or none that does can answer: not ready (as Triton
-            # answers for a model it does not know).
+            # As Triton answers for a model it does not know.
             return kpb.ModelReadyResponse(ready=False).SerializeToString()
         if reply.code != 0:
             await context.abort(grpc_code(reply.code), reply.message)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from sluice.runtime.process import quiet_grpc_core
 
-# Run as `python -m sluice.balancer.main` (its workers are), grpc-core is quieted here, before
-# the imports below load grpc; the installed command does it in sluice.entry.
+# For `python -m` (workers run so): quiet grpc-core before the imports below load grpc.
 if __name__ == "__main__":
     quiet_grpc_core()
 
@@ -67,9 +66,8 @@ async def serve(settings: BalancerSettings, argv: Sequence[str]) -> int:
         pool, upstreams(settings), readiness.changed, models_refresh_s=settings.models_refresh_s
     )
     discovery = Discovery(settings.backend, settings.backends_file, settings.backends_dns)
-    # Known before listening, so health is true from the first check (servers not heard
-    # from yet get the benefit of the doubt); a slow name server delays the bind by one
-    # refresh at most, and the watch picks its answer up later.
+    # Known before listening, so health is true from the first check; a slow name server
+    # delays the bind by one refresh at most.
     try:
         known = await asyncio.wait_for(discovery.current(), settings.refresh_s)
     except TimeoutError:

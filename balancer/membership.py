@@ -1,8 +1,6 @@
-"""The balancer's backends as discovery lists them (flags, a file, DNS): each new address
-gets a transport that watches the server's health and learns its models, each address gone
-has its transport closed, and the balancer's own readiness is told of every change (and,
-as breakers reopen to probes by time alone, on a clock). It opens nothing itself: the
-transports come from a factory, so tests hand it fakes."""
+"""Discovery's list applied to the pool: transports opened for new addresses and closed for
+gone ones, health and models reported, readiness told. Transports come from a factory, so
+tests hand it fakes."""
 
 from __future__ import annotations
 
@@ -27,15 +25,13 @@ BREAKER_TICK_S = 0.5  # how often readiness is re-told while breakers may reopen
 
 
 def outage(why: str) -> bool:
-    """Whether a backend is out for what a restart shows too (the transport's words: it
-    refuses connections, is unreachable, does not answer; "": its own word), news at INFO.
-    Any other finding (a TLS mismatch, with the flag that fixes it) is a setting the user
-    must fix: WARNING."""
+    """Whether a backend is out for what a restart shows too (logged at INFO); any other
+    finding, such as a TLS mismatch, is the user's to fix (WARNING)."""
     return why in ("", REFUSES, NO_ANSWER) or why.startswith(f"{UNREACHABLE} (")
 
 
 class Transport(Protocol):
-    """What a backend's connection does for membership (sluice.balancer.upstream.Upstream)."""
+    """What a backend's connection does for membership (upstream.Upstream)."""
 
     def watch_health(self, report: Callable[[str, bool, str], None]) -> None: ...
 
@@ -47,8 +43,7 @@ class Transport(Protocol):
 
 
 def upstreams(settings: BalancerSettings) -> Callable[[str], Upstream]:
-    """The transport to one server as the flags say; SluiceError now if the upstream TLS
-    files do not load, so a bad flag stops the balancer at start."""
+    """The transport to one server as the flags say; SluiceError now for bad TLS files."""
     tls = upstream_tls(settings)
 
     def connect(address: str) -> Upstream:
@@ -99,8 +94,7 @@ class Membership:
 
     def _reporter(self, backend: Backend) -> Callable[[str, bool, str], None]:
         def report(state: str, unreachable: bool, why: str) -> None:
-            # `why`: what the transport found of a server it cannot reach, "" when the
-            # state is the server's own word.
+            # `why`: "" when the state is the server's own word.
             if (backend.health, backend.down) != (state, why):
                 level = logging.INFO if outage(why) else logging.WARNING
                 log.log(
@@ -127,8 +121,7 @@ class Membership:
         return learn
 
     async def tick(self, every_s: float = BREAKER_TICK_S) -> None:
-        """Tell readiness every `every_s`, until cancelled: a breaker reopens to probes by
-        time alone, with nothing else to say so."""
+        """Tell readiness every `every_s`: a breaker reopens to probes by time alone."""
         while True:
             await self._sleep(every_s)
             self.changed()

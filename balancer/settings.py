@@ -30,8 +30,7 @@ class BalancerSettings(ProgramSettings):
         metadata={"help": "NAME:PORT whose addresses are re-resolved (a headless service)"},
     )
     refresh_s: float = field(
-        # Half a second: a server added to DNS takes calls within a second of the change
-        # (its connection and first Health included); a lookup costs ~0.1 ms.
+        # A server added to DNS takes calls within a second; a lookup costs ~0.1 ms.
         default=0.5,
         metadata={"help": "how often the backends file and DNS are checked"},
     )

@@ -1,8 +1,7 @@
-"""The KServe v2 / Open Inference Protocol over gRPC (`inference.GRPCInferenceService`, the API
-of Triton and MLServer), served beside sluice.v1 so their clients work unchanged: the
-ModelInferRequest wire format as a dataplane protocol, and a thin servicer for the protocol's
-calls. ModelInfer takes Predict's path (validation, cache, batching, status codes); tensors
-placed by Triton's parameters are read and written by sluice.shm.placement."""
+"""The KServe v2 / Open Inference Protocol over gRPC (Triton's and MLServer's API), served
+beside sluice.v1 so their clients work unchanged: ModelInfer as a dataplane protocol, taking
+Predict's path, and a thin servicer for the protocol's other calls (with --shared-memory,
+Triton's system shared memory extension too)."""
 
 from __future__ import annotations
 
@@ -33,12 +32,11 @@ from sluice.wire import codec, facts, peek
 from sluice.wire.body import parse
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
-INFER = "ModelInfer"  # the method name, also a PredictStream message's `method`
-# Triton's name for ONNX models run by ONNX Runtime: clients and dashboards match on it.
+INFER = "ModelInfer"  # also a PredictStream message's `method`
+# Triton's name: clients and dashboards match on it.
 PLATFORM = "onnxruntime_onnx"
 REPOSITORY = "model_repository"  # the extension's name in ServerMetadata
-# Who may call what with auth on (others: any tenant): probes need no key; loading and
-# unloading models is an admin's.
+# With auth on (others: any tenant).
 ACCESS = {
     "ServerLive": OPEN,
     "ServerReady": OPEN,
@@ -51,32 +49,25 @@ REPOSITORY_OFF = (
     "the repository API is off; start sluice-server with --model-repository DIR --repository-api"
 )
 READY = "READY"
-# RepositoryModelLoad's answer has no fields: these trailers say which versions serve after
-# it and which it refused (their reasons: RepositoryIndex and the server's log).
+# RepositoryModelLoad's answer has no fields: trailers say what serves and what was refused.
 LOADED_TRAILER = "x-loaded-versions"
 REFUSED_TRAILER = "x-refused-versions"
 
 _RAW_INPUT = facts.INFER_RAW_INPUTS
-# Answers whose raw outputs reach this size are framed by hand (encode): below it the
-# framing's Python costs more than protobuf's copies save (0.4 us a call for 12 bytes; even
-# at 4 KB).
+# Below this, framing by hand costs more than protobuf's copies save (measured).
 FRAMED_FROM = 4 << 10
-# ModelInferResponse's raw_output_contents tag (length-delimited).
 _RAW_OUTPUT_TAG = peek.tag(facts.INFER_RESPONSE_RAW_OUTPUTS)
-_NO_VALUES = np.empty(0, np.uint8)  # an output in shared memory: its raw entry, empty
+_NO_VALUES = np.empty(0, np.uint8)  # an output in shared memory
 
 
-# By output name, each output's place in a region and the view it is written into (through
-# the call's lease); None: no output in shared memory.
+# None: no output in shared memory.
 OutputSlots = Mapping[str, OutputSlot] | None
 
 
 class KServeV2:
-    """ModelInfer's bodies. The request's `id` is echoed, not computed: it is left out of the
-    cache key and the dataplane puts the request's id field in front of the answer, where it
-    is ModelInferResponse's `id` (the same field number and type), so `encode` leaves it out
-    and two requests that differ only in id share one cached answer. `shared_memory`: the
-    node takes shared memory, so `route` looks for bodies that name a region."""
+    """ModelInfer's bodies. The request's `id` is left out of the cache key and put in front
+    of the answer by the dataplane (ModelInferResponse's `id` has the same field number), so
+    requests that differ only in id share one cached answer."""
 
     name = "kserve.v2"
 
@@ -85,7 +76,7 @@ class KServeV2:
 
     def route(self, body: bytes) -> Asked:
         try:
-            read = facts.read(body, facts.MODEL_INFER)  # an id that is not UTF-8 is refused
+            read = facts.read(body, facts.MODEL_INFER)
         except peek.Malformed as exc:
             raise InvalidInput(str(exc)) from None
         # Off, a region is refused by `decode`.
@@ -95,7 +86,6 @@ class KServeV2:
     def decode(self, body: bytes, lease: Lease | None = None) -> Request[OutputSlots]:
         request, raw = read_infer(body)
         model = request.model_name
-        # Request-level parameters (Triton's priority, sequence ids, ...) change nothing here.
         places = placement.triton_inputs(request.inputs, lease, NO_SHARED_MEMORY)
         placement.check_raw_entries(len(raw), places.count(None))
         inputs: dict[str, np.ndarray] = {}
@@ -105,7 +95,6 @@ class KServeV2:
                 raise InvalidInput(f"input {tensor.name!r} appears more than once")
             if place is not None:
                 assert lease is not None  # triton_ref refused a region without one
-                # A view of the region's bytes (no copy, unless they are not aligned).
                 view, dt, shape = placement.triton_input(tensor, model, place, lease)
                 where = f"shared memory region '{place.region}' holds"
                 inputs[tensor.name] = _array(placement.input_label(tensor), view, dt, shape, where)
@@ -129,11 +118,10 @@ class KServeV2:
         return Request(inputs, outputs, placements or None)
 
     def encode(self, model: Model, request: Request[OutputSlots], outputs: Arrays) -> bytes:
-        # Always raw, as Triton answers over gRPC: one entry per output, in order; an output
-        # written into shared memory has an empty one.
+        # Always raw, as Triton answers; an output in shared memory has an empty entry.
         placements = request.options or {}
         tensors, arrays = [], []
-        placed: dict[str, memoryview] = {}  # the placed outputs' bytes
+        placed: dict[str, memoryview] = {}
         for name, array in outputs.items():
             dt = codec.datatype_of(array.dtype)
             tensors.append(
@@ -146,8 +134,7 @@ class KServeV2:
                 arrays.append(_NO_VALUES)
             else:
                 arrays.append(np.ascontiguousarray(array, dtype=dt.dtype))
-        # Every placed output checked before any is written, and written once the answer
-        # is made: a refused call writes nothing.
+        # All checked before any is written, and written once answered: a refusal writes nothing.
         writes = placement.triton_writes(placements, tensors, placed) if placements else None
         if sum(a.nbytes for a in arrays) < FRAMED_FROM:
             raw = [a.tobytes() for a in arrays]
@@ -158,9 +145,7 @@ class KServeV2:
                 raw_output_contents=raw,
             ).SerializeToString()
         else:
-            # Protobuf writes the small fields; the raw entries, the message's last field,
-            # are framed here: each output's bytes are copied once, into the answer (through
-            # protobuf, three times: tobytes, its memory, its serialization).
+            # The raw entries framed here are copied once (through protobuf, three times).
             head = kpb.ModelInferResponse(
                 model_name=model.name, model_version=model.version, outputs=tensors
             ).SerializeToString()
@@ -174,18 +159,15 @@ class KServeV2:
 
 
 def read_infer(body: bytes) -> tuple[kpb.ModelInferRequest, Sequence[bytes | memoryview]]:
-    """The request and its raw_input_contents. From peek.WIRE_READ_FROM bytes, the raw
-    entries are views of `body`, found by a walk of its top-level fields (sluice.wire.peek),
-    and protobuf parses the rest, which is small unless it holds typed values: a 602 KB
-    input costs no copy in the parser's memory and none out of it. The request then has no
-    raw_input_contents of its own. A body the walk refuses is parsed whole, so that the
-    parser's words refuse it."""
+    """The request and its raw_input_contents: for large bodies, views of `body` found by a
+    walk, protobuf parsing only the rest (a body the walk refuses is parsed whole, so that
+    the parser's words refuse it)."""
     if len(body) < peek.WIRE_READ_FROM:
         request = parse(kpb.ModelInferRequest, body)
         return request, request.raw_input_contents
     view = memoryview(body)
     raw: list[memoryview] = []
-    rest: list[memoryview] = []  # the body around the raw entries
+    rest: list[memoryview] = []
     at = 0
     try:
         for tag, number, wire, a, b in peek.walk(body, 0, len(body), peek.MAX_FIELDS):
@@ -196,11 +178,9 @@ def read_infer(body: bytes) -> tuple[kpb.ModelInferRequest, Sequence[bytes | mem
                 at = b
         if raw:
             rest.append(view[at:])
-            # The rest parses as the whole would, less its raw entries: the parser reads
-            # field after field, and the walk framed each entry as the parser would.
             return kpb.ModelInferRequest.FromString(b"".join(rest)), raw
     except (peek.Malformed, DecodeError):
-        pass  # the parser judges the whole body, in its own words
+        pass
     request = parse(kpb.ModelInferRequest, body)
     return request, request.raw_input_contents
 
@@ -208,8 +188,7 @@ def read_infer(body: bytes) -> tuple[kpb.ModelInferRequest, Sequence[bytes | mem
 def _decode(
     tensor: kpb.ModelInferRequest.InferInputTensor, raw: bytes | memoryview | None
 ) -> np.ndarray:
-    """One input's array, from its raw bytes (`raw`, when the request uses them) or its
-    typed contents. The checks against the model come later (Model.check)."""
+    """One input's array, from its raw bytes or its typed contents (unchecked: Model.check)."""
     if raw is None:
         return placement.triton_contents(tensor)
     label = placement.input_label(tensor)
@@ -240,15 +219,11 @@ def _raw(
 def _array(
     label: str, data: bytes | memoryview, dt: DataType, shape: tuple[int, ...], where: str
 ) -> np.ndarray:
-    """A view of `data` as the input's array (codec.view_of); a copy where it is not
-    aligned."""
+    """A view of `data` as the input's array; a copy where it is not aligned."""
     try:
         return codec.view_of(label, data, dt, shape, where)
     except codec.TensorError as exc:
         raise InvalidInput(str(exc)) from None
-
-
-# The servicer.
 
 
 class IndexEntry(Protocol):
@@ -259,7 +234,7 @@ class IndexEntry(Protocol):
     @property
     def version(self) -> str: ...
     @property
-    def state(self) -> str: ...  # READY, UNAVAILABLE or LOADING
+    def state(self) -> str: ...
     @property
     def reason(self) -> str: ...
 
@@ -275,12 +250,9 @@ class Repository(Protocol):
 
 
 class KServeService:
-    """`inference.GRPCInferenceService` over an InferenceService: the same request ids,
-    trailers, stats, tracing and error table. The repository calls are served only with a
-    `repository` (--repository-api), the system shared memory calls only where the service
-    has regions (--shared-memory), each caller's tenant in its own name space. Registers
-    ModelInfer as a PredictStream method too, so a balancer can forward ModelInfer bodies
-    on its streams."""
+    """`inference.GRPCInferenceService` over an InferenceService (the same ids, trailers,
+    stats, tracing and errors). ModelInfer is a PredictStream method too, so a balancer can
+    carry it on its streams."""
 
     def __init__(self, service: InferenceService, repository: Repository | None = None) -> None:
         self.service = service
@@ -293,7 +265,6 @@ class KServeService:
         return grpc.method_handlers_generic_handler(SERVICE, self.methods())
 
     def methods(self) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]:
-        """inference.GRPCInferenceService's handlers by method name."""
         methods: dict[str, Method] = {
             "ServerLive": self.server_live,
             "ServerReady": self.server_ready,
@@ -387,7 +358,6 @@ class KServeService:
         repository = self._repository()
         request = parse(kpb.RepositoryModelLoadRequest, body)
         _no_parameters("RepositoryModelLoad", request.parameters)
-        # Some versions refused while others serve is a success, as a poll would leave it.
         report = await repository.load(request.model_name)
         call.trailers.append((LOADED_TRAILER, ",".join(map(str, report.serving))))
         if report.refused:
@@ -397,8 +367,7 @@ class KServeService:
     async def repository_unload(self, body: bytes, call: Call) -> bytes:
         repository = self._repository()
         request = parse(kpb.RepositoryModelUnloadRequest, body)
-        # Triton's client always sends unload_dependents: Sluice serves no ensembles, so a
-        # model has no dependents to unload or keep either way.
+        # Triton's client always sends unload_dependents; Sluice serves no ensembles.
         asked = [name for name in request.parameters if name != "unload_dependents"]
         _no_parameters("RepositoryModelUnload", asked)
         await repository.unload(request.model_name)
@@ -406,8 +375,7 @@ class KServeService:
 
 
 def _no_parameters(method: str, parameters: Iterable[str]) -> None:
-    """Triton's load parameters (a config override, model files) would load something other
-    than the repository holds: refused, rather than ignored."""
+    """Refuse Triton's load parameters, which would load other than the repository holds."""
     names = sorted(parameters)
     if names:
         raise InvalidInput(

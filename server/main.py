@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from sluice.runtime.process import quiet_grpc_core
 
-# Run as `python -m sluice.server.main` (its workers are), grpc-core is quieted here, before
-# the imports below load grpc; the installed command does it in sluice.entry.
+# For `python -m` (workers run so): quiet grpc-core before the imports below load grpc.
 if __name__ == "__main__":
     quiet_grpc_core()
     try:  # no ONNX Runtime: one line that says what to install, as sluice.entry ends with
@@ -106,8 +105,7 @@ async def serve(
     background += sweeps(regions, log)
 
     def banner() -> str:
-        # Each model's own settings (a config's override the flags' defaults), and the node's
-        # cache: among the settings of its one model, else once after them all.
+        # The cache among its one model's settings, else once after them all.
         listed = [f"{m.name} {m.version} on {m.engine.provider} ({m.describe()}" for m in models]
         cache = f"cache {settings.cache_entries} entries"
         if len(listed) == 1:

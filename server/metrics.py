@@ -1,7 +1,5 @@
-"""The server's Prometheus metrics: its serving stats (sluice.runtime.metrics), and the
-dataplane's batchers and cache, read when scraped; queue wait, model time and batch rows are
-histograms fed by the batchers' hooks, set only here (metrics on). Models with padded inputs
-also count, by model name, the positions their requests held and those their runs ran."""
+"""The server's Prometheus metrics: the batchers and cache read when scraped; queue wait,
+model time and batch rows as histograms fed by hooks set only here (metrics on)."""
 
 from __future__ import annotations
 
@@ -18,9 +16,8 @@ from sluice.server.dataplane.models import Model, Models
 
 
 class DataplaneCollector(Collector):
-    """Queue, batches, admission and the result cache of one server: its models' batchers
-    summed, as models come and go (a listener of `Models`); the counts of a model that was
-    unloaded stay in the totals, so counters never go back."""
+    """Queue, batches, admission and cache, summed over models as they come and go (unloaded
+    models' counts stay, so counters never go back)."""
 
     def __init__(self, models: Models, cache: LRUCache) -> None:
         self.models = models
@@ -28,9 +25,7 @@ class DataplaneCollector(Collector):
         self.wait = Histogram(SECONDS)
         self.run = Histogram(RUN_SECONDS)
         self.rows = Histogram(ROWS)
-        # The stats of models taken out of service, by model name, kept (not their batchers:
-        # those hold sessions): a retiring model still counts what it refuses while it
-        # finishes.
+        # Stats, not batchers (those hold sessions): a retiring model still counts refusals.
         self.gone: list[tuple[str, BatcherStats]] = []
         for model in models:
             self.installed(model)
@@ -90,8 +85,7 @@ class DataplaneCollector(Collector):
 
 
 def _padding(named: list[tuple[str, BatcherStats]]) -> Iterator[Metric]:
-    """Padded positions against real ones, by model name (its versions, gone ones too), for
-    the models that ran padded requests."""
+    """Padded positions against real ones, by model name."""
     tokens: dict[str, list[int]] = {}
     for name, stats in named:
         if stats.padded_tokens:

@@ -1,17 +1,9 @@
 """Triton's config.pbtxt, read into a model's `Config`: the subset Sluice honors.
 
-Honored: max_batch_size (0: no batching), instance_group (the sum of the counts; all
-KIND_CPU: on the CPU; all Triton's default KIND_AUTO: the server's --device),
-dynamic_batching.max_queue_delay_microseconds (the batch budget, unless 0), version_policy,
-default_model_filename, and parameters `sluice.accept.INPUT` (the compact wire types an
-FP32 or FP16 input also takes, as "UINT8*0.00392157+0", comma-separated: cast by the server
-as x * scale + offset), `sluice.pad.INPUT` (the value an input is padded with, as "0", so
-requests of different lengths share batches), `sluice.buckets` (the lengths padding rounds
-up to, as "16,32,64,128") and `sluice.max_length` (the longest length taken). Other known
-fields (input and output dims: the ONNX file's own
-signature rules; other parameters) are read and logged as ignored; unknown fields are
-skipped, and named in the log.
-"""
+Honored: max_batch_size, instance_group (counts; all KIND_CPU: the CPU), the dynamic
+batching delay (the batch budget, unless 0), version_policy, default_model_filename, and
+the parameters `sluice.accept.INPUT`, `sluice.pad.INPUT`, `sluice.buckets` and
+`sluice.max_length`. Other fields are logged as ignored (the ONNX file's signature rules)."""
 
 from __future__ import annotations
 
@@ -37,26 +29,21 @@ from sluice.v1 import model_config_pb2 as pb
 
 log = logging.getLogger("sluice.modelconfig")
 
-# A parameter naming the wire types an input also takes: this, then the input's name.
-ACCEPT = "sluice.accept."
-# A parameter giving the value an input is padded with: this, then the input's name.
+ACCEPT = "sluice.accept."  # then the input's name
 PAD = "sluice.pad."
-# The parameters of padded lengths: the buckets, and the longest taken.
 BUCKETS = "sluice.buckets"
 MAX_LENGTH = "sluice.max_length"
 
-# The platform and backend names Triton gives ONNX Runtime models; others cannot serve here.
 ONNX_PLATFORMS = ("", "onnxruntime_onnx")
 ONNX_BACKENDS = ("", "onnxruntime")
 
-# Triton writes repeated messages as `input [ {...} ]`; text_format can skip an unknown field
-# written so only in its `name: [ ... ]` form, so the colon goes in first (strings and
-# comments kept as they are).
+# Triton writes `input [ {...} ]`; text_format skips an unknown field only in its
+# `name: [ ... ]` form, so the colon goes in first.
 _LIST_WITHOUT_COLON = re.compile(
     r"""("(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*'|\#[^\n]*)|\b([A-Za-z_]\w*)(\s*)\["""
 )
 
-# Strings, comments, brackets and field names: enough to find the top-level fields.
+# Enough to find the top-level fields.
 _TOKENS = re.compile(
     r"""("(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*'|\#[^\n]*)"""  # kept whole
     r"|([{<\[])|([}>\]])"  # nesting
@@ -71,8 +58,7 @@ def _colon(match: re.Match[str]) -> str:
 
 
 def unknown_fields(text: str) -> list[str]:
-    """The top-level fields of config.pbtxt text that ModelConfig does not declare (parsing
-    skips them silently)."""
+    """The top-level fields ModelConfig does not declare (parsing skips them silently)."""
     depth = 0
     names: list[str] = []
     for match in _TOKENS.finditer(text):
@@ -126,11 +112,8 @@ def convert(message: pb.ModelConfig, source: str = "config.pbtxt", name: str = "
     instances = None
     device = None
     if message.instance_group:
-        # Triton's count defaults to 1 per group.
         instances = sum(max(g.count, 1) for g in message.instance_group)
-        # Triton's default kind, KIND_AUTO (a GPU if there is one, else the CPU), is what the
-        # server's --device does; KIND_CPU throughout is honoured. GPUs named, KIND_GPU,
-        # KIND_MODEL or a mix of kinds are not.
+        # KIND_AUTO is what --device does; GPUs named, KIND_GPU, KIND_MODEL or a mix are not.
         kinds = {g.kind for g in message.instance_group}
         named = any(g.gpus for g in message.instance_group)
         if kinds == {pb.ModelInstanceGroup.KIND_CPU} and not named:
@@ -141,9 +124,8 @@ def convert(message: pb.ModelConfig, source: str = "config.pbtxt", name: str = "
     budget_s = None
     if message.HasField("dynamic_batching"):
         batching = message.dynamic_batching
-        # Triton's delay is how long a batch may wait to fill; here the budget bounds how far
-        # apart the requests that join a batch arrived, so Triton's 0 ("do not wait") keeps
-        # the server's budget rather than batching nothing.
+        # Here the budget bounds how far apart a batch's requests arrived, so Triton's 0
+        # ("do not wait") keeps the server's budget rather than batching nothing.
         if batching.max_queue_delay_microseconds:
             budget_s = batching.max_queue_delay_microseconds / 1e6
         if batching.preferred_batch_size or batching.preserve_ordering:
@@ -186,8 +168,7 @@ T = TypeVar("T")
 def _by_input(
     message: pb.ModelConfig, source: str, prefix: str, parse: Callable[[str], T]
 ) -> dict[str, T]:
-    """What the config's `PREFIX.INPUT` parameters give, parsed, by input name; LoadFailed
-    naming the parameter for one that does not parse."""
+    """The config's `PREFIX.INPUT` parameters parsed, by input; LoadFailed naming a bad one."""
     found = {}
     for key in sorted(message.parameters):
         if not key.startswith(prefix):
@@ -203,19 +184,15 @@ def _by_input(
 
 
 def _accepts(message: pb.ModelConfig, source: str) -> dict[str, tuple[WireType, ...]]:
-    """The wire types the config's `sluice.accept.INPUT` parameters give, by input name."""
     return _by_input(message, source, ACCEPT, parse_wire_types)
 
 
 def _pads(message: pb.ModelConfig, source: str) -> dict[str, str]:
-    """The pad values the config's `sluice.pad.INPUT` parameters give, by input name (each
-    a number; its datatype is checked when the model loads)."""
     return _by_input(message, source, PAD, parse_pad)
 
 
 def _lengths(message: pb.ModelConfig, source: str) -> tuple[tuple[int, ...] | None, int | None]:
-    """The config's length buckets and longest length (None: not set); LoadFailed naming
-    the parameter for one that does not parse, or a longest beyond the largest bucket."""
+    """The config's length buckets and longest length (None: not set); LoadFailed if bad."""
     buckets = max_length = None
     if BUCKETS in message.parameters:
         try:
@@ -237,9 +214,8 @@ def _lengths(message: pb.ModelConfig, source: str) -> tuple[tuple[int, ...] | No
 
 
 def read_config(path: Path) -> Config:
-    """The `Config` of a model's config.pbtxt at `path`: the server's defaults when there is
-    no such file; raises LoadFailed (naming the file) for one that does not parse or that
-    Sluice cannot serve."""
+    """The `Config` of the config.pbtxt at `path` (none: the defaults); LoadFailed naming
+    the file for one that does not parse or cannot serve."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

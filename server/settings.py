@@ -241,9 +241,8 @@ class ServerSettings(ProgramSettings):
             raise ValueError(f"--buckets {self.buckets!r}: {exc}") from None
 
     def model_settings(self, entry: str | None = None) -> ModelSettings:
-        """What every model serves with where its config sets nothing, in seconds and bytes;
-        with `entry`, the NAME of a --model entry ("" for an unnamed one), what that one
-        serves with: its --accept wire types and --pad inputs too."""
+        """What every model serves with where its config sets nothing; with `entry` (a --model
+        NAME, "" unnamed), that one's --accept and --pad too."""
         if entry is not None:
             return replace(
                 self.model_settings(),
@@ -274,8 +273,7 @@ class ServerSettings(ProgramSettings):
         return 1 if gpu else os.cpu_count() or 1
 
     def accepts(self) -> dict[str, dict[str, tuple[WireType, ...]]]:
-        """The --accept entries: by --model entry NAME ("" for an unnamed one), the wire
-        types of each input named. An entry without MODEL is the one --model's."""
+        """The --accept wire types, by --model entry NAME and input."""
         syntax = f"[MODEL:]INPUT={WIRE_SYNTAX}"
         if self.accept and not self.model:
             raise ValueError(
@@ -301,8 +299,7 @@ class ServerSettings(ProgramSettings):
         return found
 
     def pads(self) -> dict[str, dict[str, str]]:
-        """The --pad entries: by --model entry NAME ("" for an unnamed one), the pad value of
-        each input named (checked against its datatype when the model loads)."""
+        """The --pad values, by --model entry NAME and input."""
         syntax = "[MODEL:]INPUT=VALUE"
         if self.pad and not self.model:
             raise ValueError(
@@ -324,8 +321,7 @@ class ServerSettings(ProgramSettings):
         return found
 
     def _per_model(self, flag: str, entry: str, syntax: str) -> tuple[str, str, str]:
-        """A per-input entry of `flag` as (--model entry NAME, input, what follows "="). An
-        entry without MODEL is the one --model's."""
+        """A per-input entry of `flag` as (--model entry NAME, input, what follows "=")."""
         entries = [name for name, _ in self.models()]
         target, equals, written = entry.partition("=")
         model, colon, name = target.partition(":")

@@ -2,10 +2,7 @@
 
     from sluice import SluiceClient
 
-The programs live in sluice.server, sluice.balancer, sluice.client and sluice.perf; what they
-share in sluice.core (transport-free basics), sluice.routing (the routing policies and the
-call planner), sluice.wire (the sluice.v1 wire format) and sluice.runtime (process plumbing).
-"""
+The layout: docs/DESIGN.md."""
 
 from __future__ import annotations
 
@@ -16,14 +13,13 @@ if TYPE_CHECKING:
 
 __all__ = ["AsyncSluiceClient", "Prediction", "SluiceClient"]
 
-# The protobuf runtime the generated *_pb2 modules were made for, and pyproject's floor.
+# What the generated *_pb2 modules were made for; pyproject's floor.
 NEEDS_PROTOBUF = "7.35.1"
 
 
 def _check_protobuf() -> None:
-    """ImportError, saying what happened and what to do, when the protobuf that would run is
-    older than NEEDS_PROTOBUF; otherwise the first generated module fails with protobuf's own
-    gencode/runtime mismatch, which names neither. (Imports here: `sluice.re` is no API.)"""
+    """ImportError saying what to do when protobuf is older than NEEDS_PROTOBUF (protobuf's
+    own mismatch error says neither). Imports inside: `sluice.re` is no API."""
     import re
     import sys
 
@@ -44,7 +40,7 @@ def _check_protobuf() -> None:
     )
 
 
-_check_protobuf()  # before anything imports a generated module
+_check_protobuf()
 
 
 def __dir__() -> list[str]:

@@ -1,8 +1,5 @@
-"""The installed commands' entry points (pyproject's [project.scripts]): each quiets
-grpc-core's own log lines (`quiet_grpc_core`: GRPC_VERBOSITY=NONE unless the user set it),
-then imports its program and runs it. grpc reads that variable once, as it is first
-imported, and every program imports grpc at its top: so the imports wait until here. Above
-the programs, not in sluice.runtime: shared layers import no program."""
+"""The installed commands' entry points: each quiets grpc-core before importing its program,
+since grpc reads GRPC_VERBOSITY once, as it loads. Here, as shared layers import no program."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ def server() -> int:
     except ImportError as exc:
         if exc.name != "onnxruntime":
             raise
-        raise SystemExit(str(exc)) from None  # what to install, in one line: status 1
+        raise SystemExit(str(exc)) from None  # what to install, in one line
     return main()
 
 

@@ -1,17 +1,8 @@
 """Admission at the door: whether a request can finish within its deadline, decided before
-any work is queued for it. Transport-free; times are on the caller's clock.
-
-Little's law on the visible queue: a new request finishes after the runs now going, then
-the runs the queued requests make (batches of up to `max_rows` rows; a larger request is a
-run of its own) in waves over the instances, then its own run. Work is counted in the
-batcher's cost units: rows, or where inputs are padded positions (rows times the lengths
-they run at). A run's cost is measured, not configured: its wall time as the batcher saw it
-(thread hops and a busy CPU included), fitted as fixed + per-unit seconds over the recent
-runs (decaying averages), so a queue that will drain in large batches is not priced as many
-runs of one row. A request
-that cannot make it is refused at once with RESOURCE_EXHAUSTED, so it costs the server
-almost nothing and its caller can go elsewhere while it still has time; one admitted is one
-the server expects to answer."""
+it queues, from the work ahead (running, then queued in batches and waves over the
+instances) at the measured cost of a run, fitted as fixed + per-row seconds. One that
+cannot is refused at once, so its caller can go elsewhere in time (docs/DESIGN.md,
+"Batching policy")."""
 
 from __future__ import annotations
 
@@ -20,19 +11,18 @@ from dataclasses import dataclass
 
 from sluice.core.errors import Overloaded
 
-WEIGHT = 0.1  # of each new run in the averages: about the last ten runs count
+WEIGHT = 0.1  # about the last ten runs count
 WARMUP = 8  # runs measured before the estimate is trusted to refuse anything
 
 
 class Admission:
     def __init__(self, instances: int, max_rows: int = 1) -> None:
-        # Both at least 1: the batcher has a runner, and ModelSettings clamps the batch size.
         self.instances = instances
         self.max_rows = max_rows
         self.runs = 0
         self.refused = 0
-        self.fixed_s = 0.0  # seconds a run costs whatever its rows
-        self.row_s = 0.0  # and per row on top
+        self.fixed_s = 0.0
+        self.row_s = 0.0
         # Decaying moments of (rows, seconds) per run, for the fit.
         self._rows = self._seconds = self._rows2 = self._rows_seconds = 0.0
 
@@ -46,11 +36,11 @@ class Admission:
         self._rows2 += weight * (x * x - self._rows2)
         self._rows_seconds += weight * (x * seconds - self._rows_seconds)
         spread = self._rows2 - self._rows * self._rows
-        if spread > 1e-6:  # runs of several sizes: the per-row part can be told apart
+        if spread > 1e-6:
             per_row = (self._rows_seconds - self._rows * self._seconds) / spread
             self.row_s = max(0.0, per_row)
-        else:  # one size only: all of it counts as fixed (a larger batch is then underpriced
-            self.row_s = 0.0  # and admitted; the check at dequeue still catches it)
+        else:  # one size only: all fixed (a larger batch underpriced; dequeue checks it)
+            self.row_s = 0.0
         self.fixed_s = max(0.0, self._seconds - self.row_s * self._rows)
 
     def run_s(self, cost: float) -> float:
@@ -61,7 +51,7 @@ class Admission:
         """Seconds until a request of `cost`, with `ahead` before it, is answered."""
         seconds = self.run_s(ahead.running_cost / ahead.busy) if ahead.busy else 0.0
         if ahead.queued and ahead.queued_cost:
-            # Batches take rows: their count is the rows over a batch's, whatever the lengths.
+            # Batches count by rows, whatever the lengths.
             rows = ahead.queued_rows or ahead.queued_cost
             runs = min(ahead.queued, math.ceil(rows / self.max_rows))
             waves = math.ceil(runs / self.instances)
@@ -76,9 +66,8 @@ class Admission:
         cost: int,
         unit: str = "rows",
     ) -> None:
-        """Raise Overloaded unless the request of `cost` (in `unit`: rows, or positions where
-        inputs are padded) can be answered by `deadline`. With nothing ahead it is always let
-        in: it delays nobody, and its run keeps the estimate fresh (a server that refused
+        """Overloaded unless the request of `cost` can be answered by `deadline`. With nothing
+        ahead it is let in: its run keeps the estimate fresh (a server that refused
         everything would never learn it had become fast again)."""
         if deadline is None or not (ahead.busy or ahead.queued) or self.runs < WARMUP:
             return
@@ -99,7 +88,7 @@ class Ahead:
     """The work before a new request: runs going now, and the queue."""
 
     busy: int = 0  # instances running a batch
-    running_cost: int = 0  # their cost: rows, or padded positions
-    queued: int = 0  # requests waiting
+    running_cost: int = 0  # rows, or padded positions
+    queued: int = 0
     queued_cost: int = 0
-    queued_rows: int = 0  # the rows of those requests (0: their cost, where nothing pads)
+    queued_rows: int = 0  # 0: their cost, where nothing pads

@@ -1,7 +1,4 @@
-"""Staging buffers: host arrays kept in a pool by (dtype, row shape, rows bucket) and reused,
-so a batch is assembled by copying each request's bytes straight into place. On CUDA the
-allocator hands out pinned (page-locked) host memory, which the GPU copies asynchronously.
-Transport-free."""
+"""Staging buffers pooled by (dtype, row shape, rows bucket), on CUDA pinned host memory."""
 
 from __future__ import annotations
 
@@ -12,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Allocates `nbytes` of host memory as a uint8 array (that keeps its memory alive).
+# `nbytes` of host memory as a uint8 array that keeps its memory alive.
 Allocator = Callable[[int], np.ndarray]
 
 
@@ -28,19 +25,17 @@ def bucket(rows: int) -> int:
 @dataclass(frozen=True)
 class PoolStats:
     buffers: int  # resting in the pool
-    bytes: int  # resting in the pool
+    bytes: int
     reused: int
     allocated: int
-    dropped: int  # returned when the pool was full or the buffer too large, and freed
+    dropped: int  # freed on return: the pool full or the buffer too large
 
 
 Key = tuple[str, tuple[int, ...], int]
 
 
-# The largest buffer the pool keeps, as a share of its budget (16 MiB of the default 256 MiB).
-# Larger ones are freed on return: one rare large batch (a 25 MB request, staged on CUDA, takes
-# a 32 MiB pinned buffer and 6 MiB more for its outputs) would otherwise hold its memory for
-# good, and the budget the common sizes need.
+# The largest buffer kept, as a share of the budget: one rare 25 MB request would otherwise
+# hold 38 MiB of pinned memory for good.
 LARGEST_SHARE = 16
 
 
@@ -55,8 +50,7 @@ class BufferPool:
         keep_bytes: int = 0,
     ) -> None:
         self.max_bytes = max_bytes
-        # `keep_bytes`: buffers this large are kept too (up to half the budget): a full
-        # batch's, which would otherwise be allocated anew for every full batch.
+        # `keep_bytes`: a full batch's buffers are kept too (up to half the budget).
         self.max_buffer_bytes = max(max_bytes // LARGEST_SHARE, min(keep_bytes, max_bytes // 2))
         self._allocate = allocate
         self._free: defaultdict[Key, list[np.ndarray]] = defaultdict(list)

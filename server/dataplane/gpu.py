@@ -1,7 +1,5 @@
-"""CUDA for the engine: whether a GPU is there, which of the libraries ONNX Runtime's CUDA
-provider loads are missing, and through CuPy (the `gpu` extra) pinned host memory for staging
-buffers and one CUDA stream per model instance. Without CuPy the engine still runs on CUDA,
-with pageable staging memory and ONNX Runtime's own stream per session."""
+"""CUDA for the engine: GPU presence, the CUDA libraries ONNX Runtime lacks, and through CuPy
+(optional) pinned host memory and a CUDA stream per instance."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ import onnxruntime as ort
 
 log = logging.getLogger("sluice.gpu")
 
-# What the CUDA provider of an onnxruntime-gpu build for each CUDA major loads (its cuFFT
-# and cuRAND majors are their own). cuDNN 9 serves both.
+# What the CUDA provider loads, by the CUDA major onnxruntime-gpu was built for.
 LIBRARIES = {
     "12": ("libcudart.so.12", "libcublasLt.so.12", "libcublas.so.12", "libcurand.so.10",
            "libcufft.so.11", "libcudnn.so.9"),
@@ -49,12 +46,11 @@ def cuda_major() -> str:
 
 @functools.cache
 def missing_libraries() -> tuple[str, ...]:
-    """Load the CUDA and cuDNN libraries the CUDA provider needs, from the nvidia-* pip
-    packages beside onnxruntime where the `gpu` extra installed them, else from the system's
-    paths; name those that could not be loaded. Once per process."""
+    """Load the CUDA and cuDNN libraries the CUDA provider needs (pip's nvidia-* packages,
+    else the system's); those that would not load. Once per process."""
     preload = getattr(ort, "preload_dlls", None)
     if preload is not None:
-        with contextlib.suppress(Exception):  # what it could not load is named below
+        with contextlib.suppress(Exception):
             preload()
     missing = []
     for name in LIBRARIES.get(cuda_major(), ()):
@@ -74,7 +70,7 @@ def _cupy() -> Any | None:
         cupy.cuda.runtime.getDeviceCount()  # a broken runtime fails here, not at import
     except ImportError:
         return None
-    except Exception as exc:  # a CuPy that cannot start costs pinning and streams, no more
+    except Exception as exc:
         log.warning("CuPy cannot start (%s): pageable staging memory, ORT's own streams", exc)
         return None
     return cupy

@@ -1,10 +1,5 @@
-"""A model's serving settings: the server's own (from its flags) overlaid by what the model's
-config file sets, and clamped once, here, so every consumer (engine, batcher, admission)
-reads a value it can use as it is. Transport-free; seconds, bytes and counts.
-
-`Config` is what a model's config file said, None where it said nothing; `ModelSettings` is
-what a model serves with: `defaults.overlay(config)`.
-"""
+"""A model's settings: the server's flags (`ModelSettings`, in seconds and bytes) overlaid by
+what its config file sets (`Config`, None where it says nothing), clamped once here."""
 
 from __future__ import annotations
 
@@ -14,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-# The compact datatypes an FP32 or FP16 input may also take on the wire, cast by the server.
+# What an FP32 or FP16 input may also take on the wire, cast by the server.
 WIRE_TYPES = ("UINT8", "INT8", "UINT16", "FP16")
 WIRE_SYNTAX = "UINT8|INT8|UINT16|FP16[*SCALE][+OFFSET]"
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
@@ -25,15 +20,14 @@ _WIRE = re.compile(
 
 @dataclass(frozen=True)
 class WireType:
-    """A datatype an input also takes on the wire, cast once by the server into the input's
-    own as x * scale + offset (a uint8 image, normalised as image pipelines do)."""
+    """A datatype an input also takes on the wire, cast into its own as x * scale + offset."""
 
     datatype: str
     scale: float = 1.0
     offset: float = 0.0
 
     def describe(self) -> str:
-        """As the flag and config write it: UINT8*0.00392157+0.5, UINT8 (scale 1, offset 0)."""
+        """As the flag and config write it: UINT8*0.00392157+0.5."""
         scale = f"*{_number(self.scale)}" if self.scale != 1 else ""
         sign = "-" if self.offset < 0 else "+"
         offset = f"{sign}{_number(abs(self.offset))}" if self.offset else ""
@@ -45,17 +39,15 @@ def _number(value: float) -> str:
     return repr(value).removesuffix(".0")
 
 
-# The wire types of a model's inputs, by input name.
 Accepts = Mapping[str, tuple[WireType, ...]]
 
-# The inputs a model may pad along their dynamic non-batch dimensions, by name, with the
-# value the padding holds, as written (its datatype, known at load, checks it: padding.py).
+# Padded inputs' pad values as written (checked at load against the datatype).
 Pads = Mapping[str, str]
 PAD_SYNTAX = "a number (whole for an integer input), inf, nan, true or false"
 
 
 def parse_pad(text: str) -> str:
-    """A pad value as written, stripped; raises ValueError for one that is no number."""
+    """A pad value as written, stripped; ValueError for one that is no number."""
     word = text.strip()
     if word.lower() not in ("true", "false"):
         try:
@@ -66,8 +58,7 @@ def parse_pad(text: str) -> str:
 
 
 def parse_buckets(text: str) -> tuple[int, ...]:
-    """Length buckets written as comma-separated positive whole numbers, ascending once
-    sorted; raises ValueError saying which is wrong."""
+    """Comma-separated positive length buckets, sorted; ValueError saying which is wrong."""
     found: list[int] = []
     for part in text.split(","):
         word = part.strip()
@@ -80,8 +71,7 @@ def parse_buckets(text: str) -> tuple[int, ...]:
 
 
 def check_lengths(buckets: tuple[int, ...], max_length: int) -> None:
-    """Raise ValueError unless the buckets and the longest length fit together: a longest
-    length beyond the largest bucket would have no bucket to pad to."""
+    """ValueError for a longest length beyond the largest bucket."""
     if max_length < 0:
         raise ValueError(f"the longest length {max_length} is negative")
     if buckets and max_length > buckets[-1]:
@@ -92,8 +82,7 @@ def check_lengths(buckets: tuple[int, ...], max_length: int) -> None:
 
 
 def parse_wire_types(text: str) -> tuple[WireType, ...]:
-    """Wire types written as TYPE[*SCALE][+OFFSET], comma-separated; raises ValueError saying
-    which part is wrong."""
+    """Wire types as TYPE[*SCALE][+OFFSET], comma-separated; ValueError saying which is wrong."""
     found: list[WireType] = []
     for part in text.split(","):
         written = "".join(part.split())
@@ -119,8 +108,7 @@ def parse_wire_types(text: str) -> tuple[WireType, ...]:
 
 @dataclass(frozen=True)
 class VersionPolicy:
-    """Which of the versions found serve: the newest `latest` (at least 1), all, or the
-    `versions` listed."""
+    """Which versions serve: the newest `latest`, all, or the `versions` listed."""
 
     kind: Literal["latest", "all", "specific"] = "latest"
     latest: int = 1
@@ -147,8 +135,7 @@ class VersionPolicy:
 
 @dataclass(frozen=True)
 class Config:
-    """What a model's config file says, as far as Sluice honors it; None: the server's
-    setting (`ModelSettings`)."""
+    """What a model's config file says; None: the server's setting."""
 
     max_batch: int | None = None  # rows per batch; 1: no batching
     instances: int | None = None
@@ -156,13 +143,12 @@ class Config:
     device: str | None = None
     policy: VersionPolicy = field(default_factory=VersionPolicy)
     default_model_filename: str = "model.onnx"
-    accepts: Accepts | None = None  # its inputs' wire types (parameters sluice.accept.INPUT)
-    pads: Pads | None = None  # its padded inputs' values (parameters sluice.pad.INPUT)
-    buckets: tuple[int, ...] | None = None  # length buckets (parameter sluice.buckets)
-    max_length: int | None = None  # the longest length taken (parameter sluice.max_length)
+    accepts: Accepts | None = None  # sluice.accept.INPUT
+    pads: Pads | None = None  # sluice.pad.INPUT
+    buckets: tuple[int, ...] | None = None  # sluice.buckets
+    max_length: int | None = None  # sluice.max_length
 
 
-# The fields of `Config` that override the server's settings of the same name.
 _OVERRIDES = (
     "max_batch",
     "instances",
@@ -177,12 +163,11 @@ _OVERRIDES = (
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """What a model serves with. A count below 1 (Triton's max_batch_size 0: no batching)
-    is read as 1."""
+    """What a model serves with; a count below 1 (Triton's max_batch_size 0) reads as 1."""
 
     device: str = "auto"
     intra_op_threads: int | None = None  # None: chosen at load from the model's run time
-    instances: int = 1  # sessions, each running one batch at a time
+    instances: int = 1
     max_batch: int = 1  # rows per batch; 1: no batching
     batch_budget_s: float = 0.005
     max_queue: int = 1024
@@ -192,21 +177,20 @@ class ModelSettings:
     inline_max_s: float = 100e-6
     spinning: bool = False  # ONNX Runtime's threads spin while they wait for work
     arena: bool = False  # ONNX Runtime's CPU arena (on CUDA it is always on)
-    accepts: Accepts = field(default_factory=dict)  # wire types its inputs also take
-    pads: Pads = field(default_factory=dict)  # inputs padded to share batches, with values
-    # Padded lengths round up to these (ascending); none: powers of two up to max_length.
-    buckets: tuple[int, ...] = ()
-    max_length: int = 0  # the longest length a padded input takes; 0: the largest bucket
+    accepts: Accepts = field(default_factory=dict)
+    pads: Pads = field(default_factory=dict)
+    buckets: tuple[int, ...] = ()  # none: powers of two up to max_length
+    max_length: int = 0  # 0: the largest bucket
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "instances", max(self.instances, 1))
         object.__setattr__(self, "max_batch", max(self.max_batch, 1))
 
     def overlay(self, config: Config) -> ModelSettings:
-        """These settings with what `config` sets in their place (clamped like any)."""
+        """These settings with what `config` sets in their place."""
         changes: dict[str, Any] = {
             name: getattr(config, name) for name in _OVERRIDES if getattr(config, name) is not None
         }
         if config.buckets is not None and config.max_length is None:
-            changes["max_length"] = 0  # a config's buckets bring their own longest: the largest
+            changes["max_length"] = 0  # a config's buckets bring their own longest
         return replace(self, **changes)

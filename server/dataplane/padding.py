@@ -1,13 +1,7 @@
-"""Padding: requests of different lengths batched. A model's inputs declared paddable (with
-the value the padding holds) are padded along their dynamic non-batch dimensions, named in
-the model (`sequence`), to a length bucket shared by the batch; outputs along those
-dimensions are cut back to each request's own length, others returned as they are.
-Transport-free.
-
-`plan` checks a declaration against the model once, at load (LoadFailed naming the input
-and dimension that do not fit); `Padding.measure` checks a request's lengths (InvalidInput
-naming the input) and gives its bucket, which the batcher groups by. The arrays are padded
-and cut in `staging` (merge and split), as a `Padding` tells them."""
+"""Padding: requests of different lengths batched. Paddable inputs are padded along their
+named dynamic dimensions to a length bucket the batch shares; outputs along them are cut
+back to each request's length. `plan` checks the declaration at load, `Padding.measure` a
+request's lengths; `staging` pads and cuts the arrays."""
 
 from __future__ import annotations
 
@@ -24,26 +18,24 @@ from sluice.server.dataplane import staging
 from sluice.server.dataplane.modelsettings import Pads, check_lengths
 from sluice.server.dataplane.staging import Pad
 
-if TYPE_CHECKING:  # the engine runs padded batches: it imports this module
+if TYPE_CHECKING:  # the engine imports this module
     from sluice.server.dataplane.engine import TensorSpec
 
-# A request's length along each padded dimension, in `Padding.dims` order; a bucket alike.
+# Along each padded dimension, in `Padding.dims` order.
 Lengths = tuple[int, ...]
 # The axes of one tensor that run along padded dimensions: (axis, index into dims).
 Axes = tuple[tuple[int, int], ...]
 
 
-# The longest length taken where neither the longest nor buckets are given: ONNX states no
-# model's longest (a position table's size is not reliably findable), and without a bound
-# every new length bucket is a new shape (on CUDA a session of its own, kept).
+# ONNX states no model's longest length, and unbounded every new bucket is a new shape (on
+# CUDA a session of its own, kept).
 DEFAULT_MAX_LENGTH = 512
 
 
 @dataclass(frozen=True)
 class Buckets:
-    """The lengths padding rounds up to: `sizes` (ascending) where given, else powers of two,
-    the last one `longest` itself; a length above `longest` (0: the largest size, or no
-    bound without sizes) has none. `defaulted`: `longest` is DEFAULT_MAX_LENGTH, not given."""
+    """The lengths padding rounds up to: `sizes` where given, else powers of two capped at
+    `longest` (0: the largest size, or none). `defaulted`: `longest` was not given."""
 
     sizes: tuple[int, ...] = ()
     longest: int = 0
@@ -87,8 +79,7 @@ class Buckets:
 
 
 def pad_value(text: str, spec: TensorSpec) -> np.generic:
-    """`text` (modelsettings.parse_pad's) as a value of `spec`'s datatype; raises ValueError
-    for one that does not fit it."""
+    """`text` as a value of `spec`'s datatype; ValueError for one that does not fit it."""
     dtype, word = spec.dtype, text.strip().lower()
     if dtype.kind == "b":
         if word not in ("0", "1", "true", "false"):
@@ -127,12 +118,8 @@ def plan(
     buckets: tuple[int, ...] = (),
     max_length: int = 0,
 ) -> Padding | None:
-    """The padding `pads` declares for a model of these inputs and outputs (None for none);
-    raises LoadFailed naming the input and dimension where it does not fit: an input the model
-    lacks, a marked input with no dynamic non-batch dimension or one unnamed, marked inputs
-    that pad different dimensions, an unmarked input along a padded one, a pad value its
-    datatype cannot hold. Neither `buckets` nor `max_length`: powers of two up to
-    DEFAULT_MAX_LENGTH."""
+    """The padding `pads` declares for this model (None for none); LoadFailed naming the
+    input and dimension where it does not fit."""
     if not pads:
         return None
     try:
@@ -146,7 +133,7 @@ def plan(
                 f"padding is given for input {name!r}, which the model does not have; its "
                 "inputs are " + ", ".join(f"{s.name!r} {s.describe()}" for s in inputs)
             )
-    marked = [s for s in inputs if s.name in pads]  # the model's order: the first decides
+    marked = [s for s in inputs if s.name in pads]
     found: dict[str, tuple[str, ...]] = {}
     for spec in marked:
         dynamic = [a for a in range(1, len(spec.shape)) if spec.shape[a] is None]
@@ -217,8 +204,7 @@ def _axes(spec: TensorSpec, dims: tuple[str, ...]) -> Axes:
 
 @dataclass(frozen=True)
 class Padding:
-    """A model's padding, checked against it (`plan` makes one). `inputs` and `outputs`: the
-    axes of each padded input and each output cut back; `values`: each padded input's pad."""
+    """A model's padding, checked against it (`plan` makes one)."""
 
     dims: tuple[str, ...]
     inputs: Mapping[str, Axes]
@@ -227,8 +213,8 @@ class Padding:
     buckets: Buckets
 
     def measure(self, inputs: Mapping[str, np.ndarray]) -> tuple[Lengths, Lengths]:
-        """A checked request's lengths and bucket; raises InvalidInput naming the input whose
-        length disagrees with the first padded input's, or is above the longest taken."""
+        """A checked request's lengths and bucket; InvalidInput naming an input that
+        disagrees with the first, or is too long."""
         lengths: list[int | None] = [None] * len(self.dims)
         first: list[str] = [""] * len(self.dims)
         for name, axes in self.inputs.items():
@@ -265,7 +251,7 @@ class Padding:
         return measured, tuple(bucket)
 
     def extent(self, inputs: Mapping[str, np.ndarray]) -> Lengths:
-        """A checked request's lengths, read without checks (`measure` checked them)."""
+        """A request's lengths, unchecked (`measure` checked them)."""
         lengths = [0] * len(self.dims)
         for name, axes in self.inputs.items():
             shape = inputs[name].shape
@@ -280,8 +266,7 @@ class Padding:
         bucket: Lengths,
         casts: staging.Casts | None = None,
     ) -> tuple[object, ...]:
-        """Requests with equal keys can share a batch: within one bucket, the other
-        dimensions, datatypes and outputs equal (staging.group_key's, padded axes aside)."""
+        """Requests with equal keys can share a batch (staging.group_key's, less padded axes)."""
         shapes = []
         for name, array in inputs.items():
             shape: list[int | None] = list(array.shape[1:])
@@ -293,8 +278,7 @@ class Padding:
     def shaped(
         self, inputs: Mapping[str, np.ndarray], length: int | Lengths
     ) -> dict[str, np.ndarray]:
-        """`inputs` (warm-up's zeros) with every padded axis `length` long (a length per
-        dimension where given so), of zeros."""
+        """Zeros shaped as `inputs` with every padded axis `length` long."""
         lengths = (length,) * len(self.dims) if isinstance(length, int) else length
         shaped = dict(inputs)
         for name, axes in self.inputs.items():
@@ -309,13 +293,10 @@ class Padding:
         outputs: Sequence[TensorSpec],
         shapes_at: Callable[[Lengths], Mapping[str, tuple[int, ...]]],
     ) -> Padding:
-        """This padding with the outputs whose dynamic axes run along the padded dimensions
-        under another name (an export that named its inputs' axes only calls an output's
-        `Addlast_hidden_state_dim_1`) cut back too: `shapes_at` gives the output shapes of a
-        run at the given lengths (two runs of zeros, at PROBES); an axis is cut back where
-        it is each length at both. Raises LoadFailed naming an output whose axis changes
-        with the lengths otherwise (cutting it back to a request's length would be wrong,
-        and returning it whole would leak the batch's length)."""
+        """This padding, also cutting outputs whose axes follow the length under another name
+        (an export may call one `Addlast_hidden_state_dim_1`), found by two runs
+        (`shapes_at`). LoadFailed for an axis that changes with the length but is not it
+        (returned whole it would leak the batch's length)."""
         unmatched = {
             s.name: [
                 a
@@ -335,7 +316,7 @@ class Padding:
             for axis in axes:
                 sizes = (at_first[name][axis], at_second[name][axis])
                 if sizes[0] == sizes[1]:
-                    continue  # not along the lengths
+                    continue
                 dims = [d for d in range(len(self.dims)) if sizes == (first[d], second[d])]
                 if not dims:
                     raise LoadFailed(
@@ -363,24 +344,21 @@ class Padding:
 
 
 def probes(count: int) -> tuple[Lengths, Lengths]:
-    """The lengths of the two runs `Padding.follow` compares, for `count` padded dimensions:
-    each dimension its own pair, none 1 (an axis of 1 may be a broadcast)."""
+    """The lengths of `Padding.follow`'s two runs: distinct, none 1 (it may be a broadcast)."""
     first = tuple(2 + d for d in range(count))
     return first, tuple(2 * n for n in first)
 
 
 def label(lengths: Lengths) -> int | str | None:
-    """Lengths as spans, Health and messages show them: the length where one dimension is
-    padded, the lengths joined by "x" where several are (None: unpadded)."""
+    """Lengths as Health and messages show them: 64, or "64x16" (None: unpadded)."""
     if not lengths:
         return None
     return lengths[0] if len(lengths) == 1 else "x".join(map(str, lengths))
 
 
 def run_lengths(lengths: Sequence[Lengths], bucket: Lengths, to_bucket: bool) -> Lengths:
-    """The lengths a batch of requests of `lengths` (one bucket) runs at: the bucket where
-    every run pads to it (CUDA: each shape is a re-plan), else the longest of each dimension
-    (a request alone: its own)."""
+    """The lengths a batch runs at: the bucket with `to_bucket` (on CUDA each shape is a
+    re-plan), else the longest of each dimension."""
     if to_bucket or not lengths:
         return bucket
     if len(lengths) == 1:

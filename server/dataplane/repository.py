@@ -1,17 +1,9 @@
-"""The model repository: Triton's layout (`root/<name>/<version>/model.onnx`, with an optional
-`root/<name>/config.pbtxt`), watched by polling, each change applied as a hot swap.
-Transport-free: the config reader is injected (sluice.server.modelconfig reads Triton's).
+"""The model repository in Triton's layout, polled, each change applied as a hot swap.
 
-Policy. A version that should serve is loaded beside what serves now, checked and warmed up
-with one run of zeros, then installed in one step (`Models.install`); only then do the
-versions no longer wanted stop taking calls, and each unloads once its calls in flight are
-answered. A version that fails to load is refused with one log line, and remembered by its
-file's stamp (mtime, size, inode) so it is not retried until the file changes; what served
-before keeps serving (a refused version counts as absent when the version policy picks the
-newest). Each version serves with the server's settings overlaid by its config's. A load
-request (`load`) makes the same step at once and answers what serves after it and what it
-refused: it fails only when no version serves.
-"""
+A version is loaded beside what serves, checked, warmed up and installed in one step; only
+then do unwanted versions stop taking calls, each unloading once its calls are answered. A
+version that fails is logged once and not retried until its file's stamp changes, and what
+served keeps serving. The config reader is injected (sluice.server.modelconfig)."""
 
 from __future__ import annotations
 
@@ -36,8 +28,7 @@ from sluice.server.dataplane.modelsettings import Config, ModelSettings
 CONFIG_FILE = "config.pbtxt"
 READY, UNAVAILABLE, LOADING = "READY", "UNAVAILABLE", "LOADING"
 
-# A version as the poll saw it: the stamp of its model file and of config.pbtxt (None when
-# absent). A change to either reloads the version.
+# The model file's stamp and config.pbtxt's: a change to either reloads the version.
 Stamp = tuple[files.Stamp, files.Stamp | None]
 
 
@@ -47,14 +38,13 @@ class IndexEntry:
 
     name: str
     version: str
-    state: str  # READY, UNAVAILABLE or LOADING
+    state: str
     reason: str = ""
 
 
 @dataclass(frozen=True)
 class LoadReport:
-    """What a load request left: the versions of the model that serve, and those refused
-    with why (by version)."""
+    """What a load request left: the versions that serve, and those refused with why."""
 
     name: str
     serving: list[int]
@@ -78,10 +68,9 @@ def no_config(path: Path) -> Config:
 
 
 async def load_model(name: str, version: int | str, path: Path, settings: ModelSettings) -> Model:
-    """Load `path` as `name` version `version` with `settings`, check it and warm up every
-    instance with one run of zeros; raises LoadFailed naming the file and why. Serving goes on
-    meanwhile: the sessions are built in a thread."""
-    before = files.stamp(path)  # the file's identity, in the cache key (see below)
+    """Load, check and warm up `path` as `name` `version` (in a thread, so serving goes on);
+    LoadFailed naming the file and why."""
+    before = files.stamp(path)
     building = asyncio.ensure_future(
         asyncio.to_thread(
             Engine,
@@ -113,9 +102,8 @@ async def load_model(name: str, version: int | str, path: Path, settings: ModelS
         budget_s=settings.batch_budget_s,
         max_queue=settings.max_queue,
     )
-    # A file rewritten in place keeps its version: its stat, in the cache key, keeps the old
-    # file's answers from being served. Rewritten while it loaded: which bytes were read is
-    # unknown, so it is refused now and tried again once it holds still.
+    # The stamp in the cache key keeps a file rewritten in place from getting the old one's
+    # answers; rewritten while it loaded, which bytes were read is unknown.
     if files.stamp(path) != before:
         engine.close()
         raise LoadFailed(f"{path}: the file changed while it loaded")
@@ -132,7 +120,7 @@ async def load_model(name: str, version: int | str, path: Path, settings: ModelS
             buckets=settings.buckets,
             max_length=settings.max_length,
         )
-    except LoadFailed as exc:  # wire types or padding its inputs cannot take
+    except LoadFailed as exc:
         engine.close()
         raise LoadFailed(f"{path}: {exc}") from None
     try:
@@ -156,14 +144,10 @@ def _reason(exc: BaseException) -> str:
 
 
 def warm_up(model: Model) -> None:
-    """Run zeros through each instance (its first run allocates; on a GPU, each padded batch
-    size's first run plans and searches for its algorithms, and takes its pinned staging
-    buffers, one set per instance, which then wait in the pool) and check the outputs have
-    the declared datatypes. Where staged runs pad inputs to length buckets, each size runs
-    at each bucket known (its own session on CUDA). First, where inputs are padded, two runs
-    at different lengths tell which outputs' axes follow the length under another name
-    (padding.Padding.follow), to be cut back too. Blocking: call it in a thread, before the
-    model serves."""
+    """Run zeros through each instance at each batch size and length bucket it will see, so
+    first-run allocation and GPU algorithm search happen before it serves, and check the
+    outputs' datatypes; padded inputs first learn which output axes follow the length.
+    Blocking: call it in a thread."""
     names = [s.name for s in model.outputs]
     engine = model.engine
     if model.padding is not None:
@@ -190,7 +174,7 @@ def warm_up(model: Model) -> None:
 
 
 def _shapes_at(model: Model, lengths: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """The output shapes of one run of zeros, padded inputs at `lengths` (padding.follow's)."""
+    """The output shapes of one run of zeros, padded inputs at `lengths`."""
     assert model.padding is not None
     inputs = model.padding.shaped(zeros(model.inputs), lengths)
     held: list[np.ndarray] = []
@@ -219,8 +203,7 @@ def _warm(
     lengths: tuple[int, ...],
     held: list[np.ndarray],
 ) -> dict[str, np.ndarray]:
-    """One warm-up run, staged as requests are (padded inputs at `lengths`); the pooled
-    buffers it takes go to `held`, which the outputs may lie in."""
+    """One warm-up run, staged as requests are; its pooled buffers go to `held`."""
     try:
         staged = inputs
         if instance.stage_always:
@@ -252,15 +235,14 @@ class _Found:
 
     name: str
     config: Config | None
-    error: str  # why the config is refused ("" if it is not)
+    error: str  # why the config is refused
     config_stamp: files.Stamp | None
     versions: dict[int, tuple[Path, Stamp]] = field(default_factory=dict)
 
 
 class Repository:
-    """Keeps `models` in step with the model repository at `root` (see the module's doc).
-    Only the models it loaded are its to change; one step (`poll`, `load`, `unload`) runs at
-    a time."""
+    """Keeps `models` in step with the repository at `root`, changing only what it loaded;
+    one step (`poll`, `load`, `unload`) at a time."""
 
     def __init__(
         self,
@@ -293,8 +275,6 @@ class Repository:
         self._retiring: set[asyncio.Task[None]] = set()
         self._runner: asyncio.Task[None] | None = None
 
-    # The steps.
-
     async def poll(self) -> None:
         """One sync step: scan the repository and bring the loaded versions in line."""
         async with self._lock:
@@ -326,9 +306,8 @@ class Repository:
             self._runner = None
 
     async def close(self) -> None:
-        """Stop polling (a load under way is abandoned) and wait for the versions taken out
-        of service to finish their calls and unload. The serving models are left to their
-        owner (the dataplane closes them)."""
+        """Stop polling and wait for retired versions to unload (the dataplane closes the
+        serving ones)."""
         if self._runner is not None and self._runner is not asyncio.current_task():
             self._runner.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -342,14 +321,12 @@ class Repository:
         while self._retiring:
             await asyncio.gather(*self._retiring, return_exceptions=True)
 
-    # The repository API (KServe's model repository extension).
+    # KServe's model repository extension.
 
     async def load(self, name: str) -> LoadReport:
-        """Load or reload `name` from the repository now, retrying files that failed before;
-        what serves after it, and what was refused. A version that fails does not fail the
-        load while another serves (as a poll leaves it); raises ModelNotFound if it has no
-        directory, LoadFailed, with each refused version's reason, if its config is refused
-        or no version serves."""
+        """Load or reload `name` now, retrying failed files; what serves and what was refused.
+        ModelNotFound without a directory; LoadFailed if its config is refused or no version
+        serves."""
         async with self._lock:
             self._dir(name)
             self._unloaded.discard(name)
@@ -382,8 +359,7 @@ class Repository:
             return report
 
     async def unload(self, name: str) -> None:
-        """Stop serving every version of `name` (each unloads once its calls in flight are
-        answered) and keep it unloaded until `load(name)`."""
+        """Stop serving every version of `name` and keep it unloaded until `load(name)`."""
         async with self._lock:
             if name not in self._loaded and not self._dir(name).is_dir():
                 raise ModelNotFound(f"the model repository {str(self.root)!r} has no {name!r}")
@@ -416,11 +392,9 @@ class Repository:
             entries += [rows[v] for v in sorted(rows)]
         return entries
 
-    # Inside.
-
     def _scan(self, only: str | None = None) -> dict[str, _Found]:
-        """The model directories under root (all, or just `only`), their configs and the
-        version directories that hold a model file. Blocking: runs in a thread."""
+        """The model directories under root (or just `only`), their configs and versions.
+        Blocking."""
         found: dict[str, _Found] = {}
         try:
             dirs = [self.root / only] if only else sorted(self.root.iterdir())
@@ -451,9 +425,7 @@ class Repository:
                 found[name] = _Found(name, None, f"{folder}: {exc}", config_stamp)
                 continue
             for sub in subs:
-                # Triton's versions are positive integers; anything else is not a version.
-                # Plain ASCII numbers only: '²' is a digit to isdigit() but not to int(),
-                # and '03' would be a second version 3.
+                # '²' is a digit to isdigit() but not to int(); '03' would be a second 3.
                 canonical = sub.name.isascii() and sub.name.isdigit() and sub.name[0] != "0"
                 if not canonical or not sub.is_dir():
                     continue
@@ -466,8 +438,7 @@ class Repository:
         return found
 
     async def _sync(self, found: _Found) -> dict[int, str]:
-        """Bring one model's loaded versions in line with the scan; the versions it refused,
-        with why (each logged). A refused config refuses the whole model, and is logged."""
+        """Bring one model's loaded versions in line with the scan; those refused, with why."""
         name = found.name
         if found.config is None:
             known = self._config_failed.get(name)
@@ -486,8 +457,7 @@ class Repository:
             return failed is not None and failed[0] == found.versions[version][1]
 
         while True:
-            # A loaded version stays a candidate even if its changed file was refused: it
-            # keeps serving the file it loaded.
+            # A loaded version whose changed file was refused keeps serving the old one.
             usable = [v for v in found.versions if v in loaded or not refused(v)]
             wanted = found.config.policy.choose(usable)
             todo = [
@@ -548,7 +518,7 @@ class Repository:
 
     def _take_out(self, name: str, version: int, why: str) -> None:
         entry = self._loaded[name].pop(version)
-        # Remove only what this repository installed (a same-named model may be another's).
+        # A same-named model may be another source's.
         if any(m is entry.model for m in self.models.versions(name)):
             self.models.remove(name, str(version), why)
             self.log.debug("model %s version %d stops taking calls: %s", name, version, why)
@@ -560,8 +530,7 @@ class Repository:
         self._loaded.pop(name, None)
 
     def _retire(self, model: Model) -> None:
-        """Unload `model` once its calls in flight are answered, without holding up the
-        poll (a long call must not delay other models' loads)."""
+        """Unload `model` once its calls are answered, without holding up the poll."""
 
         async def retire() -> None:
             try:

@@ -1,8 +1,5 @@
-"""Merging requests into one batch and splitting the outputs back, along the first
-dimension. Batch inputs are copied straight into pooled staging buffers (no concatenate),
-an input sent in a compact wire type cast on the way in; outputs are cut back into
-per-request copies where they sit in pooled buffers, so the buffers can return to the pool,
-and into views where ONNX Runtime allocated them."""
+"""Merging requests into one batch (copied straight into pooled buffers, cast on the way in)
+and splitting the outputs back (copies out of pooled buffers, views of ORT's own)."""
 
 from __future__ import annotations
 
@@ -15,39 +12,34 @@ from sluice.server.dataplane.buffers import BufferPool
 
 
 class Cast(NamedTuple):
-    """How an input sent in a wire type becomes the model's: float32(x) * scale + offset,
-    computed in float32 (`scale` and `offset` are float32 scalars) and stored in `dtype`,
-    the model's (FP32, or FP16)."""
+    """How an input sent in a wire type becomes the model's `dtype`: float32(x) * scale +
+    offset."""
 
     dtype: np.dtype[np.generic]
     scale: np.float32
     offset: np.float32
 
 
-# The casts of a model's inputs, by input name and the datatype sent.
 Casts = Mapping[tuple[str, np.dtype[np.generic]], Cast]
 
 
 class Pad(NamedTuple):
-    """How one input of a batch is padded (sluice.server.dataplane.padding): the length each
-    of its padded axes takes, as (axis, length), and the value the padding holds."""
+    """How one input of a batch is padded: (axis, length) for each padded axis, and the value."""
 
     axes: tuple[tuple[int, int], ...]
     value: np.generic
 
 
-# The padding of a batch's padded inputs, by input name.
 Pads = Mapping[str, Pad]
 
 
-# Elements an FP16 cast computes at a time in float32 (256 KiB of scratch).
+# Elements an FP16 cast computes at a time in float32.
 CAST_BLOCK = 1 << 16
 
 
 def cast_into(out: np.ndarray, x: np.ndarray, how: Cast) -> None:
-    """Write x * scale + offset into `out` (of the model's dtype) in place: ufuncs that
-    convert as they go, in blocks, so nothing the size of `x` is made beside `out`. Scale 1
-    converts only, so the values arrive exactly as sent."""
+    """Write x * scale + offset into `out` in place, making nothing the size of `x` beside it;
+    scale 1 converts only, so the values arrive exactly as sent."""
     if how.dtype != np.float32 and (how.scale != 1 or how.offset):
         _cast_rounded_once(out, x, how)
         return
@@ -60,9 +52,8 @@ def cast_into(out: np.ndarray, x: np.ndarray, how: Cast) -> None:
 
 
 def _cast_rounded_once(out: np.ndarray, x: np.ndarray, how: Cast) -> None:
-    """An FP16 model's input: float32(x) * scale + offset computed in float32 blocks and
-    rounded to FP16 once (x * scale stored in FP16 first rounds twice, and overflows where
-    the result would fit)."""
+    """For FP16: computed in float32 blocks and rounded once (x * scale in FP16 first rounds
+    twice, and overflows where the result would fit)."""
     if not (out.flags.c_contiguous and x.flags.c_contiguous):
         np.copyto(out, np.asarray(x, np.float32) * how.scale + how.offset, casting="unsafe")
         return
@@ -89,14 +80,8 @@ def merge(
     casts: Casts | None = None,
     pads: Pads | None = None,
 ) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
-    """Batch inputs by name as views of pooled buffers, and the buffers to give back later.
-    Every request holds the same names with equal non-batch dimensions, but for the axes an
-    input in `pads` is padded along: there each request's values sit at the start and the
-    rest holds the pad value, up to the pad's length. Each input's rows are its own first
-    dimension (one request of a model without a batch dimension is copied whole). `padded`:
-    rows are added up to this many (zeros; the pad value in a padded input). An input whose
-    name and dtype are in `casts` is cast into the buffer as it is copied; the others keep
-    their dtype."""
+    """Batch inputs as views of pooled buffers, and the buffers to give back. Rows are added
+    up to `padded`; inputs in `pads` are padded along their axes; those in `casts` cast."""
     merged: dict[str, np.ndarray] = {}
     taken: list[np.ndarray] = []
     for name, first in requests[0].items():
@@ -116,7 +101,7 @@ def merge(
         taken.append(buffer)
         view = buffer[:size]
         if pad is not None:
-            view[...] = pad.value  # what no request's values cover, padding rows too
+            view[...] = pad.value
         offset = 0
         for part in parts:
             rows = view[offset : offset + len(part)]
@@ -129,13 +114,12 @@ def merge(
                 cast_into(rows, part, to)
             offset += len(part)
         if pad is None:
-            view[total:] = 0  # padding rows: never stale bytes of an earlier batch
+            view[total:] = 0  # never stale bytes of an earlier batch
         merged[name] = view
     return merged, taken
 
 
-# The outputs cut back to each request's lengths, by name: each one's axes along padded
-# dimensions, as (axis, index into a request's lengths).
+# By output: (axis, index into a request's lengths) for each axis cut back.
 Cuts = Mapping[str, tuple[tuple[int, int], ...]]
 
 
@@ -147,12 +131,8 @@ def split(
     lengths: Sequence[tuple[int, ...]] = (),
     padded: tuple[int, ...] = (),
 ) -> list[dict[str, np.ndarray]]:
-    """Each output's rows per request, in request order: copies (the arrays may sit in pooled
-    buffers, which go back to the pool), but views for the outputs named in `views` (arrays
-    of their own, such as ONNX Runtime's: a view keeps the batch's array alive as long as a
-    request's reply needs it). An output in `cuts` is cut back along its padded axes to each
-    request's `lengths` (a copy, unless the request fills them), from the batch's `padded`
-    lengths, which those axes must have."""
+    """Each output's rows per request: copies (pooled buffers go back), views for those in
+    `views` (arrays of their own); outputs in `cuts` cut back to each request's `lengths`."""
     results: list[dict[str, np.ndarray]] = [{} for _ in rows]
     for name, array in outputs.items():
         if len(array) != sum(rows):
@@ -179,9 +159,7 @@ def cut(
     lengths: tuple[int, ...] = (),
     padded: tuple[int, ...] = (),
 ) -> dict[str, np.ndarray]:
-    """One request's outputs, run alone at the `padded` lengths, each in `cuts` cut back to
-    its `lengths`, copies or views as `split` makes them; no rows are split off, so outputs
-    whose first dimension is not the batch (a static one, none at all) come back whole."""
+    """One request's outputs, run alone, cut back as `split` does but with no rows split off."""
     result = {}
     for name, array in outputs.items():
         axes = cuts.get(name, ()) if cuts else ()
@@ -209,8 +187,7 @@ def _cut(
     padded: tuple[int, ...],
     view: bool,
 ) -> np.ndarray:
-    """One request's part of an output, cut back along `axes` to its `lengths` (a copy, unless
-    it fills them)."""
+    """One request's part of an output, cut back along `axes` to its `lengths`."""
     if axes and any(lengths[dim] != padded[dim] for _, dim in axes):
         index = [slice(None)] * array.ndim
         for axis, dim in axes:
@@ -228,8 +205,8 @@ def rows_of(inputs: Mapping[str, np.ndarray]) -> int | None:
 
 
 def key_dtype(name: str, array: np.ndarray, casts: Casts) -> str:
-    """The datatype an input batches as: the model's where it is cast on the way in, so a
-    uint8 request and an FP32 one of the same input share a batch (merge casts each part)."""
+    """The datatype an input batches as: the model's where it is cast, so uint8 and FP32
+    requests share a batch."""
     how = casts.get((name, array.dtype)) if casts else None
     return (array.dtype if how is None else how.dtype).str
 

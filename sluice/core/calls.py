@@ -1,5 +1,4 @@
-"""What a call may carry besides its body, checked alike by server and balancer: a request id
-that can travel back as metadata, and a PredictStream message's time left."""
+"""A call's request id and a stream message's time left, checked alike by server and balancer."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ def check_request_id(request_id: str) -> None:
 
 
 def stream_timeout(timeout_s: float) -> float | None:
-    """A StreamRequest's `timeout_s` as the time left: 0 (unset) and infinity mean no
-    deadline; NaN and negative values are refused with InvalidInput."""
+    """A StreamRequest's `timeout_s` as time left (None: 0 or infinity); InvalidInput if bad."""
     if math.isnan(timeout_s) or timeout_s < 0:
         raise InvalidInput(f"timeout_s must be a number >= 0 (0: no deadline), not {timeout_s}")
     return None if timeout_s == 0 or math.isinf(timeout_s) else timeout_s

@@ -1,5 +1,4 @@
-"""The API's tensor datatypes (KServe v2 names) and their numpy dtypes. No protobuf here,
-so the transport-free core can use it too."""
+"""The API's tensor datatypes (KServe v2 names) and their numpy dtypes."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The one error table: the errors the core raises, each naming the gRPC status it maps to,
-and the status codes by number.
-
-The core never imports grpc: a status is a name or a number here, turned into a
-grpc.StatusCode in one place (`sluice.runtime.status`).
-"""
+"""The one error table: the core's errors, each naming its gRPC status, and the status
+numbers. No grpc here: `sluice.runtime.status` makes them grpc.StatusCode."""
 
 from __future__ import annotations
 
@@ -11,9 +7,8 @@ from enum import IntEnum
 
 
 class SluiceError(Exception):
-    """Base class: a failure a caller can act on, with its status name. A refusal at the
-    door (before any work) also names its reason, as its message begins and the metrics
-    count it (`sluice_refusals_total{reason}`); other failures have none."""
+    """A failure a caller can act on, with its status name; a refusal before any work also
+    names its `reason` (its message's start, and the metrics' label)."""
 
     status = "INTERNAL"
     reason = ""
@@ -38,8 +33,7 @@ class Unimplemented(SluiceError):
 
 
 class LoadFailed(SluiceError):
-    """A model file or its config could not be loaded, or failed its check run: the
-    request to load it was fine, the repository's content is not."""
+    """A model or its config did not load or failed its check run: the repository's fault."""
 
     status = "FAILED_PRECONDITION"
 
@@ -65,8 +59,8 @@ class Unauthenticated(SluiceError):
 
 
 class QuotaExceeded(SluiceError):
-    """The caller's tenant is over its rate quota (retry after `retry_after_s`) or its
-    share of concurrent calls. Not the server's limit: another server would refuse it too."""
+    """The tenant is over its rate quota (retry after `retry_after_s`) or concurrency share:
+    another server would refuse it too."""
 
     status = "RESOURCE_EXHAUSTED"
     reason = "quota"
@@ -108,8 +102,7 @@ class RegionNotFound(SluiceError):
 
 
 class RegionBusy(SluiceError):
-    """Another call is writing the same bytes of a shared memory region: retry when it ends,
-    or give each call its own range."""
+    """Another call is writing the same bytes of a shared memory region."""
 
     status = "FAILED_PRECONDITION"
 
@@ -140,8 +133,7 @@ REASONS = ("unauthenticated", "quota", "overload", "permission")
 
 
 def reason_of(code: int, message: str) -> str:
-    """The refusal reason a status and message name ("" when it is no refusal): for a
-    process that forwards another's answers (a balancer), which counts them as its own."""
+    """The refusal reason a forwarded status and message name ("": no refusal)."""
     if code not in (Code.UNAUTHENTICATED, Code.RESOURCE_EXHAUSTED, Code.PERMISSION_DENIED):
         return ""
     head = message.partition(":")[0]

@@ -8,9 +8,8 @@ Stamp = tuple[int, int, int]
 
 
 def stamp(path: str | os.PathLike[str]) -> Stamp | None:
-    """The file's (mtime_ns, size, inode); None while it is missing. The inode catches a file
-    replaced by a rename within one tick of the file system's clock (how Kubernetes updates a
-    mounted Secret)."""
+    """The file's (mtime_ns, size, inode), None while missing. The inode catches a rename
+    within one clock tick (how Kubernetes updates a mounted Secret)."""
     try:
         st = os.stat(path)
     except OSError:

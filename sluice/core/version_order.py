@@ -1,5 +1,4 @@
-"""How model versions order: as numbers (Triton's version directories), any other name
-before them, as text. One rule for the server's registry and the balancer's view of it."""
+"""How model versions order: numbers as numbers, any other name before them, as text."""
 
 from __future__ import annotations
 

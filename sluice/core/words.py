@@ -4,5 +4,4 @@ from __future__ import annotations
 
 
 def counted(n: int, word: str) -> str:
-    """`n` and `word`, plural (an s) unless n is 1."""
     return f"{n:,} {word if n == 1 else word + 's'}"

@@ -1,6 +1,5 @@
-"""The bundled default model (a small digits classifier) and its labelled samples, shipped
-as package data so that an installed Sluice serves it from any directory.
-In a checkout, `python -m perf.make_digits` regenerates both (it needs the `model` extra)."""
+"""The bundled digits model and its labelled samples, as package data (made by
+`python -m perf.make_digits`)."""
 
 from __future__ import annotations
 

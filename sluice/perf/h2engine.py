@@ -1,11 +1,8 @@
 """h2load (nghttp2's C client) as the sweep's load generator: on a small machine a Python
-generator measures itself as much as the target; h2load costs the target's cores little.
+generator measures itself as much as the target.
 
-It replays one gRPC-framed body (so the target's cache must be off for unique work) and
-sees HTTP statuses only: the body's gRPC status is checked once with a real call before a
-level, and every HTTP 2xx then counts as answered OK. Closed-loop levels only: h2load's
-`-r` paces connections, not calls.
-"""
+It replays one body and sees HTTP statuses only, so one real call checks the gRPC status
+before each level. Closed loop only: h2load's `-r` paces connections, not calls."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""The target's own CPU time over a sweep's levels (Linux /proc): the processes listening on
-the target's port, or the pids given, with their descendants. utime + stime covers every
-thread of a process, so ONNX Runtime's and grpc's threads count too.
-
-Which processes: every process holding a LISTEN socket on the port (with `--workers`, each
-worker binds its own, SO_REUSEPORT, so all of them are found and summed), plus their
-descendants, since a server may do its work in children that hold no listening socket (a
-pool of model processes); a child's CPU still counts after it exits, in its parent's
-cutime. Never their ancestors: the parent of a listener may be a shell, a test runner or a
-supervisor; name a supervisor with --target-pid to count it (and what is below it)."""
+"""The target's own CPU time over a sweep's levels (Linux /proc): every process listening on
+the target's port (each worker binds its own) or the pids given, and their descendants,
+whose CPU counts in the parent's cutime after they exit. Never their ancestors (a shell, a
+test runner): name a supervisor with --target-pid to count it."""
 
 from __future__ import annotations
 
@@ -140,9 +134,7 @@ def _table() -> dict[int, tuple[int, int]]:
 
 
 def descendants(pids: Iterable[int], table: dict[int, tuple[int, int]] | None = None) -> list[int]:
-    """Processes below these (children, their children, ...), not these themselves, nor this
-    process and what is below it (`--target-pid` of the shell running the sweep must not
-    count the sweep's own load)."""
+    """Processes below these, less this one and its own (the sweep's load is not the target's)."""
     below: dict[int, list[int]] = {}
     for pid, (parent, _) in (table or _table()).items():
         below.setdefault(parent, []).append(pid)
@@ -180,9 +172,7 @@ class Processes:
 
 @dataclass(frozen=True)
 class Reading:
-    """The target's CPU so far: the roots and their descendants now, and their CPU ticks with
-    the reaped children's. A child that exits between two readings still counts, in the
-    parent that reaps it; one started between them counts from its start."""
+    """The target's CPU so far: the roots, their descendants now, and reaped children's."""
 
     pids: tuple[int, ...]
     children: tuple[int, ...]

@@ -1,10 +1,7 @@
 """Command-line flags with `SLUICE_` environment fallbacks, for any settings dataclass.
 
-Each dataclass field becomes `--field-name`, read from `SLUICE_FIELD_NAME` when the
-flag is absent. A field's metadata holds its help text (`help`) and, for lists,
-`list=True` (repeatable flag; comma-separated in the environment). A command with a few
-options and no settings class (the client's) adds each by the same rule (`add_option`).
-"""
+Each field becomes `--field-name`, else `SLUICE_FIELD_NAME`; its metadata holds `help` and,
+for lists, `list=True` (a repeated flag; comma-separated in the environment)."""
 
 from __future__ import annotations
 
@@ -17,7 +14,6 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-# What a value of each type must look like, said when one does not parse.
 WANTED = {"int": "an integer", "float": "a number", "bool": "true or false"}
 
 
@@ -50,8 +46,7 @@ def field_type(field: dataclasses.Field[Any]) -> str:
 
 
 def inherit(base: type[Any], name: str, default: Any) -> Any:
-    """`base`'s field `name` with another default, for a subclass that declares it again: its
-    flag, variable and help stay the ones `base` declares."""
+    """`base`'s field `name` (its flag, variable and help) with another default."""
     return dataclasses.field(default=default, metadata=base.__dataclass_fields__[name].metadata)
 
 
@@ -63,8 +58,7 @@ def add_option(
     environ: Mapping[str, str] | None = None,
     **kwargs: Any,
 ) -> None:
-    """`--NAME`, read from `SLUICE_NAME` when the flag is absent, else `default` (as typed on
-    the command line: argparse converts either with `type`); its help names both."""
+    """`--NAME`, else `SLUICE_NAME`, else `default` (as typed on the command line)."""
     env = "SLUICE_" + name.upper().replace("-", "_")
     raw = (os.environ if environ is None else environ).get(env)
     given = _FromEnv(raw) if raw else default
@@ -74,8 +68,7 @@ def add_option(
 
 
 class _FromEnv(str):
-    """A flag's default read from its variable: argparse converts it with the flag's `type`
-    only when the flag is absent, and a value that does not parse is the variable's fault."""
+    """A flag's default read from its variable, so a bad value is blamed on the variable."""
 
 
 def _env_aware(convert: Any, env: str, flag: str) -> Any:
@@ -83,7 +76,7 @@ def _env_aware(convert: Any, env: str, flag: str) -> Any:
 
     def converted(text: str) -> Any:
         if not isinstance(text, _FromEnv):
-            return convert(text)  # argparse's own error names the flag and the type
+            return convert(text)
         try:
             return convert(text)
         except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
@@ -95,12 +88,10 @@ def _env_aware(convert: Any, env: str, flag: str) -> Any:
 
 
 def _env_error(env: str, raw: str, flag: str, wanted: str) -> str:
-    """The variable, its value, the flag it stands in for, and what was wanted."""
     return f"{env}={str(raw)!r} (read as {flag} was not given): {wanted}"
 
 
 def _wanted(kind: str, exc: Exception) -> str:
-    """What a value of `kind` must be (a converter's own reason for another kind)."""
     return f"expected {WANTED[kind]}" if kind in WANTED else str(exc)
 
 
@@ -149,7 +140,7 @@ def from_namespace(
                 values[field.name] = convert(raw)
         except (ValueError, argparse.ArgumentTypeError) as exc:
             env, flag = "SLUICE_" + field.name.upper(), "--" + field.name.replace("_", "-")
-            wanted = _wanted(kind, exc)  # of a list: of each comma-separated part
+            wanted = _wanted(kind, exc)
             raise SystemExit(_env_error(env, raw, flag, wanted)) from None
     return cls(**values)
 

@@ -1,7 +1,5 @@
-"""The standard grpc.health.v1 service, with Watch streams that end when the process shuts
-down: grpc's own servicer keeps them open forever, so a server with a balancer watching it
-would wait out its whole grace period before it could stop. And what it says: a program's
-readiness."""
+"""grpc.health.v1 whose Watch streams end on shutdown (grpc's stay open, so a watched server
+waited out its grace), and a program's readiness."""
 
 from __future__ import annotations
 
@@ -20,13 +18,11 @@ class HealthService(health.aio.HealthServicer):  # type: ignore[misc,name-define
     def __init__(self) -> None:
         super().__init__()
         self._closing = False
-        self._changed = asyncio.Event()  # set, and replaced, at each change of status
+        self._changed = asyncio.Event()  # replaced at each change
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:
         """The status now and at each change; once shut down, the last one, then the end.
-        Never cancelled mid-write, as a wrapper of grpc's Watch was: a handler that returns
-        with a write pending fails its call in grpc core (TOO_MANY_OPERATIONS) and the call
-        never ends, so the server waited out its grace for it."""
+        Never cancelled mid-write: grpc core then never ends the call (TOO_MANY_OPERATIONS)."""
         last = None
         while True:
             changed = self._changed
@@ -54,12 +50,8 @@ class HealthService(health.aio.HealthServicer):  # type: ignore[misc,name-define
 
 
 class Readiness:
-    """What grpc.health.v1 says of a program's services: SERVING while `ready()` holds (a
-    server: a model is loaded; a balancer: a backend can take calls), so orchestrators and
-    balancers send calls only then. The program calls `changed` whenever what `ready` reads
-    may have changed (also as a listener of a served set: `installed`, `removed`); the
-    lifecycle attaches the health service once listening and stops it at the drain, after
-    which nothing more is said."""
+    """SERVING while `ready()` holds, NOT_SERVING otherwise, silent once draining. The program
+    calls `changed` (or `installed`/`removed`, as a listener) when `ready` may have changed."""
 
     def __init__(self, ready: Callable[[], bool]) -> None:
         self.ready = ready
@@ -80,7 +72,7 @@ class Readiness:
 
     def changed(self, *_: object) -> None:
         task = asyncio.ensure_future(self.publish())
-        self._tasks.add(task)  # held until done: a task nobody holds can be collected
+        self._tasks.add(task)  # a task nobody holds can be collected
         task.add_done_callback(self._tasks.discard)
 
     installed = removed = changed

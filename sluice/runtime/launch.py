@@ -1,5 +1,4 @@
-"""Where the installed commands are and when a started one serves: what `sluice up` needs to
-start a local cluster (the benchmarks' and tests' harness is the checkout's perf/launch.py)."""
+"""Where the installed commands are and when a started one serves: what `sluice up` needs."""
 
 from __future__ import annotations
 
@@ -22,11 +21,9 @@ def wait_serving(
     abandon: Callable[[], bool] | None = None,
     poll_s: float = 0.1,
 ) -> bool:
-    """Until the process at `address` answers its grpc.health.v1 check: True then, or
-    RuntimeError unless it says SERVING (with `require`). With `abandon`, asked every `poll_s`
-    while waiting: False as soon as it says so (the process exited, a stop was asked), which
-    a process that is not listening would otherwise hide until `timeout`. RuntimeError when
-    no answer came in `timeout`."""
+    """Wait until `address` answers its health check: True, or RuntimeError unless SERVING
+    (with `require`) or on no answer in `timeout`. False once `abandon()` says so (asked
+    every `poll_s`: the process exited)."""
     with grpc.insecure_channel(address) as channel:
         call = health_pb2_grpc.HealthStub(channel).Check.future(
             health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=True

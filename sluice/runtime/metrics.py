@@ -1,11 +1,6 @@
-"""Prometheus metrics over HTTP (`--metrics-port`): one registry per process, served at
-`/metrics` in Prometheus' text format by a small asyncio handler on the process's own event
-loop, so collectors read the stats objects on the thread that writes them.
-
-Counts that the stats objects keep anyway (ServingStats, the batcher's, the cache's, the
-pool's) are read by collectors when scraped: nothing per call. Latencies need a histogram
-observed per call (`sluice.core.stats.Histogram`, a plain-number one), set up only when
-metrics are on."""
+"""Prometheus metrics at `/metrics` (`--metrics-port`), served on the process's own event
+loop so collectors read the stats objects on the thread that writes them. Counts are read at
+scrape time (nothing per call); only latency histograms are observed per call."""
 
 from __future__ import annotations
 
@@ -60,7 +55,7 @@ SECONDS = (
 )
 RUN_SECONDS = (0.00001, 0.000025, *SECONDS)
 ROWS = tuple(float(1 << i) for i in range(13))  # 1 .. 4096
-MAX_REQUEST = 16 * 1024  # bytes of request line and headers
+MAX_REQUEST = 16 * 1024  # request line and headers
 READ_TIMEOUT_S = 10.0
 
 
@@ -83,8 +78,7 @@ def _bound(bound: float) -> str:
 
 
 class ServingCollector(Collector):
-    """What every Sluice process reports of its serving stats: calls by status, in flight, and
-    the end-to-end latency histogram (`observe`, hooked into `stats.observer`)."""
+    """A process's calls by status, in flight, and the end-to-end latency histogram."""
 
     def __init__(self, stats: ServingStats, method: str = "Predict") -> None:
         self.stats = stats
@@ -120,8 +114,7 @@ class ServingCollector(Collector):
 
 
 def thread_cpu_clock() -> Callable[[], float]:
-    """The CPU seconds of the calling thread, readable from any thread (where the platform
-    can; elsewhere `time.thread_time`, right when read on the calling thread)."""
+    """The CPU seconds of the calling thread, readable from any thread where the platform can."""
     if not hasattr(time, "pthread_getcpuclockid"):
         return time.thread_time
     clock = time.pthread_getcpuclockid(threading.get_ident())
@@ -129,11 +122,8 @@ def thread_cpu_clock() -> Callable[[], float]:
 
 
 class LoopCollector(Collector):
-    """The CPU time of the thread that runs the event loop (the one that made this): its rate
-    is the share of its time the loop is busy, which levels off below 1 where the loop
-    saturates (waits for the GIL or for a core are not CPU time). A saturated loop's calls
-    wait in grpc core's queue before any handler sees them, where in flight, queue depth and
-    call seconds cannot count them: this is what shows that load (docs/KUBERNETES.md)."""
+    """The event loop thread's CPU time (make it there): its rate is the loop's busy share,
+    the one signal of calls waiting in grpc core's queue unseen (docs/KUBERNETES.md)."""
 
     def __init__(self, cpu_clock: Callable[[], float] | None = None) -> None:
         self.cpu_clock = cpu_clock or thread_cpu_clock()
@@ -147,8 +137,7 @@ class LoopCollector(Collector):
 
 
 class TenantCollector(Collector):
-    """Each tenant's calls (by outcome: OK, a status, or refused:REASON) and calls in flight,
-    with auth on."""
+    """Each tenant's calls by outcome, and in flight."""
 
     def __init__(self, tenants: Tenants) -> None:
         self.tenants = tenants
@@ -175,8 +164,7 @@ class TenantCollector(Collector):
 
 
 def new_registry(*collectors: Collector) -> CollectorRegistry:
-    """A registry of `collectors` and the process's own (CPU, memory, file descriptors, GC,
-    Python version; the CPU of the calling thread, the event loop's: call it there)."""
+    """A registry of `collectors` and the process's own; call it on the event loop's thread."""
     registry = CollectorRegistry(auto_describe=False)
     own = (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR, LoopCollector())
     for collector in (*own, *collectors):
@@ -185,8 +173,7 @@ def new_registry(*collectors: Collector) -> CollectorRegistry:
 
 
 async def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> asyncio.Server:
-    """Serve `registry` at http://HOST:PORT/metrics on the running loop (port 0: a free one;
-    the bound port is `bound_port(server)`). OSError when the port is taken."""
+    """Serve `registry` at http://HOST:PORT/metrics on the running loop; OSError if taken."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -233,8 +220,7 @@ def bound_port(server: asyncio.Server) -> int:
 async def serve_first_free(
     registry: CollectorRegistry, host: str, ports: Sequence[int]
 ) -> asyncio.Server:
-    """Serve on the first of `ports` that binds (workers sharing a range of ports); the last
-    OSError when none does."""
+    """Serve on the first of `ports` that binds; the last OSError when none does."""
     error: OSError | None = None
     for port in ports:
         try:
@@ -245,8 +231,8 @@ async def serve_first_free(
 
 
 async def start(registry: CollectorRegistry, host: str, ports: Sequence[int]) -> asyncio.Server:
-    """Serve `registry` on the first free one of `ports` and log where ("metrics at
-    http://HOST:PORT/metrics"; not the "listening on" line that launchers read)."""
+    """Serve `registry` on the first free one of `ports` and log where (not worded as the
+    "listening on" line that launchers read)."""
     server = await serve_first_free(registry, host, ports)
     log.info("metrics at http://%s:%d%s", host, bound_port(server), PATH)
     return server

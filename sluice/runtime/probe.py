@@ -1,16 +1,9 @@
-"""What a port speaks, found by one bounded handshake: a TCP connect, a TLS handshake that
-checks nothing and shows no certificate, then one short read (`PROBE_S` in all). It tells a
-TLS port from a plaintext one, and sees a port that closes after the handshake because it
-wanted a client certificate: what grpc leaves out when it says only that a connection never
-formed (`NO_CONNECTION`). The client reads what was found as a hint in its own words
-(sluice.client.diagnose), the balancer as the reason a backend is out (sluice.balancer.
-upstream).
+"""What a port speaks (TLS, TLS wanting a client certificate, plaintext), found by one
+bounded handshake: what grpc leaves out when it says only that a connection never formed.
 
-The blocking probe (`probe`, the client's, run where a call failed) asks no resolver: it
-takes IP literals and localhost only, since a resolver that drops packets has no bound. The
-asyncio one (`resolving`, the balancer's) resolves a name within the bound first: a backend
-given by name (a flag, a file) is common, and the wait is the event loop's, not a caller's.
-"""
+The client's blocking `probe` asks no resolver (one that drops packets has no bound), so it
+takes IP literals and localhost only; the balancer's `resolving` resolves within the bound,
+since its backends are often names and the wait is the event loop's, not a caller's."""
 
 from __future__ import annotations
 
@@ -22,20 +15,17 @@ import ssl
 import time
 from dataclasses import dataclass
 
-PROBE_S = 1.0  # the probe's bound, resolving (where it does) to last read
-# grpc's words for a connection that never formed (worth a probe, where grpc's words below
-# do not already say why).
+PROBE_S = 1.0  # resolving (where it does) to last read
+# grpc's words, for: a connection that never formed; a certificate the caller's CAs do not
+# take; a certificate's name.
 NO_CONNECTION = "failed to connect to all addresses"
-# grpc's words for a certificate the caller's CAs do not take: an unknown issuer, or an
-# issuer of the same name whose signature does not check.
 UNTRUSTED_WORDS = ("CERTIFICATE_VERIFY_FAILED", "BAD_SIGNATURE")
-NAME_FAILED = "Hostname Verification Check failed"  # grpc's words for a certificate's name
+NAME_FAILED = "Hostname Verification Check failed"
 
 
 @dataclass(frozen=True)
 class Shown:
-    """What a client offered the port: TLS, and a client certificate (what a probe's
-    finding is read against)."""
+    """What a client offered the port, which a probe's finding is read against."""
 
     tls: bool = False
     certificate: bool = False
@@ -51,8 +41,7 @@ class Port(enum.Enum):
 
 
 def probe(target: str, bound_s: float = PROBE_S) -> Port:
-    """What answers at `target`, whose host must be an IP literal or localhost (`literal`;
-    UNKNOWN for a name, asking no resolver)."""
+    """What answers at `target`; UNKNOWN unless its host is an IP literal or localhost."""
     found = split(target)
     address = literal(found[0]) if found else None
     if found is None or address is None:
@@ -61,9 +50,8 @@ def probe(target: str, bound_s: float = PROBE_S) -> Port:
 
 
 async def resolving(target: str, bound_s: float = PROBE_S) -> Port:
-    """What answers at `target`, a name resolved first (the event loop's resolver), all
-    within `bound_s` (and the handshake off the loop): UNKNOWN if it does not resolve in
-    time. A resolver's thread left behind ends on its own."""
+    """What answers at `target`, resolved first, all within `bound_s`; UNKNOWN if it does
+    not resolve in time."""
     found = split(target)
     if found is None:
         return Port.UNKNOWN
@@ -80,18 +68,15 @@ async def resolving(target: str, bound_s: float = PROBE_S) -> Port:
             )
             addresses = [(str(info[4][0]), port) for info in infos]
         left = max(deadline - loop.time(), 0.01)
-        # The handshake bounds itself by its sockets' timeouts; this is the backstop.
         return await asyncio.wait_for(asyncio.to_thread(handshake, addresses, left), 2 * left)
     except (OSError, TimeoutError):
         return Port.UNKNOWN
 
 
 def handshake(addresses: list[tuple[str, int]], bound_s: float) -> Port:
-    """What answers at the first of `addresses` that takes a connection (each tried in turn,
-    as grpc does, all within `bound_s`). A gRPC server speaks first once the handshake is
-    done (its settings); one that wanted a client certificate closes instead (TLS 1.3 sends
-    the client's certificate after the client's side of the handshake is done, so the
-    refusal comes as the read's end of file or an alert)."""
+    """What answers at the first of `addresses` that connects, within `bound_s`. A gRPC
+    server speaks first (its settings); one that wanted a client certificate closes instead
+    (under TLS 1.3 that refusal comes after the handshake, as EOF or an alert)."""
     deadline = time.monotonic() + bound_s
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False
@@ -130,9 +115,7 @@ def _spoken(context: ssl.SSLContext, raw: socket.socket, deadline: float) -> Por
 
 
 def split(target: str) -> tuple[str, int] | None:
-    """The host (IPv6 without brackets) and port of a `HOST:PORT` target (also
-    `[IPv6]:PORT`, `dns:///HOST:PORT`, `ipv4:HOST:PORT`); None for other kinds (a Unix
-    socket, several addresses, no port)."""
+    """The host (IPv6 unbracketed) and port of a one-address TCP target, else None."""
     for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
         target = target.removeprefix(scheme)
     host, sep, port = target.rpartition(":")
@@ -142,8 +125,7 @@ def split(target: str) -> tuple[str, int] | None:
 
 
 def literal(host: str) -> str | None:
-    """The IP address `host` is without asking a resolver: an IP literal, or localhost (the
-    name every host gives its own loopback); None for a name."""
+    """The IP address `host` is without asking a resolver (a literal, or localhost), or None."""
     if host == "localhost":
         return "127.0.0.1"
     try:

@@ -1,12 +1,9 @@
 """The lifecycle every serving program shares, from the command line to the last log line.
 
-`main` parses the settings (flags, then `SLUICE_` variables), sets up logging and the
-allocator, and runs the program's `serve` on the event loop. `serve` builds what is the
-program's own (services, collectors, readiness, background work, close steps: a `Program`)
-and hands it to `run`, which listens, waits for SIGTERM or SIGINT, then drains in order:
-health NOT_SERVING first, so balancers stop sending; the drain delay, for calls already
-routed here; stop accepting and give calls in flight the grace period; cancel what runs in
-the background; the program's own close steps; its workers; the metrics exporter."""
+`main` parses settings and runs the program's `serve`, which builds a `Program` and hands
+it to `run`: listen, wait for SIGTERM, then drain in order (health NOT_SERVING so balancers
+stop sending; the drain delay; refuse new calls, the grace for those in flight; background
+work; the program's close steps; its workers; the metrics exporter)."""
 
 from __future__ import annotations
 
@@ -35,7 +32,7 @@ from sluice.runtime.tls import PLAINTEXT_WARNING, server_credentials
 from sluice.runtime.workers import Workers
 
 S = TypeVar("S", bound=ProgramSettings)
-WORKERS_STOP_S = 5.0  # past the drain, how long workers get before they are killed
+WORKERS_STOP_S = 5.0  # past the drain, before workers are killed
 
 
 def _nothing() -> None:
@@ -49,25 +46,24 @@ class Program:
     settings: ProgramSettings
     workers: Workers
     log: logging.Logger
-    services: Mapping[str, Methods]  # full service name -> its handlers by method name
-    stats: ServingStats  # its calls: the refusal log, the metrics, the last line
+    services: Mapping[str, Methods]
+    stats: ServingStats
     readiness: Readiness
-    processes: int  # how many processes --workers asks for, this one included
-    banner: Callable[[], str]  # what it serves, logged before ", listening on HOST:PORT"
-    collectors: Sequence[Collector] = ()  # metrics beyond the calls and the tenants
-    tenants: Tenants | None = None  # watched for changes while serving
+    processes: int  # this one included
+    banner: Callable[[], str]  # logged before ", listening on HOST:PORT"
+    collectors: Sequence[Collector] = ()  # beyond the calls and the tenants
+    tenants: Tenants | None = None
     drain_delay_s: float = 0.0
-    background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()  # run while serving
-    draining: Callable[[], None] = _nothing  # the drain's first step, as health goes down
+    background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()
+    draining: Callable[[], None] = _nothing  # as health goes down
     refusing: Callable[[], None] = _nothing  # after the drain delay, as the listener stops
     closing: Sequence[Callable[[], Awaitable[None]]] = ()  # once no call is left
 
 
 async def run(program: Program, argv: Sequence[str], stop: asyncio.Event | None = None) -> int:
-    """Serve until SIGTERM or SIGINT (or, in a worker, until the first process is gone; or,
-    given `stop`, until it is set, with no signal handlers), then drain; 0 once stopped, 1
-    if the metrics port cannot be had. SluiceError if the port cannot be. Either way the
-    program's close steps run: what it opened before (models, channels to backends) closes."""
+    """Serve until SIGTERM or SIGINT (or `stop` is set), then drain; 0 once stopped, 1 if
+    the metrics port cannot be had, SluiceError if the port cannot. The close steps run
+    either way."""
     settings, log = program.settings, program.log
     is_worker = program.workers.is_worker()
     exporter = workers = None
@@ -100,7 +96,7 @@ async def run(program: Program, argv: Sequence[str], stop: asyncio.Event | None 
 async def _serve(
     program: Program, argv: Sequence[str], is_worker: bool, stop: asyncio.Event | None
 ) -> Supervisor | None:
-    """Listen, serve until stopped, drain up to the program's close steps; its workers."""
+    """Listen, serve until stopped, drain; returns the workers."""
     settings, log = program.settings, program.log
     reuseport = program.processes > 1 or is_worker
     gate = Gate(f"{settings.node_id} is draining: another node may take the call")
@@ -112,8 +108,8 @@ async def _serve(
         max_pending_calls=settings.max_pending_calls,
     )
     if reuseport and not is_worker:
-        # Looked at again (main did before loading): taken since, it would be shared silently.
-        check_port_free(settings.host, settings.port)  # its workers join it; no one else
+        # Again after loading: a port taken since would be shared silently.
+        check_port_free(settings.host, settings.port)
     port = bind(server, settings.host, settings.port, tls=server_credentials(settings))
     if not is_worker and settings.plaintext_off_loopback(settings.host):
         log.warning(PLAINTEXT_WARNING, settings.host, port)
@@ -121,7 +117,7 @@ async def _serve(
     program.readiness.attach(health, program.services)
     await program.readiness.publish()
     background = [asyncio.create_task(work()) for work in program.background]
-    background.append(refusals.start(program.stats, log))  # one WARNING line per 10 s, if any
+    background.append(refusals.start(program.stats, log))
     if program.tenants is not None:
         background.append(asyncio.create_task(door.watch(settings.tenants, program.tenants, log)))
 
@@ -131,17 +127,15 @@ async def _serve(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
     if is_worker:
-        attach_to_parent(loop, stop.set)  # a worker does not outlive the first process
+        attach_to_parent(loop, stop.set)
     workers = program.workers.start(program.processes, argv, port)
     log.info("%s, listening on %s:%d", program.banner(), settings.host, port)
     await stop.wait()
 
-    # Tell health watchers first so balancers stop sending, then refuse new calls and
-    # give in-flight ones the grace period.
     drain_s = program.drain_delay_s + settings.grace_s
     log.info("shutting down: draining for up to %.1fs", drain_s)
     if workers is not None:
-        workers.forward(signal.SIGTERM)  # they drain as this one does
+        workers.forward(signal.SIGTERM)
     program.draining()
     program.readiness.draining = True
     await health.shut_down()
@@ -163,11 +157,9 @@ def main(
     errors: tuple[type[Exception], ...] = (SluiceError,),
     workers: Workers | None = None,
 ) -> int:
-    """The command `settings_class` describes: 2 for settings it cannot take, 1 (logged)
-    for one of `errors` on the way, or for a port it cannot have, 130 for Ctrl-C before the
-    signal handlers are in, else what `serve` says. The port is looked at before `serve` loads
-    anything (models, backends): a taken one says so at once, not after a long load; not in
-    one of the program's `workers`, which joins the port its first process holds."""
+    """The command `settings_class` describes: 2 for bad settings, 1 (logged) for one of
+    `errors` or a taken port, 130 for an early Ctrl-C, else what `serve` says. The port is
+    checked before `serve` loads anything, so a taken one says so at once."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = settings_class.PROG
     try:
@@ -185,7 +177,7 @@ def main(
     return_large_blocks()
 
     async def traced() -> int:
-        tracing.setup(prog)  # on only if OTEL_TRACES_EXPORTER asks for it
+        tracing.setup(prog)
         return await serve(settings, argv)
 
     try:

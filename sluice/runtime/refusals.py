@@ -1,11 +1,7 @@
-"""Refusals and failures in aggregate: every `interval_s`, one WARNING line that sums up the
-calls a process answered with an error in that interval, by status code, e.g.
+"""One WARNING line per interval with failures, summing them by status from the counts the
+serving stats keep (nothing per call), e.g.
 
-    refused 1,234 of 5,678 calls in the last 10.0 s: RESOURCE_EXHAUSTED 1,200, ...
-
-and nothing for an interval without any. It reads the counts the serving stats already keep
-(successive snapshots, diffed), so it adds nothing per call. No transport; the clock and the
-sleep are injected."""
+    refused 1,234 of 5,678 calls in the last 10.0 s: RESOURCE_EXHAUSTED 1,200, ..."""
 
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ DEFAULT_INTERVAL_S = 10.0
 
 
 class CallCounts(Protocol):
-    """What the log reads: calls started and failed calls by status name, both only rising
-    (sluice.core.stats.ServingStats)."""
+    """Calls started and failed calls by status name, both only rising."""
 
     @property
     def requests(self) -> int: ...
@@ -53,13 +48,12 @@ class RefusalLog:
         self._errors: Counter[str] = Counter(stats.errors)
 
     def tick(self) -> str | None:
-        """Log (and return) the line for the calls since the last tick, or None when none
-        of them failed; either way the next tick counts from now."""
+        """Log and return the line for the calls since the last tick (None: none failed)."""
         now = self._clock()
         requests = self.stats.requests
         errors: Counter[str] = Counter(self.stats.errors)
         calls = requests - self._requests
-        failed = errors - self._errors  # drops codes that did not move
+        failed = errors - self._errors
         elapsed = now - self._since
         self._since, self._requests, self._errors = now, requests, errors
         if not failed:
@@ -84,6 +78,5 @@ class RefusalLog:
 
 
 def start(stats: CallCounts, logger: logging.Logger) -> asyncio.Task[None]:
-    """The refusal log of a serving process, as a task on the running loop; cancel it on
-    shutdown."""
+    """The refusal log as a task on the running loop; cancel it on shutdown."""
     return asyncio.create_task(RefusalLog(stats, logger).run(), name="refusal log")

@@ -1,7 +1,4 @@
-"""The settings every listening program shares for who may connect and call: TLS on the
-port it serves (optionally requiring client certificates) and the tenants file of API keys.
-Fields only; the credentials are built by sluice.runtime.tls, the tenants kept by
-sluice.core.tenants."""
+"""The settings for who may connect and call: TLS (optionally mutual) and the tenants file."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The settings every serving program shares (where it listens, how it logs and drains, its
-call bounds, and SecuritySettings' TLS and tenants): each declared here once, so its flag,
-its `SLUICE_` variable, its help and its checks are one. A program's own settings class
-derives from this one and adds its own fields."""
+"""The settings every serving program shares, each declared once (flag, `SLUICE_` variable,
+help and checks); a program's own settings class derives from this one."""
 
 from __future__ import annotations
 
@@ -15,7 +13,6 @@ from sluice.runtime.security import SecuritySettings
 
 @dataclass(frozen=True)
 class ProgramSettings(SecuritySettings):
-    # The command these settings are the flags of, and what its --help says it does.
     PROG = "sluice"
     DESCRIPTION = ""
 

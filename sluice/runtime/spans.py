@@ -1,12 +1,6 @@
-"""The spans of a call's way through a hop, as observers hung on its one path (the planner's
-`Observer`, and the hooks of a program's entry): made only while tracing is on
-(sluice.runtime.tracing), and only for a sampled call. A program's path holds None in
-their place otherwise, and runs no span code.
-
-`served` is a call's SERVER span at this hop; `Attempts` a CLIENT span per attempt the
-planner sends (the balancer's `sluice.balancer/attempt`); `Sending` one CLIENT span around a
-whole planner call (a fan-out chunk). Each puts its span's context in the headers that the
-attempts carry, in place of the caller's."""
+"""A call's spans at a hop, as observers on its one path; None there when tracing is off or
+the call is not sampled. `served`: the SERVER span; `Attempts`: a CLIENT span per attempt;
+`Sending`: one CLIENT span around a whole planner call (a fan-out chunk)."""
 
 from __future__ import annotations
 
@@ -59,12 +53,9 @@ def served(
     request_id: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> Served | None:
-    """The SERVER span of one call (tracing on), child of the caller's span that `metadata`
-    names (none: the root of a trace), with what every hop's says: its `node_id`, `stream`
-    (the call was one message on a PredictStream) and the caller's `request_id` (None: it
-    gave none). None when the call is not sampled. Then nothing on its path records, and
-    `headers` (what a hop forwards) get the span's context, so the decision goes on to the
-    next hop."""
+    """The SERVER span of one call, child of the caller's span in `metadata`. None when the
+    call is not sampled: then `headers` (what a hop forwards) get the span's context, so the
+    next hop keeps the decision."""
     made: dict[str, str | bool] = {
         tracing.RPC_SYSTEM: "grpc",
         tracing.RPC_SERVICE: service,
@@ -86,11 +77,9 @@ def served(
 
 
 class Attempts:
-    """A planner Observer: a CLIENT span `name` per attempt, child of `parent` (the call's),
-    with the routing decision `route(backend)` tells (how, why; a retry says after what, a
-    hedge (`sluice.hedge`) which attempt was still out), its context put into `headers`
-    before the attempt is sent. Two may be out at once (a hedge beside its attempt). At the
-    end, `parent` gets the number of attempts."""
+    """A planner Observer: a CLIENT span per attempt, child of `parent`, saying why it went
+    where it did (`route(backend)`); its context goes into `headers` before the send. Two
+    may be out at once (a hedge beside its attempt)."""
 
     __slots__ = ("_sending", "headers", "name", "parent", "route", "tried")
 
@@ -105,8 +94,8 @@ class Attempts:
         self.parent = parent
         self.headers = headers
         self.route = route
-        self.tried: list[str] = []  # each attempt ended so far: "address: outcome"
-        self._sending: dict[int, tuple[Attempt, tracing.Opened]] = {}  # by id of the attempt
+        self.tried: list[str] = []  # "address: outcome"
+        self._sending: dict[int, tuple[Attempt, tracing.Opened]] = {}
 
     def attempt_started(self, attempt: Attempt) -> None:
         backend = attempt.backend
@@ -125,7 +114,7 @@ class Attempts:
         }
         sending = tracing.opened(self.name, attributes, kind=SpanKind.CLIENT, parent=self.parent)
         self._sending[id(attempt)] = (attempt, sending)
-        tracing.inject(self.headers)  # the attempt's span is the current one
+        tracing.inject(self.headers)
 
     def attempt_ended(
         self, attempt: Attempt, reply: ReplyLike | None, error: BaseException | None
@@ -134,7 +123,7 @@ class Attempts:
         assert started is not None, "an attempt ended that never started"
         sending = started[1]
         address = attempt.backend.address
-        if reply is None:  # the planner decides what it means
+        if reply is None:
             self.tried.append(f"{address}: {type(error).__name__}")
             if isinstance(error, asyncio.CancelledError) and str(error) == LOST:
                 sending.span.set_attribute(CANCELLED, LOST)
@@ -152,9 +141,8 @@ class Attempts:
 
 
 class Sending:
-    """A planner Observer: one CLIENT span `name` (child of `parent`) around all of a call's
-    attempts, current from now until the call's end; its context is put into `headers` now,
-    so every attempt carries it."""
+    """A planner Observer: one CLIENT span around all of a call's attempts, whose context
+    every attempt carries in `headers`."""
 
     __slots__ = ("_sending",)
 

@@ -1,5 +1,4 @@
-"""The gRPC side of the one error table (sluice.core.errors): status numbers and the core's
-errors as grpc.StatusCode."""
+"""The gRPC side of the error table: status numbers and core errors as grpc.StatusCode."""
 
 from __future__ import annotations
 

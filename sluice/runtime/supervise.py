@@ -1,10 +1,6 @@
-"""Supervised worker processes (`--workers N`): N children started from one argv, each
-respawned with exponential backoff when it dies unexpectedly, stopped with the parent's
-SIGTERM (bounded, then SIGKILL), and tied to the parent's life so none outlives it.
-
-Children die with their parent two ways, either one enough: PR_SET_PDEATHSIG (Linux) and a
-pipe the parent holds the only write end of, whose EOF the child watches. The child side is
-`attach_to_parent`, called by the worker when it starts."""
+"""Supervised worker processes (`--workers N`): respawned with backoff, stopped with the
+parent's SIGTERM, and dead with it two ways, either enough: PR_SET_PDEATHSIG and the EOF of
+a pipe whose only write end the parent holds (`attach_to_parent`, the child's side)."""
 
 from __future__ import annotations
 
@@ -23,9 +19,9 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("sluice.supervise")
 
-PARENT_PID_ENV = "SLUICE_PARENT_PID"  # the supervisor's pid, as the child should see it
-SLOT_ENV = "SLUICE_WORKER_SLOT"  # in a worker: its slot, 0 to N-1
-PARENT_FD_ENV = "SLUICE_PARENT_FD"  # the read end of the pipe: EOF means the parent is gone
+PARENT_PID_ENV = "SLUICE_PARENT_PID"
+SLOT_ENV = "SLUICE_WORKER_SLOT"  # 0 to N-1
+PARENT_FD_ENV = "SLUICE_PARENT_FD"  # the pipe's read end
 PR_SET_PDEATHSIG = 1
 
 
@@ -88,7 +84,7 @@ class Supervisor:
             **self.env,
             PARENT_PID_ENV: str(os.getpid()),
             PARENT_FD_ENV: str(self._read_fd),
-            SLOT_ENV: str(slot),  # a respawned worker keeps its slot (its metrics port, ...)
+            SLOT_ENV: str(slot),  # a respawned worker keeps its metrics port
         }
         return subprocess.Popen(
             self.argv, env=env, stdin=subprocess.DEVNULL, pass_fds=(self._read_fd,)

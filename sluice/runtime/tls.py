@@ -1,12 +1,8 @@
 """TLS credentials: a listener's, re-read when its files change on disk, and a channel's.
 
-grpc asks the listener's fetcher for a new configuration at each new handshake (also under
-grpc.aio); the fetcher looks at the files' stat only, and reads them again only when one
-changed (modification time, size or inode), so a renewed certificate serves new connections
-without a restart while connections already open keep theirs. Files that fail to load (half
-written, a key that does not match its certificate) log one WARNING and the last good
-configuration stays until they change again.
-"""
+grpc asks the fetcher at each handshake; it stats the files and re-reads only on a change,
+so a renewed certificate serves new connections without a restart. Files that fail to load
+log one WARNING and the last good configuration stays."""
 
 from __future__ import annotations
 
@@ -28,8 +24,7 @@ from sluice.runtime.security import SecuritySettings
 
 log = logging.getLogger("sluice.tls")
 
-# Logged by a program serving plaintext beyond this machine (host, port). Not worded
-# "listening on": that phrase announces the bound address to the process harness.
+# Not worded "listening on": that phrase announces the bound address to the process harness.
 PLAINTEXT_WARNING = (
     "plaintext on %s:%d, no TLS: anyone who can reach it can call it; give --tls-cert and --tls-key"
 )
@@ -43,14 +38,13 @@ class ServerFiles:
         self._paths = [p for p in (cert, key, client_ca) if p]
         self._lock = threading.Lock()  # grpc may fetch from several of its threads
         self._seen: tuple[Stamp | None, ...] = ()
-        self.reloads = 0  # configurations taken after the first
+        self.reloads = 0
 
     def load(self) -> grpc.ServerCertificateConfiguration:
         """The configuration the files hold now; SluiceError if they do not hold one."""
         stamp = tuple(map(file_stamp, self._paths))
         try:
-            # Python's own TLS library parses them, so a broken file is caught here
-            # rather than failing every handshake later.
+            # Parsed here, so a broken file fails now rather than every handshake later.
             ssl.create_default_context().load_cert_chain(self.cert, self.key)
             if self.client_ca:
                 ssl.create_default_context(cafile=self.client_ca)
@@ -63,8 +57,7 @@ class ServerFiles:
         return grpc.ssl_server_certificate_configuration([(key, chain)], roots)
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
-        """grpc's fetcher: a new configuration if the files changed and load, else None
-        (keep the current one)."""
+        """grpc's fetcher: a new configuration if the files changed and load, else None."""
         with self._lock:
             if tuple(map(file_stamp, self._paths)) == self._seen:
                 return None
@@ -87,8 +80,7 @@ class ServerFiles:
 
 
 def server_credentials(settings: SecuritySettings) -> grpc.ServerCredentials | None:
-    """A listener's TLS credentials as `settings` ask (None: plaintext); SluiceError if the
-    files do not load."""
+    """A listener's TLS credentials (None: plaintext); SluiceError if the files do not load."""
     if not settings.tls:
         return None
     return ServerFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca).credentials()
@@ -96,8 +88,7 @@ def server_credentials(settings: SecuritySettings) -> grpc.ServerCredentials | N
 
 @dataclass(frozen=True)
 class FileNames:
-    """How a client's TLS files are named in its errors: formats of the path, as its caller
-    gives them (a keyword, a flag)."""
+    """How a client's TLS files are named in its errors (formats of the path: a keyword, a flag)."""
 
     ca: str
     cert: str
@@ -109,8 +100,8 @@ KEYWORDS = FileNames("tls_ca={!r}", "tls_cert={!r}", "tls_key={!r}")  # SluiceCl
 
 @dataclass(frozen=True)
 class ClientTLS:
-    """How a client (the balancer too, towards its servers) talks TLS: credentials and the
-    name the server's certificate is checked against (empty: the target's host)."""
+    """A client's TLS: credentials and the name the server's certificate is checked against
+    (empty: the target's host)."""
 
     credentials: grpc.ChannelCredentials
     server_name: str = ""
@@ -126,17 +117,14 @@ class ClientTLS:
         server_name: str = "",
         names: FileNames = KEYWORDS,
     ) -> ClientTLS | None:
-        """TLS if `tls` or any other option asks for it (None: plaintext): trusting the CAs
-        in `ca` (empty: the system's), showing `cert` with its `key` when given (mutual
-        TLS). The files are read now, once. OSError (ssl.SSLError among them) if one does
-        not load, naming it as `names` do; ValueError for a certificate without its key."""
+        """TLS if any option asks for it (None: plaintext), the files read now. OSError if
+        one does not load, named as `names` do; ValueError for a certificate without key."""
         if not asks_for_tls(tls, ca, cert, key, server_name):
             return None
         return cls(channel_credentials(ca, cert, key, names), server_name)
 
     def options(self) -> list[tuple[str, str]]:
-        # Checked against this name rather than the target's host (an IP address from DNS
-        # discovery, say).
+        # The target's host may be an IP address from DNS discovery.
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
@@ -166,9 +154,8 @@ def blocking_channel(
 def channel_credentials(
     ca: str = "", cert: str = "", key: str = "", names: FileNames = KEYWORDS
 ) -> grpc.ChannelCredentials:
-    """A client's TLS credentials: trusting the CAs in `ca` (empty: the system's), showing the
-    certificate `cert` with its `key` when given. OSError (ssl.SSLError among them) if a
-    file does not load, of the same kind, naming the file as `names` do."""
+    """A client's TLS credentials (CAs in `ca`, else the system's; `cert` with `key` for
+    mutual TLS). OSError if a file does not load, naming it as `names` do."""
     if bool(cert) != bool(key):
         raise ValueError("a client certificate and its key go together")
     # Each file read on its own, so the one missing is named (ssl's error names none).
@@ -191,7 +178,7 @@ def channel_credentials(
 
 
 def _read(path: str, name: str) -> bytes:
-    """A TLS file's bytes; an OSError of its kind, naming it (`name`, a format of the path)."""
+    """A TLS file's bytes; an OSError of its kind naming it."""
     try:
         return Path(path).read_bytes()
     except FileNotFoundError:
@@ -201,8 +188,7 @@ def _read(path: str, name: str) -> bytes:
 
 
 def _named(exc: OSError, what: str) -> OSError:
-    """`exc` of the same kind, its words (ssl's without the place in its C source that said
-    them) after `what` it is about."""
+    """`exc` of the same kind, its words (less ssl's C source place) after `what`."""
     said = re.sub(r" \(_ssl\.c:\d+\)$", "", exc.strerror or str(exc))
     if isinstance(exc, ssl.SSLError):  # shown as its words only when given an errno too
         return ssl.SSLError(exc.errno, f"{what}: {said}")

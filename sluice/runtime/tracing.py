@@ -1,14 +1,9 @@
 """OpenTelemetry traces across client, balancer and server, off unless asked for.
 
-A program traces when, and only when, OTEL_TRACES_EXPORTER names an exporter other than
-`none` (`otlp`, `console`, or both) and OTEL_SDK_DISABLED is not `true`; the SDK reads the
-other standard OTEL_* variables. A sampler that is not parent-based is made so, so that a
-trace the caller sampled is whole across the hops. W3C trace context travels in gRPC
-metadata on unary calls and in each StreamRequest's `metadata` map on PredictStream.
-
-Off, a call's path costs one check of the module flag `ON`. The client library needs no
-`setup`: it traces whenever the application has installed a TracerProvider. The spans and
-their attributes: docs/DESIGN.md, "Tracing"."""
+A program traces when OTEL_TRACES_EXPORTER names `otlp` and/or `console` (and
+OTEL_SDK_DISABLED is not `true`); the SDK reads every other OTEL_* variable. Off, a call
+pays one check of `ON`. The client traces whenever the application installed a
+TracerProvider. The rules and the spans: docs/DESIGN.md, "Tracing"."""
 
 from __future__ import annotations
 
@@ -31,12 +26,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.tracing")
 
-# Whether `setup` turned tracing on in this process. The hot paths check this flag alone.
+# The hot paths check this flag alone.
 ON = False
 
 INSTRUMENTATION = "sluice"
 HEADERS = ("traceparent", "tracestate")  # W3C trace context: what a hop forwards
-# Attribute names (OpenTelemetry's RPC conventions, and Sluice's own under sluice.*)
 RPC_SYSTEM = "rpc.system"
 RPC_SERVICE = "rpc.service"
 RPC_METHOD = "rpc.method"
@@ -44,24 +38,22 @@ RPC_STATUS = "rpc.grpc.status_code"
 REQUEST_ID = "sluice.request_id"
 STREAM = "sluice.stream"  # the call was one message on a PredictStream
 CACHE = "sluice.cache"  # hit, miss, shared (another caller's computation) or off
-# The server's model run, in steps (children of its `sluice.model.run` span)
 QUEUE_WAIT = "sluice.queue.wait"
 BATCH_RUN = "sluice.batch.run"
 ENCODE = "sluice.encode"
-BATCH_ROWS = "sluice.batch.rows"  # the batch's rows, all its requests together
+BATCH_ROWS = "sluice.batch.rows"
 BATCH_REQUESTS = "sluice.batch.requests"
 BATCH_REASON = "sluice.batch.reason"  # why the batch closed: full, budget or drained
-BATCH_INLINE = "sluice.batch.inline"  # the fast path: run alone at once, unqueued
+BATCH_INLINE = "sluice.batch.inline"
 BATCH_BUCKET = "sluice.batch.bucket"  # padded inputs: the batch's length bucket ("64x16": several)
 SERVICE = "sluice.v1.Inference"
 Attributes = Mapping[str, str | int | float | bool]
 
-# Status codes a server span reports as an error (the rest are the caller's: OpenTelemetry's
-# gRPC conventions); a client span reports every non-OK status as an error.
+# The codes that are a server's own fault (OpenTelemetry's gRPC conventions).
 SERVER_FAULTS = frozenset({2, 4, 12, 13, 14, 15})
 EXPORTERS = ("otlp", "console")
 
-_tracer: Tracer | None = None  # the process's, once setup() turned tracing on
+_tracer: Tracer | None = None
 _propagator: TextMapPropagator | None = None
 _fields: frozenset[str] = frozenset()  # the metadata keys the propagator reads
 _client: tuple[object, Tracer | None] = (None, None)  # (the global provider, its tracer)
@@ -73,7 +65,7 @@ def enabled() -> bool:
 
 
 def exporters(environ: Mapping[str, str] | None = None) -> list[str]:
-    """The exporters asked for: empty means tracing is off (the rule in the module's doc)."""
+    """The exporters asked for: empty means tracing is off."""
     env = os.environ if environ is None else environ
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return []
@@ -124,8 +116,7 @@ def _exporter(name: str, env: Mapping[str, str]) -> SpanExporter | None:
 
 
 def _sampler() -> Any:
-    """The environment's sampler (OTEL_TRACES_SAMPLER, _ARG; parent-based always-on unless
-    set), made parent-based if it is not: it decides only for calls that start a trace."""
+    """OTEL_TRACES_SAMPLER's sampler, made parent-based: it decides only for new traces."""
     from opentelemetry.sdk.trace import sampling
 
     chosen = sampling._get_from_env_or_default()
@@ -135,9 +126,8 @@ def _sampler() -> Any:
 
 
 def setup(service_name: str) -> bool:
-    """Turn tracing on if the environment asks for it (see the module's doc): install a
-    TracerProvider (batch span processor; OTLP over gRPC and/or the console) as the global
-    one, and put trace ids in log records. Returns whether tracing is on."""
+    """Turn tracing on if the environment asks: install the global TracerProvider and put
+    trace ids in log records. Returns whether tracing is on."""
     made = provider(service_name)
     if made is None:
         return False
@@ -192,8 +182,7 @@ def _textmap() -> TextMapPropagator:
 
 
 def extract(metadata: Mapping[str, str] | Iterable[tuple[str, str | bytes]]) -> Context | None:
-    """The trace context a call's metadata carries (None: it carries none): a dict or
-    protobuf map (a StreamRequest's `metadata`), or grpc's (key, value) pairs."""
+    """The trace context in a call's metadata (a mapping or grpc's pairs), or None."""
     textmap = _textmap()
     fields = _fields
     pairs = metadata.items() if isinstance(metadata, Mapping) else metadata
@@ -219,9 +208,7 @@ def tracer() -> Tracer:
 
 class Current:
     """Makes a recording span current for the block and ends it, recording an exception
-    that leaves the block (without setting an error status: the status code says that).
-    A span that does not record is left alone: nothing below it records either (sampling
-    is parent-based), so a hop that forwards the call injects the span itself."""
+    (the status is the call's code's). A span that does not record is left alone."""
 
     __slots__ = ("span", "token")
 
@@ -252,8 +239,7 @@ def opened(
     kind: SpanKind = SpanKind.INTERNAL,
     parent: Span | None = None,
 ) -> Opened:
-    """A span, child of `parent` or of the current span, current from now until its `end`
-    (in the same task): for an observer, whose hooks start and end it."""
+    """A span, child of `parent` or of the current span, current until its `end`."""
     context = None if parent is None else trace.set_span_in_context(parent)
     return Opened(tracer().start_span(name, context, kind, attributes))
 
@@ -269,8 +255,7 @@ class Opened:
         self._token = context_api.attach(trace.set_span_in_context(span))
 
     def end(self, error: BaseException | None = None) -> None:
-        """End it; an Exception that ended it (not a cancellation) is recorded and sets its
-        status, as OpenTelemetry's `use_span` does."""
+        """End it; an Exception (not a cancellation) is recorded as its error status."""
         context_api.detach(self._token)
         if isinstance(error, Exception):
             self.span.record_exception(error)
@@ -279,8 +264,7 @@ class Opened:
 
 
 def timed(name: str, start_ns: int, end_ns: int, attributes: Attributes | None = None) -> None:
-    """A span, child of the current one, that began and ended at the times given (ns since
-    the epoch, as `time.time_ns`): for steps timed elsewhere, such as in the batcher."""
+    """A child span of the current one over times taken elsewhere (`time.time_ns`)."""
     made = tracer().start_span(name, attributes=attributes, start_time=start_ns)
     made.end(end_time=max(end_ns, start_ns))
 
@@ -296,14 +280,12 @@ def annotate(key: str, value: str | int | float | bool) -> None:
 
 
 def set_code(span: Span, code: int, message: str = "", *, server: bool = True) -> None:
-    """Record a call's gRPC status on its span; an error status as OpenTelemetry's gRPC
-    conventions say (for a server, only the codes that are its own fault)."""
+    """Record a call's gRPC status on its span (a server's error only for its own faults)."""
     span.set_attribute(RPC_STATUS, code)
     if code and (not server or code in SERVER_FAULTS):
         span.set_status(Status(StatusCode.ERROR, message))
 
 
-# The client library: spans when the application installed a TracerProvider.
 try:
     trace._TRACER_PROVIDER  # noqa: B018  # read on every call, so checked once here
     _HAS_GLOBAL = True
@@ -312,9 +294,7 @@ except AttributeError:  # an API without the global: ask it each time (slower)
 
 
 def client_tracer() -> Tracer | None:
-    """The tracer for client spans: this process's if `setup` turned tracing on, else the
-    application's global provider's, or None when there is none (then the client does
-    nothing: the check is one read of the API's global)."""
+    """The tracer for client spans: this process's, else the application's, else None."""
     global _client
     if ON:
         return _tracer
@@ -341,9 +321,7 @@ def client_span(
     targets: Sequence[str],
     code: Callable[[BaseException], int | None] = lambda exc: None,
 ) -> Iterator[tuple[Span, tuple[tuple[str, str], ...]]]:
-    """A CLIENT span for one call, current inside the block; yields it with `metadata`
-    plus the trace context to send. An exception is recorded, with its status when
-    `code(exc)` knows it."""
+    """A CLIENT span for one call; yields it and `metadata` plus the context to send."""
     attributes = {RPC_SYSTEM: "grpc", RPC_SERVICE: SERVICE, RPC_METHOD: "Predict"}
     if len(targets) == 1:
         attributes["server.address"] = targets[0]

@@ -1,9 +1,6 @@
-"""Many calls multiplexed on one long-lived PredictStream to a server: ids match replies
-(which come back in any order), one writer task feeds the stream (grpc.aio allows one
-pending write per stream, and a write cancelled with its caller would cancel the stream and
-every call on it), in-flight calls are bounded, and a broken stream is replaced on
-the next call. Calls pending on a stream that breaks fail with StreamBroken: they got no
-reply, so the caller may send them elsewhere."""
+"""Many calls on one long-lived PredictStream: ids match replies, one writer task (a write
+cancelled with its caller would cancel the stream), bounded in flight, a broken stream
+replaced. Calls pending on one that breaks fail with StreamBroken: they may go elsewhere."""
 
 from __future__ import annotations
 
@@ -29,12 +26,12 @@ class StreamBroken(Exception):
 
 @dataclass
 class Reply:
-    code: int  # gRPC status code number; 0 is OK
+    code: int
     message: str = ""
     body: bytes = b""
     trailers: dict[str, str] = field(default_factory=dict)
     retryable: bool = False  # refused before any work
-    sent: bool = True  # False: refused on this side, never sent: no word on the server
+    sent: bool = True  # False: refused on this side: no word on the server
 
 
 class _Generation:

@@ -14,20 +14,16 @@ from sluice.core.errors import Code
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import facts, peek
 
-# A stream message's bytes besides its body and its map's (metadata's, trailers') keys and
-# values: its other fields (id at its widest, timeout, method, code, retryable; a refusal's
-# message is no reply's) with their tags and lengths, and each map entry's own tags and
-# lengths at their widest.
+# A stream message's bytes beyond its body and its map's text, at their widest.
 ENVELOPE = 1024
 PAIR = 18
 UTF8 = 4  # the most bytes a character takes
-WIDEST_ID = 0xFFFF_FFFF_FFFF_FFFF  # a StreamRequest's id (uint64) measured at its widest
+WIDEST_ID = 0xFFFF_FFFF_FFFF_FFFF
 
 
 def near(limit: int, body: bytes, pairs: Iterable[tuple[str, str]]) -> bool:
-    """Whether a stream message that carries `body` and `pairs` may be over `limit` (0: no
-    limit): only then is it worth measuring (`framed`). The body first: far under the limit,
-    only the map's few pairs are added up."""
+    """Whether a message of `body` and `pairs` may be over `limit` (0: none): only then is it
+    worth measuring."""
     room = limit - len(body) - ENVELOPE
     if not limit or room < 0:
         return bool(limit)
@@ -37,18 +33,15 @@ def near(limit: int, body: bytes, pairs: Iterable[tuple[str, str]]) -> bool:
 
 
 def framed(head: Message, body: bytes) -> int:
-    """The bytes of `head` once `body` is its request (StreamRequest) or response
-    (StreamResponse), counted without copying `body` in: the size a message limit applies
-    to. Both fields are numbered under 16, so their tag is one byte."""
+    """The bytes of `head` with `body` as its request or response, without copying it in
+    (both fields are numbered under 16: one-byte tags)."""
     return head.ByteSize() + (1 + (len(body).bit_length() + 6) // 7 + len(body) if body else 0)
 
 
 def response_size(
     limit: int, ident: int, body: bytes, trailers: Collection[tuple[str, str]]
 ) -> int:
-    """The bytes of the StreamResponse `ident` that carries `body` and `trailers` (of a key
-    given twice, the last), when they are over `limit` (0: no limit); else 0. Measured only
-    when near the limit: the trailers' dict is built only then."""
+    """The bytes of this StreamResponse when over `limit` (0: none), else 0."""
     if not near(limit, body, trailers):
         return 0
     size = framed(pb.StreamResponse(id=ident, trailers=dict(trailers)), body)
@@ -58,9 +51,7 @@ def response_size(
 def request_size(
     limit: int, body: bytes, metadata: Mapping[str, str], timeout: float | None, method: str
 ) -> int:
-    """The bytes of the StreamRequest that would carry `body` (sluice.wire.mux), its id at
-    the widest, when they are over `limit` (0: no limit); else 0. Measured only when near
-    the limit."""
+    """The bytes of the StreamRequest for `body` (id at its widest) when over `limit`, else 0."""
     if not near(limit, body, metadata.items()):
         return 0
     head = pb.StreamRequest(
@@ -70,18 +61,13 @@ def request_size(
     return size if size > limit else 0
 
 
-# The two messages are written here by hand, and large ones read by hand
-# (peek.WIRE_READ_FROM): protobuf copied a body into its arena and again out of it (a
-# request's `request`, a reply's `response`) or out to its bytes (SerializeToString),
-# measured as 4 body-sized blocks written per 602 KB call the balancer forwards (grpc's own
-# copy among them) where a join, or a slice, makes one.
+# Written by hand, and large ones read by hand: protobuf's copies made 4 body-sized blocks
+# per 602 KB call the balancer forwards, where a join or a slice makes one.
 
 
 class Request(NamedTuple):
-    """A StreamRequest as read. `request` is a slice of the message: one copy (protobuf's
-    parse made two), a bytes object of its own, so its contents sit as aligned as its
-    sender wrote them (a view's alignment would hang on where in the stream message the
-    body starts: its id's and length's widths)."""
+    """A StreamRequest as read. `request` is a slice, not a view, so it sits as aligned as
+    its sender wrote it."""
 
     id: int
     request: bytes
@@ -103,7 +89,7 @@ class Response(NamedTuple):
 
 _DOUBLE = struct.Struct("<d")
 _INT32 = 1 << 31
-_U64 = (1 << 64) - 1  # a negative int32 goes on the wire as its 64-bit two's complement
+_U64 = (1 << 64) - 1  # a negative int32 is written as 64-bit two's complement
 
 
 _REQUEST_ID = peek.tag(facts.STREAM_REQUEST_ID, 0)
@@ -156,8 +142,7 @@ def write_response(
     trailers: Iterable[tuple[str, str]] = (),
     retryable: bool = False,
 ) -> bytes:
-    """A StreamResponse's bytes, as protobuf writes them: `body` copied once, by the join;
-    of `trailers` given twice, the last (as a parser keeps it)."""
+    """A StreamResponse's bytes, as protobuf writes them: `body` copied once, by the join."""
     parts = [_RESPONSE_ID, peek.varint(ident)] if ident else []
     if code:
         parts += (_RESPONSE_CODE, peek.varint(code & _U64))
@@ -171,9 +156,8 @@ def write_response(
 
 
 def _entry(raw: bytes, start: int, end: int, into: dict[str, str]) -> None:
-    """A map entry's key and value into `into` (missing ones are empty). An entry with any
-    other field (another number, or a key or value of another wire type) the parser keeps
-    whole as an unknown field of the message: it is no pair of the map."""
+    """A map entry's key and value into `into`; an entry with any other field is no pair
+    (the parser keeps it as an unknown field)."""
     key = value = ""
     pair = True
     for number, wire, a, b in peek.fields(raw, start, end):  # all of it: it must parse
@@ -188,8 +172,7 @@ def _entry(raw: bytes, start: int, end: int, into: dict[str, str]) -> None:
 
 
 def read_request(raw: bytes) -> Request | None:
-    """The StreamRequest in `raw` (None: not one), by protobuf or, from
-    peek.WIRE_READ_FROM bytes, by hand."""
+    """The StreamRequest in `raw` (None: not one); large ones read by hand."""
     if len(raw) >= peek.WIRE_READ_FROM:
         return wire_request(raw)
     try:
@@ -200,8 +183,7 @@ def read_request(raw: bytes) -> Request | None:
 
 
 def read_response(raw: bytes) -> Response | None:
-    """The StreamResponse in `raw` (None: not one), by protobuf or, from
-    peek.WIRE_READ_FROM bytes, by hand."""
+    """The StreamResponse in `raw` (None: not one); large ones read by hand."""
     if len(raw) >= peek.WIRE_READ_FROM:
         return wire_response(raw)
     try:
@@ -212,9 +194,8 @@ def read_response(raw: bytes) -> Response | None:
 
 
 def wire_request(raw: bytes) -> Request | None:
-    """The StreamRequest in `raw` read off the wire, as protobuf parses it; None where
-    protobuf refuses it, and where it holds a group or more than peek.MAX_FIELDS fields (no
-    sender of ours writes either; the walk stops there)."""
+    """The StreamRequest in `raw` read off the wire as protobuf parses it; None where it
+    refuses it, or for a group or more than peek.MAX_FIELDS fields."""
     ident, body, timeout, method = 0, b"", 0.0, ""
     metadata: dict[str, str] = {}
     try:
@@ -235,8 +216,7 @@ def wire_request(raw: bytes) -> Request | None:
 
 
 def wire_response(raw: bytes) -> Response | None:
-    """The StreamResponse in `raw` read off the wire, as protobuf parses it; None as
-    `wire_request`."""
+    """The StreamResponse in `raw` read off the wire; None as `wire_request`."""
     ident, code, message, body, retryable = 0, 0, "", b"", False
     trailers: dict[str, str] = {}
     try:
@@ -258,8 +238,7 @@ def wire_response(raw: bytes) -> Response | None:
     return Response(ident, code, message, body, trailers, retryable)
 
 
-# The answer to bytes that are not a StreamRequest: the stream cannot be trusted any more,
-# so the sender is told with id 0 and the stream ends once earlier calls are answered.
+# Id 0: the stream is no longer trusted, and ends once earlier calls are answered.
 BAD_MESSAGE = write_response(
     0,
     code=Code.INVALID_ARGUMENT,
@@ -267,10 +246,8 @@ BAD_MESSAGE = write_response(
 )
 
 
-# Calls a stream may hold read but not yet written, running or awaiting the writer. At the
-# bound the stream stops reading, so HTTP/2 flow control pushes back on a sender that writes
-# faster than it reads. It matches the balancer's calls in flight on one upstream stream
-# (--stream-max-in-flight), so a balancer's stream to a server is not held below its own bound.
+# Calls read but not yet written; at the bound HTTP/2 flow control pushes back. Equal to
+# the balancer's --stream-max-in-flight, so a server never holds its stream below that.
 MAX_PENDING = 512
 
 
@@ -283,17 +260,14 @@ async def serve(
     stop: asyncio.Event | None = None,
     max_pending: int = MAX_PENDING,
 ) -> None:
-    """The receiving side of PredictStream: each message is answered in its own task, and
-    the replies are written in completion order by this one writer (grpc.aio allows one
-    pending write per stream). `refuse` may answer a message at once instead. At most
-    `max_pending` messages are read and not yet answered and written: at the bound the next
-    message is read only once a reply is written. The stream ends when the sender closes it,
-    sends garbage, or `stop` is set, once every call read so far is answered."""
+    """The receiving side of PredictStream: each message answered in its own task (or at once
+    by `refuse`), replies written in completion order by one writer (grpc.aio allows one
+    pending write), at most `max_pending` unwritten. Ends when the sender closes, sends
+    garbage, or `stop` is set, once every call read is answered."""
     if max_pending < 1:
         raise ValueError(f"max_pending must be at least 1, not {max_pending}")
     replies: asyncio.Queue[bytes | None] = asyncio.Queue()
     running: set[asyncio.Task[None]] = set()
-    # One slot per message read and not yet written; the writer frees it.
     slots = asyncio.Semaphore(max_pending)
 
     async def one(message: Request) -> None:
@@ -320,7 +294,7 @@ async def serve(
                 replies.put_nowait(refusal)
                 continue
             task = asyncio.create_task(one(message))
-            running.add(task)  # held until done: a task nobody holds can be collected
+            running.add(task)  # a task nobody holds can be collected
             task.add_done_callback(running.discard)
 
     async def finish() -> None:

@@ -1,5 +1,4 @@
-"""One unary call over raw bytes, as the Reply the call planner reads: the balancer's calls
-to a server and the clients' calls (blocking and asyncio) share it."""
+"""One raw-bytes unary call as the Reply the planner reads (blocking and asyncio)."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ async def call(method: Any, body: bytes, metadata: Metadata, timeout: float | No
 
 
 async def attempt(method: Any, body: bytes, metadata: Metadata, timeout: float | None) -> Reply:
-    """One call whose failure comes back as its Reply, never raised: an attempt for the
-    planner to classify."""
+    """One call whose failure comes back as its Reply, never raised."""
     try:
         return await call(method, body, metadata, timeout)
     except grpc.aio.AioRpcError as exc:
@@ -62,4 +60,4 @@ def attempt_sync(method: Any, body: bytes, metadata: Metadata, timeout: float | 
     try:
         return call_sync(method, body, metadata, timeout)
     except grpc.RpcError as exc:
-        return failure(exc)  # a blocking call's error is a grpc.Call too
+        return failure(exc)
