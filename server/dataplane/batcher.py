@@ -429,7 +429,7 @@ class Batcher:
                 if trip is not None:
                     trip.ran(now, now, ended, rows, 1, DRAINED)
                     trip.inline = True
-                ran = tokens(rows, lengths)  # alone: nothing padded
+                ran = tokens(rows, lengths) if lengths else rows  # alone: nothing padded
                 self.admission.observe(took, ran)
                 self._count(runner, [rows], DRAINED)
                 if bucket:

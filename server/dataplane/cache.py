@@ -27,6 +27,7 @@ class LRUCache:
     def __init__(self, max_entries: int, max_bytes: int) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self.enabled = max_entries > 0 and max_bytes > 0
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()
         self.bytes = 0
         self.hits = 0
@@ -38,10 +39,6 @@ class LRUCache:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_entries > 0 and self.max_bytes > 0
 
     def get(self, key: bytes) -> Entry | None:
         entry = self._entries.get(key)

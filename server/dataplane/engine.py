@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +77,11 @@ class TensorSpec:
     shape: tuple[int | None, ...]
     accepts: tuple[WireType, ...] = ()
     dims: tuple[str | None, ...] = ()
+    # Looked up once: every call's checks read it.
+    dtype: np.dtype[np.generic] = field(init=False, repr=False, compare=False)
 
-    @property
-    def dtype(self) -> np.dtype[np.generic]:
-        return DATATYPES[self.datatype].dtype
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DATATYPES[self.datatype].dtype)
 
     def describe(self) -> str:
         dims = ", ".join("N" if d is None else str(d) for d in self.shape)
@@ -209,7 +210,7 @@ class Instance:
     def _inline(self, rows: int, lengths: Lengths = ()) -> bool:
         """Whether a run of `rows` rows, padded inputs at `lengths`, is tiny enough to run
         inline."""
-        positions = tokens(rows, lengths) - rows
+        positions = tokens(rows, lengths) - rows if lengths else 0
         padded = self.position_seconds * positions if positions else 0.0
         return self.row_seconds * rows + padded <= self.inline_max_s
 

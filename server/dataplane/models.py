@@ -195,7 +195,7 @@ class Model:
         nonfinite = self._fits(inputs)  # padded lengths are measured below, once
         if self._cast_now:
             inputs = self.cast(inputs)
-        names = self.select(outputs)
+        names = self.select(outputs) if outputs else self._output_names
         rows = staging.rows_of(inputs) if self._batchable else None
         # Requests that cannot share a batch get a group of their own.
         batching = self._batching and rows is not None
@@ -233,14 +233,14 @@ class Model:
 
     def _fits(self, inputs: Mapping[str, np.ndarray]) -> list[str]:
         """`check` but for the padded lengths, which `run` measures itself."""
-        unknown = [n for n in inputs if n not in self._inputs_by_name]
-        if unknown:
-            raise InvalidInput(
-                f"unknown input {unknown[0]!r}; the model's inputs are "
-                + ", ".join(f"{s.name!r} {s.describe()}" for s in self.inputs)
-            )
-        missing = [s for s in self.inputs if s.name not in inputs]
-        if missing:
+        if inputs.keys() != self._inputs_by_name.keys():  # compared as sets
+            unknown = [n for n in inputs if n not in self._inputs_by_name]
+            if unknown:
+                raise InvalidInput(
+                    f"unknown input {unknown[0]!r}; the model's inputs are "
+                    + ", ".join(f"{s.name!r} {s.describe()}" for s in self.inputs)
+                )
+            missing = [s for s in self.inputs if s.name not in inputs]
             raise InvalidInput(
                 "missing input " + ", ".join(f"{s.name!r} {s.describe()}" for s in missing)
             )

@@ -9,8 +9,9 @@ regions (sluice.shm) is never cached: its answer depends on what the regions hol
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, NamedTuple, Protocol, TypeVar
 
@@ -25,7 +26,6 @@ from sluice.server.dataplane.models import Model, Models
 from sluice.shm.registry import Lease
 
 Opts = TypeVar("Opts")
-T = TypeVar("T")
 Cached = Literal["hit", "miss"] | None  # None: the call kept out of the cache
 HIT: Cached = "hit"
 MISS: Cached = "miss"
@@ -106,13 +106,10 @@ class Dataplane:
             raise DeadlineExpired(EXPIRED)
         asked = protocol.route(body)
         found = self.models.get(asked.model, asked.version)
+        key = None
         if asked.shared or not cache or not self.cache.enabled:
             if tracing.ON:
                 tracing.annotate(tracing.CACHE, "off")
-            held = lease if asked.shared else None
-            entry, cached = await self._held(
-                found, self._compute(found, body, protocol, deadline, priority, held)
-            )
         else:
             digest = xxhash.xxh3_128(found.scope(protocol.name))
             if asked.echo is None:
@@ -122,26 +119,25 @@ class Dataplane:
                 digest.update(view[: asked.echo[0]])
                 digest.update(view[asked.echo[1] :])
             key = digest.digest()
-            hit = self.cache.get(key)
-            if hit is not None:
-                if tracing.ON:
-                    tracing.annotate(tracing.CACHE, "hit")
-                entry, cached = hit, HIT
-            else:
-                entry, cached = await self._held(
-                    found, self._once(key, found, body, protocol, deadline, priority)
-                )
+        entry = None if key is None else self.cache.get(key)
+        cached: Cached = HIT
+        if entry is not None:
+            if tracing.ON:
+                tracing.annotate(tracing.CACHE, "hit")
+        else:
+            found.hold()  # a swap retires the model only once its calls are answered
+            try:
+                if key is None:
+                    held = lease if asked.shared else None
+                    entry = await self._answer(found, body, protocol, deadline, priority, held)
+                    cached = None
+                else:
+                    entry, cached = await self._once(key, found, body, protocol, deadline, priority)
+            finally:
+                found.release()
         if asked.echo is not None:
             entry = Entry(body[asked.echo[0] : asked.echo[1]] + entry.body, entry.nonfinite)
         return entry, cached
-
-    async def _held(self, model: Model, work: Awaitable[T]) -> T:
-        """`work` with `model` held, so a swap retires it only once its calls are answered."""
-        model.hold()
-        try:
-            return await work
-        finally:
-            model.release()
 
     async def run(
         self,
@@ -156,7 +152,11 @@ class Dataplane:
         if deadline is not None and deadline <= self.clock():
             raise DeadlineExpired(EXPIRED)
         found = self.models.get(model)
-        return await self._held(found, found.run(inputs, outputs, deadline))
+        found.hold()
+        try:
+            return await found.run(inputs, outputs, deadline)
+        finally:
+            found.release()
 
     async def _once(
         self,
@@ -170,12 +170,11 @@ class Dataplane:
         """Compute under single-flight; a hit when another caller's computation answered.
         A shared computation that ran out of its leader's deadline is retried for a follower
         whose own deadline still allows it."""
+        compute = functools.partial(self._store, key, model, body, protocol, deadline, priority)
         while True:
             joined = key in self.flight
             try:
-                entry = await self.flight.run(
-                    key, lambda: self._store(key, model, body, protocol, deadline, priority)
-                )
+                entry = await self.flight.run(key, compute)
             except DeadlineExpired:
                 if not joined or (deadline is not None and deadline <= self.clock()):
                     raise
@@ -195,39 +194,12 @@ class Dataplane:
     ) -> Entry:
         # The shared computation holds the model itself: its callers may all cancel and
         # release theirs while it still runs (or waits in the batcher).
-        entry = await self._held(model, self._entry(model, body, protocol, deadline, priority))
-        self.cache.put(key, entry)
-        return entry
-
-    async def _compute(
-        self,
-        model: Model,
-        body: bytes,
-        protocol: WireProtocol[Opts],
-        deadline: float | None,
-        priority: int,
-        lease: Callable[[], Lease] | None,
-    ) -> tuple[Entry, Cached]:
-        return await self._entry(model, body, protocol, deadline, priority, lease), None
-
-    async def _entry(
-        self,
-        model: Model,
-        body: bytes,
-        protocol: WireProtocol[Opts],
-        deadline: float | None,
-        priority: int,
-        leases: Callable[[], Lease] | None = None,
-    ) -> Entry:
-        lease = None if leases is None else leases()
+        model.hold()
         try:
-            entry = await self._answer(model, body, protocol, deadline, priority, lease)
-        except BaseException:
-            if lease is not None:  # a failed call writes nothing back: its error stands
-                lease.release(ok=False)
-            raise
-        if lease is not None:  # the outputs land (a copy that cannot be written fails the call)
-            lease.release()
+            entry = await self._answer(model, body, protocol, deadline, priority)
+        finally:
+            model.release()
+        self.cache.put(key, entry)
         return entry
 
     async def _answer(
@@ -237,11 +209,15 @@ class Dataplane:
         protocol: WireProtocol[Opts],
         deadline: float | None,
         priority: int,
-        lease: Lease | None,
+        leases: Callable[[], Lease] | None = None,
     ) -> Entry:
-        request = protocol.decode(body, lease)  # a lease only for a body that names regions
-        run = _RunSpans(model) if tracing.ON and tracing.recording() else None
+        """Decode, run, encode; `leases` takes the call's hold on its regions, released once
+        the answer is encoded (a failed call writes nothing back: its error stands)."""
+        lease = None if leases is None else leases()
+        run = None
         try:
+            request = protocol.decode(body, lease)  # a lease only for a body that names regions
+            run = _RunSpans(model) if tracing.ON and tracing.recording() else None
             outputs, nonfinite = await model.run(
                 request.inputs,
                 request.outputs,
@@ -255,9 +231,13 @@ class Dataplane:
         except BaseException as exc:
             if run is not None:
                 run.ended(exc)
+            if lease is not None:
+                lease.release(ok=False)
             raise
         if run is not None:
             run.ended()
+        if lease is not None:  # the outputs land (a copy that cannot be written fails the call)
+            lease.release()
         return Entry(encoded, tuple(nonfinite))
 
     async def close(self) -> None:

@@ -198,10 +198,10 @@ def _cut(
 
 def rows_of(inputs: Mapping[str, np.ndarray]) -> int | None:
     """The batch rows of a request: the shared first dimension of its inputs, else None."""
-    firsts = {a.shape[0] if a.ndim else None for a in inputs.values()}
-    if len(firsts) != 1:
-        return None
-    return firsts.pop()
+    firsts: set[int | None] = set()
+    for array in inputs.values():
+        firsts.add(array.shape[0] if array.ndim else None)
+    return firsts.pop() if len(firsts) == 1 else None
 
 
 def key_dtype(name: str, array: np.ndarray, casts: Casts) -> str:
