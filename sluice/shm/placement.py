@@ -63,9 +63,12 @@ def predict_tensors(
     `lease`) and the views its output_memory outputs are to be written into, taken now: a
     bad region refuses the call before any model runs. No `lease`: shared memory is off,
     and a region named is refused, `refusal` after what names it."""
-    refs = {name: codec.ref_of(ref) for name, ref in request.output_memory.items()}
     try:
-        return codec.decode_all(request.inputs, lease), output_slots(lease, refs)
+        inputs = codec.decode_all(request.inputs, lease)
+        if not request.output_memory:
+            return inputs, {}
+        refs = {name: codec.ref_of(ref) for name, ref in request.output_memory.items()}
+        return inputs, output_slots(lease, refs)
     except codec.Unshared as exc:
         raise InvalidInput(f"{exc}; {refusal}") from None
     except codec.TensorError as exc:

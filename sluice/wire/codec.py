@@ -308,8 +308,12 @@ def decode(tensor: pb.Tensor, memory: Memory | None = None) -> np.ndarray:
     in shared memory is a view of `memory`'s bytes (no copy; Unshared without `memory`);
     `memory`'s own refusals are raised as they are, their message led by the tensor's."""
     label = _label(tensor.name)
-    dt, shape, count = _header(label, tensor.datatype, tuple(tensor.shape))
-    present = [f for f in _TYPED_FIELDS if len(getattr(tensor, f))]
+    shape = tuple(tensor.shape)
+    dt, count = datatype_named(label, tensor.datatype), element_count(label, shape)
+    present = []  # a loop: a comprehension would be one more call on every decode
+    for typed_field in _TYPED_FIELDS:
+        if len(getattr(tensor, typed_field)):
+            present.append(typed_field)
     if tensor.HasField("shared_memory"):
         if tensor.raw_data or present:
             carried = "raw_data" if tensor.raw_data else present[0]
@@ -342,13 +346,6 @@ def _label(name: str) -> str:
     return f"tensor {name!r}" if name else "a tensor with no name"
 
 
-def _header(
-    label: str, datatype: str, shape: tuple[int, ...]
-) -> tuple[DataType, tuple[int, ...], int]:
-    """The datatype, shape and element count a tensor declares, checked against themselves."""
-    return datatype_named(label, datatype), shape, element_count(label, shape)
-
-
 def datatype_named(label: str, datatype: str) -> DataType:
     """The datatype a tensor names; TensorError for one the API does not have."""
     dt = DATATYPES.get(datatype)
@@ -365,7 +362,7 @@ def element_count(label: str, shape: tuple[int, ...]) -> int:
         raise TensorError(
             f"{label} has {len(shape)} dimensions; at most {facts.MAX_RANK} are allowed"
         )
-    if any(d < 0 for d in shape):
+    if shape and min(shape) < 0:
         raise TensorError(f"{label} has a negative dimension in shape {list(shape)}")
     count = math.prod(shape)
     # An empty shape is judged by its other dimensions (only those pay for a generator).
@@ -520,8 +517,8 @@ def _predict(given: bytes | memoryview) -> tuple[dict[str, np.ndarray], list[str
     for name, datatype, shape, raw in found:
         if name in arrays:
             raise TensorError(f"tensor {name!r} appears more than once")
-        label = _label(name)
-        dt, dims, count = _header(label, datatype, tuple(shape))
+        label, dims = _label(name), tuple(shape)
+        dt, count = datatype_named(label, datatype), element_count(label, dims)
         arrays[name] = _raw(label, dt, dims, count, view[raw[0] : raw[1]])
     return arrays, outputs, typed
 
