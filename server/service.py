@@ -75,12 +75,8 @@ class Call:
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
 Methods: TypeAlias = "dict[str, grpc.RpcMethodHandler[bytes, bytes]]"
 Method = Callable[[bytes, Call], Awaitable[bytes]]
-# The bytes of the message that carries a reply: a unary call's is the reply itself.
+# The bytes of the message that carries a reply (None: a unary call's, the reply itself).
 Sized = Callable[[bytes, Call], int]
-
-
-def unary_size(reply: bytes, call: Call) -> int:
-    return len(reply)
 
 
 class InferenceService:
@@ -213,7 +209,7 @@ class InferenceService:
         info: Call,
         stats: ServingStats,
         served: spans.Served | None,
-        sized: Sized = unary_size,
+        sized: Sized | None = None,
     ) -> bytes | tuple[grpc.StatusCode, str]:
         """The reply, or the status and message of the failure, counted in `stats` (and in
         the caller's tenant's account, with auth on), and told to `served` (tracing). A
@@ -232,14 +228,15 @@ class InferenceService:
                 tenants.enter(account)
                 entered = True
             outcome = await fn(body, info)
-            size = sized(outcome, info)
-            if self.max_message_bytes and size > self.max_message_bytes:
+            limit = self.max_message_bytes
+            size = len(outcome) if sized is None or not limit else sized(outcome, info)
+            if limit and size > limit:
                 status = "RESOURCE_EXHAUSTED"
                 # Not sent: grpc would fail a unary call with its own words, and end a
                 # stream, every call on it with it, for one such reply.
                 outcome = (
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    too_large("reply", size, f"server {self.node_id}", self.max_message_bytes),
+                    too_large("reply", size, f"server {self.node_id}", limit),
                 )
         except SluiceError as exc:
             status, reason = exc.status, exc.reason

@@ -143,13 +143,13 @@ class BatchQueue:
         self.max_queue = max_queue
         self.to_bucket = to_bucket
         self.rows = 0  # rows waiting
-        self._size = 0  # requests in the queues (abandoned ones until a batch skips them)
+        self.size = 0  # requests in the queues (abandoned ones until a batch skips them)
         self._classes: list[deque[Pending]] = [deque() for _ in PRIORITIES]
         self._rows = [0] * len(PRIORITIES)  # rows waiting by class
         self._costs = [0] * len(PRIORITIES)  # and their cost (Pending.cost)
 
     def __len__(self) -> int:
-        return self._size
+        return self.size
 
     def ahead(self, priority: int) -> tuple[int, int]:
         """Requests, and their cost (Pending.cost: rows where nothing is padded), that would
@@ -176,14 +176,14 @@ class BatchQueue:
         self._rows[item.priority] += item.rows
         self._costs[item.priority] += item.cost
         self.rows += item.rows
-        self._size += 1
+        self.size += 1
         return shed
 
     def _shed_below(self, priority: int) -> Pending | None:
         for cls in range(len(self._classes) - 1, priority, -1):  # the least urgent first
             if self._classes[cls]:
                 item = self._classes[cls].pop()
-                self._size -= 1
+                self.size -= 1
                 self.forget(item)
                 return item
         return None
@@ -259,7 +259,7 @@ class BatchQueue:
                 rows += item.rows
                 if item.bucket:
                     peak = tuple(map(max, peak, item.lengths))
-        self._size += len(keep) - len(self._classes[cls])
+        self.size += len(keep) - len(self._classes[cls])
         self._classes[cls] = keep
         kept = cost = 0
         for item in keep:  # one pass; an unpadded request costs its rows
@@ -406,7 +406,7 @@ class Batcher:
         if trip is not None:
             trip.arrival = now
             trip.bucket = label(bucket)
-        if deadline is not None and not (self._idle and not len(self.queue)):
+        if deadline is not None and not (self._idle and not self.queue.size):
             # Admission prices work in the cost model's units: rows, padded to their bucket
             # where padded (Pending.cost); it counts the batches by rows.
             queued, queued_cost = self.queue.ahead(priority)
@@ -418,7 +418,7 @@ class Batcher:
             except Overloaded:
                 self.stats.rejected += 1
                 raise
-        if self._idle and not len(self.queue):
+        if self._idle and not self.queue.size:
             # The fast path: an idle instance whose runs are tiny answers right here, with
             # no future, task or extra trip round the event loop.
             runner = self._idle[-1]
@@ -467,9 +467,9 @@ class Batcher:
         return await future
 
     def _pump(self) -> None:
-        while self._idle and len(self.queue):
+        while self._idle and self.queue.size:
             # A lone request on an idle server runs even if it may end late, as at the door.
-            contended = self.busy > 0 or len(self.queue) > 1
+            contended = self.busy > 0 or self.queue.size > 1
             now = self.clock()
             run_s = self.admission.run_s
             if self.busy and (until := self.queue.hold(now, run_s)) is not None:

@@ -344,6 +344,9 @@ class Models:
         # oldest go, so a server that swaps versions for months does not keep them all.
         self._gone: dict[str, dict[str, str]] = {}
         self.listeners: list[Listener] = []  # told of every install and removal
+        # What a call that names no model gets; None when the node serves several and none
+        # is named as default (such a call is refused). Kept as the set changes.
+        self.default: Model | None = None
         for model in models:
             if model.version in self._versions.get(model.name, {}):
                 raise ValueError(f"two models are named {model.name!r}, version {model.version}")
@@ -355,10 +358,8 @@ class Models:
     def __len__(self) -> int:
         return len(self._newest)
 
-    @property
-    def default(self) -> Model | None:
-        """What a call that names no model gets; None when the node serves several and
-        none is named as default (such a call is refused)."""
+    def _chosen(self) -> Model | None:
+        """The default model: the one named as default, else the only one."""
         if self._default:
             return self._newest.get(self._default)
         if len(self._newest) == 1:
@@ -372,6 +373,7 @@ class Models:
         # No await between the two: no call sees one updated without the other.
         self._versions[model.name] = {**versions, model.version: model}
         self._newest[model.name] = max(self._versions[model.name].values(), key=_order)
+        self.default = self._chosen()
         gone = self._gone.get(model.name, {})
         if gone.pop(model.version, None) is not None and not gone:
             del self._gone[model.name]
@@ -401,6 +403,7 @@ class Models:
             self._newest[name] = max(left.values(), key=_order)
         else:
             del self._versions[name], self._newest[name]
+        self.default = self._chosen()
         for listener in self.listeners:
             listener.removed(model)
         return model

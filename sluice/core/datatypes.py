@@ -31,12 +31,13 @@ DATATYPES: dict[str, DataType] = {
         DataType("FP64", np.dtype("<f8"), "fp64_data"),
     )
 }
-_BY_KIND = {(d.dtype.kind, d.dtype.itemsize): d for d in DATATYPES.values()}
+# By numpy kind and item size: either byte order.
+BY_KIND = {(d.dtype.kind, d.dtype.itemsize): d for d in DATATYPES.values()}
 
 
 def datatype_of(dtype: np.dtype[np.generic]) -> DataType | None:
     """The API datatype for a numpy dtype, or None if the API has none."""
-    return _BY_KIND.get((dtype.kind, dtype.itemsize))
+    return BY_KIND.get((dtype.kind, dtype.itemsize))
 
 
 def name_of(dtype: np.dtype[np.generic]) -> str:

@@ -13,6 +13,7 @@ A tensor placed in shared memory (sluice.shm.slots) decodes to a view of a `Memo
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import cast
@@ -20,8 +21,7 @@ from typing import cast
 import numpy as np
 import numpy.typing as npt
 
-from sluice.core.datatypes import DATATYPES, DataType
-from sluice.core.datatypes import datatype_of as _datatype_of
+from sluice.core.datatypes import BY_KIND, DATATYPES, DataType
 from sluice.core.errors import SluiceError
 from sluice.shm.slots import Memory, OutputSlot, SlotWrites
 from sluice.shm.slots import Ref as Ref
@@ -58,7 +58,7 @@ _TYPED_FIELDS = sorted({d.typed_field for d in DATATYPES.values()})
 
 def datatype_of(dtype: np.dtype[np.generic]) -> DataType:
     """The API datatype for a numpy dtype, or TensorError if the API has none."""
-    found = _datatype_of(dtype)
+    found = BY_KIND.get((dtype.kind, dtype.itemsize))  # on every output: no call of core's
     if found is None:
         supported = ", ".join(DATATYPES)
         raise TensorError(f"numpy dtype {dtype} has no API datatype (supported: {supported})")
@@ -201,6 +201,9 @@ def _shared(
     return at + len(field)
 
 
+# The same few strings on every call (a model's name, version and outputs, datatypes):
+# their fields are made once.
+@functools.lru_cache(maxsize=1024)
 def _string(tag: bytes, text: str, repeated: bool = False) -> bytes:
     """A string field; an empty one is written only as an element of a repeated field."""
     value = text.encode()
