@@ -16,10 +16,6 @@ class Entry:
     body: bytes
     nonfinite: tuple[str, ...] = ()  # inputs that held NaN or infinity: allowed, but flagged
 
-    @property
-    def size(self) -> int:
-        return len(self.body) + sum(map(len, self.nonfinite))
-
 
 class LRUCache:
     """Least recently *used*: a hit moves the entry to the young end."""
@@ -28,7 +24,7 @@ class LRUCache:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.enabled = max_entries > 0 and max_bytes > 0
-        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self._entries: OrderedDict[bytes, tuple[Entry, int]] = OrderedDict()  # with its size
         self.bytes = 0
         self.hits = 0
         self.misses = 0
@@ -41,25 +37,26 @@ class LRUCache:
         return key in self._entries
 
     def get(self, key: bytes) -> Entry | None:
-        entry = self._entries.get(key)
-        if entry is None:
+        found = self._entries.get(key)
+        if found is None:
             self.misses += 1
             return None
         self._entries.move_to_end(key)
         self.hits += 1
-        return entry
+        return found[0]
 
     def put(self, key: bytes, entry: Entry) -> None:
-        if not self.enabled or entry.size > self.max_bytes:
+        size = len(entry.body) + sum(map(len, entry.nonfinite))
+        if not self.enabled or size > self.max_bytes:
             return  # too big to keep: caching it would flush everything else
         old = self._entries.pop(key, None)
         if old is not None:
-            self.bytes -= old.size
-        self._entries[key] = entry
-        self.bytes += entry.size
+            self.bytes -= old[1]
+        self._entries[key] = entry, size
+        self.bytes += size
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.bytes -= evicted.size
+            _, (_, evicted) = self._entries.popitem(last=False)
+            self.bytes -= evicted
             self.evictions += 1
 
     def keys(self) -> list[bytes]:
