@@ -138,7 +138,9 @@ class Model:
         self._output_names = [s.name for s in self.outputs]
         self._batchable = engine.batchable
         self._batching = batcher.queue.max_rows > 1
-        self._scopes: dict[str, bytes] = {}
+        # What follows the protocol's name in the cache key of this model's requests: the
+        # same bytes for another model, version or load meet another answer.
+        self.scope = f"\0{self.name}\0{self.version}\0{self.tag}\0".encode()
         self.calls = 0  # calls holding this model now (`hold`)
         self._idle: asyncio.Event | None = None  # set when `calls` falls to 0, once retired
 
@@ -169,16 +171,6 @@ class Model:
         )
         pads = f", {self.padding.describe()}" if self.padding is not None else ""
         return f"{batch}, {count} instance{'s' if count > 1 else ''}{wires}{pads}"
-
-    def scope(self, protocol: str) -> bytes:
-        """What leads the cache key of this model's requests in wire protocol `protocol` (its
-        name): the same bytes in another protocol, or for another model or version, meet
-        another answer."""
-        scope = self._scopes.get(protocol)
-        if scope is None:  # once per protocol: this is on every call's path
-            scope = f"{protocol}\0{self.name}\0{self.version}\0{self.tag}\0".encode()
-            self._scopes[protocol] = scope
-        return scope
 
     async def run(
         self,

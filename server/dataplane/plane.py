@@ -111,7 +111,8 @@ class Dataplane:
             if tracing.ON:
                 tracing.annotate(tracing.CACHE, "off")
         else:
-            digest = xxhash.xxh3_128(found.scope(protocol.name))
+            digest = xxhash.xxh3_128(protocol.name.encode())
+            digest.update(found.scope)
             if asked.echo is None:
                 digest.update(body)
             else:  # the body around the id, read in place: slices of bytes are copies
