@@ -11,7 +11,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -74,15 +74,7 @@ class Call:
 
 Handler = Callable[[bytes, Context], Awaitable[bytes]]
 Methods: TypeAlias = "dict[str, grpc.RpcMethodHandler[bytes, bytes]]"
-
-
-class Method(Protocol):
-    """A method's work on its request body, given the call by name (so that Predict is
-    `infer` with its protocol fixed)."""
-
-    def __call__(self, body: bytes, call: Call) -> Awaitable[bytes]: ...
-
-
+Method = Callable[[bytes, Call], Awaitable[bytes]]
 # The bytes of the message that carries a reply (None: a unary call's, the reply itself).
 Sized = Callable[[bytes, Call], int]
 
@@ -114,7 +106,6 @@ class InferenceService:
         self.stats = stats or ServingStats(clock=plane.clock)
         self.serving = True
         self._draining = asyncio.Event()
-        self.predict: Method = functools.partial(self.infer, protocol=self.v1)
         # What a PredictStream message's `method` asks for; other protocols add theirs.
         self.stream_methods: dict[str, Method] = {"": self.predict}
 
@@ -236,7 +227,7 @@ class InferenceService:
             if tenants is not None and account is not None:  # the tenant's quota and share
                 tenants.enter(account)
                 entered = True
-            outcome = await fn(body, call=info)
+            outcome = await fn(body, info)
             limit = self.max_message_bytes
             size = len(outcome) if sized is None or not limit else sized(outcome, info)
             if limit and size > limit:
@@ -356,6 +347,9 @@ class InferenceService:
             )
 
         await stream.serve(requests, context.write, answer, refuse=refuse, stop=self._draining)
+
+    async def predict(self, body: bytes, call: Call) -> bytes:
+        return await self.infer(body, self.v1, call)
 
     def region_call(self, fn: RegionCall) -> Method:
         """A shared memory region call of either face, on its caller's tenant's regions."""
