@@ -121,10 +121,10 @@ class Dataplane:
                 digest.update(view[asked.echo[1] :])
             key = digest.digest()
         entry = None if key is None else self.cache.get(key)
-        cached: Cached = HIT
         if entry is not None:
             if tracing.ON:
                 tracing.annotate(tracing.CACHE, "hit")
+            cached: Cached = HIT
         else:
             found.hold()  # a swap retires the model only once its calls are answered
             try:
