@@ -42,7 +42,7 @@ from sluice.core.stats import ServingStats, health_fields
 from sluice.core.tenants import HEADER, Account, Tenants, tenant_name
 from sluice.core.version_order import version_key
 from sluice.routing.budget import RetryBudget
-from sluice.routing.hedge import HedgeSettings, Hedging
+from sluice.routing.hedge import HedgeSettings, Hedging, report
 from sluice.routing.plan import Observer, rule_of
 from sluice.routing.planner import Planner
 from sluice.routing.pool import Backend, Pool, Want
@@ -135,11 +135,13 @@ class BalancerService:
         self.clock = clock
         self.stats = ServingStats(clock=clock)
         # A stream that broke before the reply fails its calls with StreamBroken.
-        # --hedge-after-ms: every call's attempts (PredictStream's messages and fan-out's
-        # chunks too: each is a planner call) may be hedged.
-        self.hedging = None if hedge is None else Hedging(hedge, clock)
         self.planner = Planner(
-            pool, budget, Reply, broken=(StreamBroken,), clock=clock, hedging=self.hedging
+            pool,
+            budget,
+            Reply,
+            broken=(StreamBroken,),
+            clock=clock,
+            hedging=Hedging.of(hedge, clock),
         )
 
     def methods(self) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]:
@@ -599,20 +601,10 @@ class BalancerService:
                 shed=self.planner.limits.shed,
             ),
         )
-        if self.hedging is not None:
-            hedged(response.balancer, self.hedging)
+        report.fill(response.balancer, self.planner.hedging)
         if self.tenants is not None:
             response.tenants.extend(door.statuses(self.tenants, account))
         return response.SerializeToString()
-
-
-def hedged(stats: pb.BalancerStats, hedging: Hedging) -> None:
-    """BalancerStats' hedging fields, as `hedging` counts them."""
-    stats.hedges = hedging.sent
-    stats.hedges_won = hedging.won
-    stats.hedges_cancelled = hedging.cancelled
-    stats.hedges_refused = hedging.budget.refused
-    stats.hedge_after_ms = (hedging.delay() or 0.0) * 1000
 
 
 def _answered(placing: Relay, reply: Reply) -> Reply:

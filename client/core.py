@@ -2,7 +2,7 @@
 I/O it needs (`Send`, `Unary`, `Explain`) and reads what comes back into a Prediction or an
 exception; the drivers (sluice.client.aio, sluice.client.blocking) only perform the steps.
 Tensors travel as raw little-endian bytes, plain values in the datatypes the model's metadata
-declares. Several targets are servers balanced with the balancer's planner, hedging included;
+declares. Several targets are servers balanced with the balancer's planner and its layers;
 with `shared_memory`, tensors travel in regions (sluice.shm.client). Failures raise
 grpc.RpcError, with sluice.client.diagnose's hint where grpc's words leave out what to fix.
 """
@@ -28,7 +28,7 @@ from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, PREDICT, affinity_
 from sluice.core.tenants import authorization
 from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
-from sluice.routing.hedge import HedgeSettings, Hedging
+from sluice.routing.hedge import client as hedge
 from sluice.routing.planner import Planner
 from sluice.routing.pool import Pool
 from sluice.runtime import tracing
@@ -181,27 +181,18 @@ def auth_metadata(api_key: str) -> Metadata:
 
 def router(
     targets: Sequence[str],
+    hedge_after_ms: float | str | None = None,
     breaker: BreakerSettings | None = None,
-    hedge: HedgeSettings | None = None,
-) -> Planner[Reply]:
-    """The client's own balancing over several servers: its own pool and retry budget."""
+) -> Planner[Reply] | None:
+    """The client's own balancing over several servers (None: one target), with its own
+    pool and retry budget; `hedge_after_ms` as sluice.routing.hedge.client takes it."""
+    hedging = hedge.option(hedge_after_ms, targets)  # ValueError before any channel opens
+    servers = list(dict.fromkeys(targets))  # a target named twice is one server
+    if len(servers) < 2:
+        return None
     pool = Pool(breaker=breaker)
-    pool.set_addresses(targets)
-    return Planner(pool, RetryBudget(), Reply, hedging=None if hedge is None else Hedging(hedge))
-
-
-def hedge_of(hedge_after_ms: float | str | None, targets: Sequence[str]) -> HedgeSettings | None:
-    """`hedge_after_ms` (None or 0: off; ms or "auto"); needs several targets (a balancer
-    hedges itself), ValueError otherwise."""
-    if hedge_after_ms is None or (not isinstance(hedge_after_ms, str) and not hedge_after_ms):
-        return None  # 0 and 0.0 are off, as "0" is (str(0.0) is not a word parse takes)
-    hedge = HedgeSettings.parse(str(hedge_after_ms))
-    if hedge is not None and len(targets) < 2:
-        raise ValueError(
-            "hedge_after_ms needs several targets (servers this client balances); "
-            "for a balancer, start it with --hedge-after-ms"
-        )
-    return hedge
+    pool.set_addresses(servers)
+    return Planner(pool, RetryBudget(), Reply, hedging=hedging)
 
 
 @dataclass(slots=True)
@@ -315,9 +306,9 @@ class Core:
     `tls_key`: mutual TLS; `server_name`: the name checked). `api_key` goes on every call.
     `hints`: whose options a failed call's hint names. `shared_memory`: tensors in POSIX
     regions this client registers (one target on this host, started --shared-memory).
-    `hedge_after_ms` (several targets; ms or "auto"): a call unanswered that long sends one
-    hedge elsewhere, the first OK answer wins. `keepalive_s` (None: 0.3 with several
-    targets, else off): a silent target fails its calls UNAVAILABLE for a retry elsewhere."""
+    `hedge_after_ms` (several targets; ms or "auto"): `router` says. `keepalive_s` (None:
+    0.3 with several targets, else off): a silent target fails its calls UNAVAILABLE for a
+    retry elsewhere."""
 
     _owned = True  # close() closes the channels
     _memory: SharedMemory | None = None
@@ -343,14 +334,14 @@ class Core:
         targets = target_list(target)
         if shared_memory:
             check_target(targets)
-        hedge = hedge_of(hedge_after_ms, targets)
+        routed = router(targets, hedge_after_ms)
         security = ClientTLS.of(
             tls=tls, ca=tls_ca, cert=tls_cert, key=tls_key, server_name=server_name
         )
         settings = channel_options(max_message_bytes, options, keepalive_of(keepalive_s, targets))
         channels = {t: [self._open(t, security, settings)] for t in targets}
         shown = diagnose.Shown(tls=security is not None, certificate=bool(tls_cert))
-        self._attach(channels, timeout, api_key, shown, hints, hedge)
+        self._attach(channels, timeout, api_key, shown, hints, routed)
         self._memory = SharedMemory() if shared_memory else None
 
     @classmethod
@@ -365,8 +356,8 @@ class Core:
         """A client over channels the caller made and closes, several per target if it likes
         (used in turn); for the load generator's connection counts."""
         client = cls.__new__(cls)
-        hedge = hedge_of(hedge_after_ms, list(channels))
-        client._attach(channels, timeout, api_key, None, diagnose.Audience.PYTHON, hedge)
+        routed = router(list(channels), hedge_after_ms)
+        client._attach(channels, timeout, api_key, None, diagnose.Audience.PYTHON, routed)
         client._owned = False
         return client
 
@@ -380,7 +371,7 @@ class Core:
         api_key: str,
         shown: diagnose.Shown | None,  # None: channels the caller made, their TLS unknown
         hints: diagnose.Audience,
-        hedge: HedgeSettings | None,
+        routed: Planner[Reply] | None,
     ) -> None:
         self._channels = {t: list(chs) for t, chs in channels.items()}
         self.targets = target_list(list(channels))
@@ -397,7 +388,7 @@ class Core:
         self._askers: dict[str, Sender] = {
             t: chs[0].unary_unary(METADATA, **RAW) for t, chs in channels.items()
         }
-        self._router = router(self.targets, hedge=hedge) if len(self.targets) > 1 else None
+        self._router = routed
         # The one clock of calls' deadlines (the planner's).
         self._clock = time.monotonic if self._router is None else self._router.clock
         self._stub = pb_grpc.InferenceStub(self._channels[self.target][0])
