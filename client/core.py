@@ -3,13 +3,12 @@ I/O it needs (`Send`, `Unary`, `Explain`) and reads what comes back into a Predi
 exception; the drivers (sluice.client.aio, sluice.client.blocking) only perform the steps.
 Tensors travel as raw little-endian bytes, plain values in the datatypes the model's metadata
 declares. Several targets are servers balanced with the balancer's planner and its layers;
-with `shared_memory`, tensors travel in regions (sluice.shm.client). Failures raise
+with `shared_memory`, sluice.shm.client places the tensors. Failures raise
 grpc.RpcError, with sluice.client.diagnose's hint where grpc's words leave out what to fix.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import threading
@@ -34,7 +33,7 @@ from sluice.routing.pool import Pool
 from sluice.runtime import tracing
 from sluice.runtime.status import grpc_code
 from sluice.runtime.tls import ClientTLS
-from sluice.shm.client import Arena, Layout, SharedMemory, check_target, registration_error
+from sluice.shm.client import SharedMemory, check_target
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec, unary
@@ -238,7 +237,7 @@ class Send:
 
 @dataclass(frozen=True, slots=True)
 class Unary:
-    """One stub call to the first target (Health, a region's registration)."""
+    """One stub call to the first target (Health, a registration)."""
 
     method: str
     request: Any
@@ -288,14 +287,6 @@ def prediction(reply: Reply) -> Prediction:
     return Prediction(
         codec.decode_all(response.outputs), reply.trailers, response.model, response.version
     )
-
-
-def shared_prediction(memory: SharedMemory, plan: Layout, reply: Reply) -> Prediction:
-    """`prediction` of a shared memory call: the outputs in its region copied out."""
-    if reply.code:
-        raise rpc_error(reply)
-    response, outputs = memory.answer(plan, reply.body)
-    return Prediction(outputs, reply.trailers, response.model, response.version)
 
 
 class Core:
@@ -426,8 +417,16 @@ class Core:
                 arrays = {
                     n: codec.array_of(n, v, (datatypes or {}).get(n, "")) for n, v in inputs.items()
                 }
-                planned = partial(self._memory.planned, arrays, outputs, model, version)
-                return (yield from self._shared(self._memory, planned, metadata, deadline))
+                reply, response, values = yield from self._memory.call(
+                    arrays,
+                    outputs,
+                    model,
+                    version,
+                    partial(self._answered, metadata, deadline),
+                    partial(self._stub_call, deadline),
+                    (self.target, self._hints),
+                )
+                return Prediction(values, reply.trailers, response.model, response.version)
             body = codec.encode_predict(inputs, outputs, model, version, datatypes)
             return prediction((yield from self._call(body, metadata, deadline)))
         except grpc.RpcError as exc:
@@ -436,42 +435,16 @@ class Core:
                 self._declared.pop((model, version), None)
             return (yield from self._raise(exc, self._routed_target()))
 
-    def _shared(
-        self,
-        memory: SharedMemory,
-        planned: Callable[[], contextlib.AbstractContextManager[Layout]],
-        metadata: Metadata,
-        deadline: Deadline,
-    ) -> Steps[Prediction]:
-        """Sent once more when the refusal says the next try may not be (SharedMemory.failed)."""
-        with planned() as plan:
-            try:
-                return (yield from self._shared_send(memory, plan, metadata, deadline))
-            except grpc.RpcError as exc:
-                if not memory.failed(plan, exc):
-                    raise
-        with planned() as plan:
-            return (yield from self._shared_send(memory, plan, metadata, deadline))
+    def _answered(self, metadata: Metadata, deadline: Deadline, body: bytes) -> Steps[Reply]:
+        """One Predict's reply; a failed one raised as grpc raises a failed call."""
+        reply = yield from self._call(body, metadata, deadline)
+        if reply.code:
+            raise rpc_error(reply)
+        return reply
 
-    def _shared_send(
-        self, memory: SharedMemory, plan: Layout, metadata: Metadata, deadline: Deadline
-    ) -> Steps[Prediction]:
-        if plan.fresh:
-            yield from self._register(plan.arena, deadline)
-        return shared_prediction(
-            memory, plan, (yield from self._call(plan.body, metadata, deadline))
-        )
-
-    def _register(self, arena: Arena, deadline: Deadline) -> Steps[None]:
-        """Register `arena` as it is now (what the server held under its name dropped first)."""
-        try:
-            yield Unary(
-                "UnregisterRegion", pb.UnregisterRegionRequest(name=arena.name), deadline.left()
-            )
-            yield Unary("RegisterRegion", arena.registration(), deadline.left())
-        except grpc.RpcError as exc:
-            raise registration_error(exc, arena.name, self.target, self._hints) from exc
-        arena.registered_now()
+    def _stub_call(self, deadline: Deadline | None, method: str, request: Any) -> Steps[Any]:
+        """One stub call to the first target within `deadline` (None: the client's timeout)."""
+        return (yield Unary(method, request, self.timeout if deadline is None else deadline.left()))
 
     def _call(self, body: bytes, metadata: Metadata, deadline: Deadline) -> Steps[Reply]:
         """One Predict, traced when the application traces."""
@@ -520,13 +493,9 @@ class Core:
         return response
 
     def _unregister_all(self) -> Steps[None]:
-        """Unregister this client's regions and unlink their objects."""
-        if self._memory is None:
-            return
-        for name in self._memory.registered():
-            with contextlib.suppress(grpc.RpcError):  # a server gone forgot it anyway
-                yield Unary("UnregisterRegion", pb.UnregisterRegionRequest(name=name), self.timeout)
-        self._memory.close()
+        """What close() sends first."""
+        if self._memory is not None:
+            yield from self._memory.unregister_all(partial(self._stub_call, None))
 
     def _terms(
         self, deadline: Deadline, body: bytes | None = None, metadata: Metadata = ()
