@@ -184,7 +184,7 @@ def router(
     breaker: BreakerSettings | None = None,
 ) -> Planner[Reply] | None:
     """The client's own balancing over several servers (None: one target), with its own
-    pool and retry budget; `hedge_after_ms` as sluice.routing.hedge.client takes it."""
+    pool, retry budget and layers."""
     hedging = hedge.option(hedge_after_ms, targets)  # ValueError before any channel opens
     servers = list(dict.fromkeys(targets))  # a target named twice is one server
     if len(servers) < 2:
@@ -297,9 +297,9 @@ class Core:
     `tls_key`: mutual TLS; `server_name`: the name checked). `api_key` goes on every call.
     `hints`: whose options a failed call's hint names. `shared_memory`: tensors in POSIX
     regions this client registers (one target on this host, started --shared-memory).
-    `hedge_after_ms` (several targets; ms or "auto"): `router` says. `keepalive_s` (None:
-    0.3 with several targets, else off): a silent target fails its calls UNAVAILABLE for a
-    retry elsewhere."""
+    `hedge_after_ms` (several targets; ms or "auto"): sluice.routing.hedge.client's option.
+    `keepalive_s` (None: 0.3 with several targets, else off): a silent target fails its calls
+    UNAVAILABLE for a retry elsewhere."""
 
     _owned = True  # close() closes the channels
     _memory: SharedMemory | None = None
