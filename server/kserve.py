@@ -24,7 +24,7 @@ from sluice.server.dataplane.plane import Asked, Request
 from sluice.server.dataplane.repository import LoadReport
 from sluice.server.service import Call, InferenceService, Method
 from sluice.server.v1 import NO_SHARED_MEMORY
-from sluice.shm import placement
+from sluice.shm import placement, scan
 from sluice.shm.calls import KSERVE_CALLS, SYSTEM_SHARED_MEMORY
 from sluice.shm.registry import Lease
 from sluice.shm.slots import OutputSlot
@@ -80,7 +80,7 @@ class KServeV2:
         except peek.Malformed as exc:
             raise InvalidInput(str(exc)) from None
         # Off, a region is refused by `decode`.
-        shared = self.shared_memory and facts.infer_uses_regions(body)
+        shared = self.shared_memory and scan.infer_uses_regions(body)
         return Asked(read.model, read.version, read.id_span, shared)
 
     def decode(self, body: bytes, lease: Lease | None = None) -> Request[OutputSlots]:

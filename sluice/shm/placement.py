@@ -11,10 +11,11 @@ import numpy as np
 from sluice.core.datatypes import DATATYPES, DataType
 from sluice.core.errors import InvalidInput, SluiceError
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
+from sluice.shm import scan
 from sluice.shm.registry import Lease
 from sluice.shm.slots import Buffer, Memory, OutputSlot, Ref, SlotWrites
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import codec, facts
+from sluice.wire import codec
 
 Input = kpb.ModelInferRequest.InferInputTensor
 Output = kpb.ModelInferRequest.InferRequestedOutputTensor
@@ -22,7 +23,7 @@ OutputTensor = kpb.ModelInferResponse.InferOutputTensor
 Parameters = Mapping[str, kpb.InferParameter]
 
 # Triton's parameters of a tensor in shared memory (an input's bytes, an output's place).
-REGION = facts.INFER_REGION_KEY.decode()
+REGION = scan.REGION_KEY.decode()
 OFFSET = "shared_memory_offset"
 BYTE_SIZE = "shared_memory_byte_size"
 
