@@ -1,6 +1,6 @@
 """The settings every serving program shares, each declared once (flag, `SLUICE_` variable,
-help and checks); a program's own settings class derives from this one. TLS and tenants
-(sluice.runtime.security) and shared memory (sluice.shm.setup) are groups it takes in."""
+help and checks); a program's own settings class derives from this one, and this one from
+the groups kept with what they set (TLS and tenants, shared memory)."""
 
 from __future__ import annotations
 
