@@ -25,7 +25,7 @@ from sluice.core.tenants import Account, tenant_name
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.runtime import door
 from sluice.runtime.status import status_of
-from sluice.shm import placement
+from sluice.shm import placement, scan
 from sluice.shm.calls import KSERVE_CALLS, V1_CALLS, RegionCall, RegionCalls, unserved
 from sluice.shm.registry import Lease, Regions
 from sluice.shm.slots import OutputSlot
@@ -192,7 +192,7 @@ class SharedMemory:
         # takes names none: it goes on to be refused as any other.
         try:
             if kind is facts.PREDICT:
-                if not facts.uses_regions(body):
+                if not scan.uses_regions(body):
                     return None
                 request = pb.PredictRequest.FromString(body)
                 if request.output_memory or any(
@@ -200,7 +200,7 @@ class SharedMemory:
                 ):
                     return self._relay(_predict, request, tenant)
                 return None
-            if not facts.infer_uses_regions(body):
+            if not scan.infer_uses_regions(body):
                 return None
             infer = kpb.ModelInferRequest.FromString(body)
         except DecodeError:
