@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 from sluice.balancer.fanout import FanoutStats
 from sluice.routing.breaker import State
 from sluice.routing.budget import RetryBudget
+from sluice.routing.hedge import report
 from sluice.routing.planner import Planner
 from sluice.routing.pool import Backend, Health, Pool
 
@@ -115,32 +116,7 @@ class RoutingCollector(Collector):
         yield CounterMetricFamily(
             "sluice_ejections", "latency outlier ejections", value=self.pool.ejections
         )
-        hedging = self.planner.hedging
-        if hedging is not None:
-            yield CounterMetricFamily(
-                "sluice_hedges",
-                "second copies of a call sent to another backend while its attempt was out",
-                value=hedging.sent,
-            )
-            yield CounterMetricFamily(
-                "sluice_hedges_won", "calls a hedge answered first", value=hedging.won
-            )
-            yield CounterMetricFamily(
-                "sluice_hedges_cancelled",
-                "attempts cancelled because another attempt of the call answered first",
-                value=hedging.cancelled,
-            )
-            yield CounterMetricFamily(
-                "sluice_hedge_budget_refused",
-                "hedges the hedge budget refused",
-                value=hedging.budget.refused,
-            )
-            yield GaugeMetricFamily(
-                "sluice_hedge_after_seconds",
-                "how long an attempt may go unanswered before it is hedged (0: auto, not "
-                "known yet)",
-                value=hedging.delay() or 0.0,
-            )
+        yield from report.families(self.planner.hedging)
         if self.fanout is not None:
             yield CounterMetricFamily(
                 "sluice_fanout_calls",

@@ -42,7 +42,7 @@ from sluice.core.stats import ServingStats, health_fields
 from sluice.core.tenants import HEADER, Account, Tenants, tenant_name
 from sluice.core.version_order import version_key
 from sluice.routing.budget import RetryBudget
-from sluice.routing.hedge import HedgeSettings, Hedging
+from sluice.routing.hedge import HedgeSettings, Hedging, report
 from sluice.routing.plan import Observer, rule_of
 from sluice.routing.planner import Planner
 from sluice.routing.pool import Backend, Pool, Want
@@ -120,7 +120,6 @@ class BalancerService:
         hedge: HedgeSettings | None = None,
     ) -> None:
         self.tenants = tenants  # None: auth off
-        # The regions callers register here (--shared-memory; None: off, and refused).
         self.memory = SharedMemory(regions, self.gate)
         # The largest reply its listener sends (--max-message-bytes; 0: none): a larger one
         # is answered RESOURCE_EXHAUSTED for its call alone, where grpc would end a stream,
@@ -135,11 +134,13 @@ class BalancerService:
         self.clock = clock
         self.stats = ServingStats(clock=clock)
         # A stream that broke before the reply fails its calls with StreamBroken.
-        # --hedge-after-ms: every call's attempts (PredictStream's messages and fan-out's
-        # chunks too: each is a planner call) may be hedged.
-        self.hedging = None if hedge is None else Hedging(hedge, clock)
         self.planner = Planner(
-            pool, budget, Reply, broken=(StreamBroken,), clock=clock, hedging=self.hedging
+            pool,
+            budget,
+            Reply,
+            broken=(StreamBroken,),
+            clock=clock,
+            hedging=Hedging.of(hedge, clock),
         )
 
     def methods(self) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]:
@@ -290,8 +291,8 @@ class BalancerService:
         sized: Sized | None,
         tenant: str,
     ) -> Reply:
-        """`forward` past the door: a body that names `tenant`'s shared memory regions goes
-        with their bytes in it, its lease held until the call ends, however it ends."""
+        """`forward` past the door, the body as sluice.shm.balancer's `prepare` makes it
+        (`placing`, None for a body as it came), its lease held until the call ends."""
         try:
             placing = self.memory.prepare(body, KINDS[method], tenant)
         except SluiceError as exc:  # as the server would refuse it
@@ -317,8 +318,8 @@ class BalancerService:
         sized: Sized | None,
         placing: Relay | None = None,
     ) -> Reply:
-        """`forward` past the door and the regions (`placing`: the call's, whose outputs
-        are written from the answer returned, once, whatever the attempts)."""
+        """`forward` past the door and `prepare` (`placing`: the call's, whose outputs are
+        written from the answer returned, once, whatever the attempts)."""
         forwarded = {k: metadata[k] for k in FORWARDED if k in metadata}
         kind = KINDS[method]
         # One read of the body: its model, its id (out of the affinity key, so identical
@@ -357,7 +358,7 @@ class BalancerService:
             self.stats.end(started, "CANCELLED")
             raise
         if placing is not None:
-            reply = _answered(placing, reply)
+            reply = placing.finish(reply)
         if sized is not None and reply.code == 0:
             reply = self._capped(reply, sized(reply))
         code = reply.code
@@ -599,36 +600,10 @@ class BalancerService:
                 shed=self.planner.limits.shed,
             ),
         )
-        if self.hedging is not None:
-            hedged(response.balancer, self.hedging)
+        report.fill(response.balancer, self.planner.hedging)
         if self.tenants is not None:
             response.tenants.extend(door.statuses(self.tenants, account))
         return response.SerializeToString()
-
-
-def hedged(stats: pb.BalancerStats, hedging: Hedging) -> None:
-    """BalancerStats' hedging fields, as `hedging` counts them."""
-    stats.hedges = hedging.sent
-    stats.hedges_won = hedging.won
-    stats.hedges_cancelled = hedging.cancelled
-    stats.hedges_refused = hedging.budget.refused
-    stats.hedge_after_ms = (hedging.delay() or 0.0) * 1000
-
-
-def _answered(placing: Relay, reply: Reply) -> Reply:
-    """The caller's answer to a call that placed outputs in its regions, written there, and
-    its regions let go: a failure in either is the call's answer (counted as it is sent),
-    never an exception past the call, nor in place of the server's own failure."""
-    try:
-        if reply.code == 0:
-            reply = Reply(0, body=placing.answer(reply.body), trailers=reply.trailers)
-    except SluiceError as exc:
-        reply = Reply(Code[exc.status], str(exc), trailers=reply.trailers)
-    try:
-        placing.release(ok=reply.code == 0)
-    except SluiceError as exc:  # a copy that could not be written back: no answer there
-        return Reply(Code[exc.status], str(exc), trailers=reply.trailers)
-    return reply
 
 
 def served(backends: Iterable[Backend], default: str) -> list[pb.ModelStatus]:

@@ -6,7 +6,7 @@ import socket
 from dataclasses import dataclass, field
 
 from sluice.routing.breaker import BreakerSettings
-from sluice.routing.hedge import HedgeSettings
+from sluice.routing.hedge.flags import HedgeFlags
 from sluice.routing.pool import OutlierSettings
 from sluice.runtime import config
 from sluice.runtime.settings import ProgramSettings
@@ -14,7 +14,7 @@ from sluice.shm.setup import ONE_PROCESS
 
 
 @dataclass(frozen=True)
-class BalancerSettings(ProgramSettings):
+class BalancerSettings(HedgeFlags, ProgramSettings):
     PROG = "sluice-balancer"
     DESCRIPTION = "Balance Sluice servers behind one address."
 
@@ -62,18 +62,6 @@ class BalancerSettings(ProgramSettings):
     )
     retry_min_per_s: float = field(
         default=10.0, metadata={"help": "retries always allowed per second"}
-    )
-    hedge_after_ms: str = field(
-        default="",
-        metadata={
-            "help": "send a second copy of a call (a hedge) to another server when its attempt "
-            "has not answered after this many ms, or 'auto' (past the servers' recent p99 or "
-            "twice their median, whichever is larger); the first OK answer wins, the other is "
-            "cancelled (default: off)"
-        },
-    )
-    hedge_ratio: float = field(
-        default=0.1, metadata={"help": "hedges allowed as a share of calls (their own budget)"}
     )
     streams: int = field(default=1, metadata={"help": "multiplexed streams per backend"})
     stream_max_in_flight: int = field(
@@ -166,7 +154,7 @@ class BalancerSettings(ProgramSettings):
             raise ValueError("--models-refresh-s must be between 0.01 and 3600 seconds")
         if self.shared_memory and self.workers > 1:
             raise ValueError(ONE_PROCESS)
-        HedgeSettings.parse(self.hedge_after_ms, self.hedge_ratio)  # refused at start if bad
+        _ = self.hedge  # refused at start if bad
 
     def processes(self) -> int:
         return self.workers
@@ -183,11 +171,6 @@ class BalancerSettings(ProgramSettings):
             base_cooldown_s=self.breaker_cooldown_s,
             max_cooldown_s=self.breaker_max_cooldown_s,
         )
-
-    @property
-    def hedge(self) -> HedgeSettings | None:
-        """Hedging, as --hedge-after-ms and --hedge-ratio set it (None: off)."""
-        return HedgeSettings.parse(self.hedge_after_ms, self.hedge_ratio)
 
     @property
     def outlier(self) -> OutlierSettings:

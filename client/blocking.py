@@ -110,9 +110,8 @@ class SluiceClient(core.Core):
             method: Any = self._method(send.predict, backend.address)
             return Sent(method.future(send.body, timeout=left, metadata=send.metadata))
 
-        hedged = start if self._router.hedging is not None else None
         return self._router.run_sync(
-            send.terms.key, send.terms.deadline, attempt, self._lock, start=hedged
+            send.terms.key, send.terms.deadline, attempt, self._lock, start=start
         )
 
     def _send(

@@ -2,14 +2,13 @@
 I/O it needs (`Send`, `Unary`, `Explain`) and reads what comes back into a Prediction or an
 exception; the drivers (sluice.client.aio, sluice.client.blocking) only perform the steps.
 Tensors travel as raw little-endian bytes, plain values in the datatypes the model's metadata
-declares. Several targets are servers balanced with the balancer's planner, hedging included;
-with `shared_memory`, tensors travel in regions (sluice.shm.client). Failures raise
+declares. Several targets are servers balanced with the balancer's planner and its layers;
+with `shared_memory`, sluice.shm.client places the tensors. Failures raise
 grpc.RpcError, with sluice.client.diagnose's hint where grpc's words leave out what to fix.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import threading
@@ -28,13 +27,13 @@ from sluice.core.keys import NO_CACHE_HEADER, NO_CACHE_VALUE, PREDICT, affinity_
 from sluice.core.tenants import authorization
 from sluice.routing.breaker import BreakerSettings
 from sluice.routing.budget import RetryBudget
-from sluice.routing.hedge import HedgeSettings, Hedging
+from sluice.routing.hedge import client as hedge
 from sluice.routing.planner import Planner
 from sluice.routing.pool import Pool
 from sluice.runtime import tracing
 from sluice.runtime.status import grpc_code
 from sluice.runtime.tls import ClientTLS
-from sluice.shm.client import Arena, Layout, SharedMemory, check_target, registration_error
+from sluice.shm.client import SharedMemory, check_target
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec, unary
@@ -181,27 +180,18 @@ def auth_metadata(api_key: str) -> Metadata:
 
 def router(
     targets: Sequence[str],
+    hedge_after_ms: float | str | None = None,
     breaker: BreakerSettings | None = None,
-    hedge: HedgeSettings | None = None,
-) -> Planner[Reply]:
-    """The client's own balancing over several servers: its own pool and retry budget."""
+) -> Planner[Reply] | None:
+    """The client's own balancing over several servers (None: one target), with its own
+    pool, retry budget and layers."""
+    hedging = hedge.option(hedge_after_ms, targets)  # ValueError before any channel opens
+    servers = list(dict.fromkeys(targets))  # a target named twice is one server
+    if len(servers) < 2:
+        return None
     pool = Pool(breaker=breaker)
-    pool.set_addresses(targets)
-    return Planner(pool, RetryBudget(), Reply, hedging=None if hedge is None else Hedging(hedge))
-
-
-def hedge_of(hedge_after_ms: float | str | None, targets: Sequence[str]) -> HedgeSettings | None:
-    """`hedge_after_ms` (None or 0: off; ms or "auto"); needs several targets (a balancer
-    hedges itself), ValueError otherwise."""
-    if hedge_after_ms is None or (not isinstance(hedge_after_ms, str) and not hedge_after_ms):
-        return None  # 0 and 0.0 are off, as "0" is (str(0.0) is not a word parse takes)
-    hedge = HedgeSettings.parse(str(hedge_after_ms))
-    if hedge is not None and len(targets) < 2:
-        raise ValueError(
-            "hedge_after_ms needs several targets (servers this client balances); "
-            "for a balancer, start it with --hedge-after-ms"
-        )
-    return hedge
+    pool.set_addresses(servers)
+    return Planner(pool, RetryBudget(), Reply, hedging=hedging)
 
 
 @dataclass(slots=True)
@@ -247,7 +237,7 @@ class Send:
 
 @dataclass(frozen=True, slots=True)
 class Unary:
-    """One stub call to the first target (Health, a region's registration)."""
+    """One stub call to the first target (Health, a registration)."""
 
     method: str
     request: Any
@@ -299,14 +289,6 @@ def prediction(reply: Reply) -> Prediction:
     )
 
 
-def shared_prediction(memory: SharedMemory, plan: Layout, reply: Reply) -> Prediction:
-    """`prediction` of a shared memory call: the outputs in its region copied out."""
-    if reply.code:
-        raise rpc_error(reply)
-    response, outputs = memory.answer(plan, reply.body)
-    return Prediction(outputs, reply.trailers, response.model, response.version)
-
-
 class Core:
     """Both clients: targets, routing state, and each call as `Steps` (no I/O of its own).
 
@@ -315,9 +297,9 @@ class Core:
     `tls_key`: mutual TLS; `server_name`: the name checked). `api_key` goes on every call.
     `hints`: whose options a failed call's hint names. `shared_memory`: tensors in POSIX
     regions this client registers (one target on this host, started --shared-memory).
-    `hedge_after_ms` (several targets; ms or "auto"): a call unanswered that long sends one
-    hedge elsewhere, the first OK answer wins. `keepalive_s` (None: 0.3 with several
-    targets, else off): a silent target fails its calls UNAVAILABLE for a retry elsewhere."""
+    `hedge_after_ms` (several targets; ms or "auto"): sluice.routing.hedge.client's option.
+    `keepalive_s` (None: 0.3 with several targets, else off): a silent target fails its calls
+    UNAVAILABLE for a retry elsewhere."""
 
     _owned = True  # close() closes the channels
     _memory: SharedMemory | None = None
@@ -343,14 +325,14 @@ class Core:
         targets = target_list(target)
         if shared_memory:
             check_target(targets)
-        hedge = hedge_of(hedge_after_ms, targets)
+        routed = router(targets, hedge_after_ms)
         security = ClientTLS.of(
             tls=tls, ca=tls_ca, cert=tls_cert, key=tls_key, server_name=server_name
         )
         settings = channel_options(max_message_bytes, options, keepalive_of(keepalive_s, targets))
         channels = {t: [self._open(t, security, settings)] for t in targets}
         shown = diagnose.Shown(tls=security is not None, certificate=bool(tls_cert))
-        self._attach(channels, timeout, api_key, shown, hints, hedge)
+        self._attach(channels, timeout, api_key, shown, hints, routed)
         self._memory = SharedMemory() if shared_memory else None
 
     @classmethod
@@ -365,8 +347,8 @@ class Core:
         """A client over channels the caller made and closes, several per target if it likes
         (used in turn); for the load generator's connection counts."""
         client = cls.__new__(cls)
-        hedge = hedge_of(hedge_after_ms, list(channels))
-        client._attach(channels, timeout, api_key, None, diagnose.Audience.PYTHON, hedge)
+        routed = router(list(channels), hedge_after_ms)
+        client._attach(channels, timeout, api_key, None, diagnose.Audience.PYTHON, routed)
         client._owned = False
         return client
 
@@ -380,7 +362,7 @@ class Core:
         api_key: str,
         shown: diagnose.Shown | None,  # None: channels the caller made, their TLS unknown
         hints: diagnose.Audience,
-        hedge: HedgeSettings | None,
+        routed: Planner[Reply] | None,
     ) -> None:
         self._channels = {t: list(chs) for t, chs in channels.items()}
         self.targets = target_list(list(channels))
@@ -397,7 +379,7 @@ class Core:
         self._askers: dict[str, Sender] = {
             t: chs[0].unary_unary(METADATA, **RAW) for t, chs in channels.items()
         }
-        self._router = router(self.targets, hedge=hedge) if len(self.targets) > 1 else None
+        self._router = routed
         # The one clock of calls' deadlines (the planner's).
         self._clock = time.monotonic if self._router is None else self._router.clock
         self._stub = pb_grpc.InferenceStub(self._channels[self.target][0])
@@ -435,8 +417,16 @@ class Core:
                 arrays = {
                     n: codec.array_of(n, v, (datatypes or {}).get(n, "")) for n, v in inputs.items()
                 }
-                planned = partial(self._memory.planned, arrays, outputs, model, version)
-                return (yield from self._shared(self._memory, planned, metadata, deadline))
+                reply, response, values = yield from self._memory.call(
+                    arrays,
+                    outputs,
+                    model,
+                    version,
+                    partial(self._answered, metadata, deadline),
+                    partial(self._stub_call, deadline),
+                    (self.target, self._hints),
+                )
+                return Prediction(values, reply.trailers, response.model, response.version)
             body = codec.encode_predict(inputs, outputs, model, version, datatypes)
             return prediction((yield from self._call(body, metadata, deadline)))
         except grpc.RpcError as exc:
@@ -445,42 +435,16 @@ class Core:
                 self._declared.pop((model, version), None)
             return (yield from self._raise(exc, self._routed_target()))
 
-    def _shared(
-        self,
-        memory: SharedMemory,
-        planned: Callable[[], contextlib.AbstractContextManager[Layout]],
-        metadata: Metadata,
-        deadline: Deadline,
-    ) -> Steps[Prediction]:
-        """Sent once more when the refusal says the next try may not be (SharedMemory.failed)."""
-        with planned() as plan:
-            try:
-                return (yield from self._shared_send(memory, plan, metadata, deadline))
-            except grpc.RpcError as exc:
-                if not memory.failed(plan, exc):
-                    raise
-        with planned() as plan:
-            return (yield from self._shared_send(memory, plan, metadata, deadline))
+    def _answered(self, metadata: Metadata, deadline: Deadline, body: bytes) -> Steps[Reply]:
+        """One Predict's reply; a failed one raised as grpc raises a failed call."""
+        reply = yield from self._call(body, metadata, deadline)
+        if reply.code:
+            raise rpc_error(reply)
+        return reply
 
-    def _shared_send(
-        self, memory: SharedMemory, plan: Layout, metadata: Metadata, deadline: Deadline
-    ) -> Steps[Prediction]:
-        if plan.fresh:
-            yield from self._register(plan.arena, deadline)
-        return shared_prediction(
-            memory, plan, (yield from self._call(plan.body, metadata, deadline))
-        )
-
-    def _register(self, arena: Arena, deadline: Deadline) -> Steps[None]:
-        """Register `arena` as it is now (what the server held under its name dropped first)."""
-        try:
-            yield Unary(
-                "UnregisterRegion", pb.UnregisterRegionRequest(name=arena.name), deadline.left()
-            )
-            yield Unary("RegisterRegion", arena.registration(), deadline.left())
-        except grpc.RpcError as exc:
-            raise registration_error(exc, arena.name, self.target, self._hints) from exc
-        arena.registered_now()
+    def _stub_call(self, deadline: Deadline | None, method: str, request: Any) -> Steps[Any]:
+        """One stub call to the first target within `deadline` (None: the client's timeout)."""
+        return (yield Unary(method, request, self.timeout if deadline is None else deadline.left()))
 
     def _call(self, body: bytes, metadata: Metadata, deadline: Deadline) -> Steps[Reply]:
         """One Predict, traced when the application traces."""
@@ -529,13 +493,9 @@ class Core:
         return response
 
     def _unregister_all(self) -> Steps[None]:
-        """Unregister this client's regions and unlink their objects."""
-        if self._memory is None:
-            return
-        for name in self._memory.registered():
-            with contextlib.suppress(grpc.RpcError):  # a server gone forgot it anyway
-                yield Unary("UnregisterRegion", pb.UnregisterRegionRequest(name=name), self.timeout)
-        self._memory.close()
+        """What close() sends first."""
+        if self._memory is not None:
+            yield from self._memory.unregister_all(partial(self._stub_call, None))
 
     def _terms(
         self, deadline: Deadline, body: bytes | None = None, metadata: Metadata = ()

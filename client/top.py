@@ -33,6 +33,7 @@ from rich.text import Text
 
 from sluice.client import connect
 from sluice.client.blocking import SluiceClient
+from sluice.routing.hedge import report
 from sluice.v1 import inference_pb2 as pb
 
 NO_VALUE = "-"
@@ -365,8 +366,7 @@ def balancer_block(previous: pb.HealthResponse | None, current: pb.HealthRespons
             ("calls sent", counter("calls")),
             ("retries", counter("retries")),
             ("retries refused", counter("retries_refused")),
-            ("hedges", counter("hedges")),
-            ("hedges won", counter("hedges_won")),
+            *((label, counter(name)) for label, name in report.SHOWN),
             ("shed", counter("shed")),
             ("unavailable", counter("unavailable")),
         ],

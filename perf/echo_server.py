@@ -36,11 +36,11 @@ from sluice.core.errors import InvalidInput, SluiceError
 from sluice.runtime.listener import MAX_PENDING_CALLS
 from sluice.runtime.process import event_loop
 from sluice.runtime.status import status_of
-from sluice.shm import placement
+from sluice.shm import placement, scan
 from sluice.shm.calls import V1_CALLS, RegionCalls, unserved
 from sluice.shm.registry import Regions
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import codec, facts
+from sluice.wire import codec
 from sluice.wire.body import parse
 
 log = logging.getLogger("sluice.echo")
@@ -83,7 +83,7 @@ def model_floor(
     dtype = np.float32 if first.type == "tensor(float)" else np.int64
 
     def answer(body: bytes) -> bytes:
-        if regions is not None and facts.uses_regions(body):
+        if regions is not None and scan.uses_regions(body):
             return shared(body, regions)
         tensor = pb.PredictRequest.FromString(body).inputs[0]
         array = np.frombuffer(tensor.raw_data, dtype).reshape(tuple(tensor.shape))

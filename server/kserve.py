@@ -9,10 +9,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 import grpc
-import numpy as np
 from google.protobuf.message import DecodeError
 
-from sluice.core.datatypes import DataType
 from sluice.core.errors import InvalidInput, ModelNotFound, Unimplemented
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.runtime.door import ADMIN, OPEN, TENANT
@@ -24,11 +22,11 @@ from sluice.server.dataplane.plane import Asked, Request
 from sluice.server.dataplane.repository import LoadReport
 from sluice.server.service import Call, InferenceService, Method
 from sluice.server.v1 import NO_SHARED_MEMORY
-from sluice.shm import placement
+from sluice.shm import placement, scan
 from sluice.shm.calls import KSERVE_CALLS, SYSTEM_SHARED_MEMORY
 from sluice.shm.registry import Lease
 from sluice.shm.slots import OutputSlot
-from sluice.wire import codec, facts, peek
+from sluice.wire import facts, peek
 from sluice.wire.body import parse
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -57,7 +55,6 @@ _RAW_INPUT = facts.INFER_RAW_INPUTS
 # Below this, framing by hand costs more than protobuf's copies save (measured).
 FRAMED_FROM = 4 << 10
 _RAW_OUTPUT_TAG = peek.tag(facts.INFER_RESPONSE_RAW_OUTPUTS)
-_NO_VALUES = np.empty(0, np.uint8)  # an output in shared memory
 
 
 # None: no output in shared memory.
@@ -80,62 +77,16 @@ class KServeV2:
         except peek.Malformed as exc:
             raise InvalidInput(str(exc)) from None
         # Off, a region is refused by `decode`.
-        shared = self.shared_memory and facts.infer_uses_regions(body)
+        shared = self.shared_memory and scan.infer_uses_regions(body)
         return Asked(read.model, read.version, read.id_span, shared)
 
     def decode(self, body: bytes, lease: Lease | None = None) -> Request[OutputSlots]:
         request, raw = read_infer(body)
-        model = request.model_name
-        places = placement.triton_inputs(request.inputs, lease, NO_SHARED_MEMORY)
-        placement.check_raw_entries(len(raw), places.count(None))
-        inputs: dict[str, np.ndarray] = {}
-        at = 0
-        for tensor, place in zip(request.inputs, places, strict=True):
-            if tensor.name in inputs:
-                raise InvalidInput(f"input {tensor.name!r} appears more than once")
-            if place is not None:
-                assert lease is not None  # triton_ref refused a region without one
-                view, dt, shape = placement.triton_input(tensor, model, place, lease)
-                where = f"shared memory region '{place.region}' holds"
-                inputs[tensor.name] = _array(placement.input_label(tensor), view, dt, shape, where)
-            else:
-                inputs[tensor.name] = _decode(tensor, raw[at] if raw else None)
-                at += 1
-        outputs = []
-        placements: dict[str, OutputSlot] = {}
-        for output in request.outputs:
-            outputs.append(output.name)
-            if not output.parameters:
-                continue
-            if "classification" in output.parameters:
-                raise InvalidInput(
-                    f"{placement.output_label(output)} asks for classification, which Sluice "
-                    "does not serve; ask for the output itself and take the top classes from it"
-                )
-            placed = placement.triton_output(output, lease, NO_SHARED_MEMORY)
-            if placed is not None:
-                placements[output.name] = placed
-        return Request(inputs, outputs, placements or None)
+        inputs, placements = placement.infer_tensors(request, raw, lease, NO_SHARED_MEMORY)
+        return Request(inputs, [output.name for output in request.outputs], placements or None)
 
     def encode(self, model: Model, request: Request[OutputSlots], outputs: Arrays) -> bytes:
-        # Always raw, as Triton answers; an output in shared memory has an empty entry.
-        placements = request.options or {}
-        tensors, arrays = [], []
-        placed: dict[str, memoryview] = {}
-        for name, array in outputs.items():
-            dt = codec.datatype_of(array.dtype)
-            tensors.append(
-                kpb.ModelInferResponse.InferOutputTensor(
-                    name=name, datatype=dt.name, shape=array.shape
-                )
-            )
-            if name in placements:
-                placed[name] = codec.bytes_of(array)
-                arrays.append(_NO_VALUES)
-            else:
-                arrays.append(np.ascontiguousarray(array, dtype=dt.dtype))
-        # All checked before any is written, and written once answered: a refusal writes nothing.
-        writes = placement.triton_writes(placements, tensors, placed) if placements else None
+        tensors, arrays, writes = placement.infer_outputs(outputs, request.options or {})
         if sum(a.nbytes for a in arrays) < FRAMED_FROM:
             raw = [a.tobytes() for a in arrays]
             answer = kpb.ModelInferResponse(
@@ -183,47 +134,6 @@ def read_infer(body: bytes) -> tuple[kpb.ModelInferRequest, Sequence[bytes | mem
         pass
     request = parse(kpb.ModelInferRequest, body)
     return request, request.raw_input_contents
-
-
-def _decode(
-    tensor: kpb.ModelInferRequest.InferInputTensor, raw: bytes | memoryview | None
-) -> np.ndarray:
-    """One input's array, from its raw bytes or its typed contents (unchecked: Model.check)."""
-    if raw is None:
-        return placement.triton_contents(tensor)
-    label = placement.input_label(tensor)
-    dt = placement.input_datatype(label, tensor)
-    shape = tuple(tensor.shape)
-    count = placement.element_count(label, shape)
-    present = placement.contents_filled(tensor)
-    if present:
-        raise InvalidInput(
-            f"{label} fills contents.{present[0]} but the request uses "
-            "raw_input_contents; send every input's values there, or none"
-        )
-    return _raw(label, raw, dt, shape, count)
-
-
-def _raw(
-    label: str, raw: bytes | memoryview, dt: DataType, shape: tuple[int, ...], count: int
-) -> np.ndarray:
-    expected = count * dt.dtype.itemsize
-    if len(raw) != expected:
-        raise InvalidInput(
-            f"{label} has {len(raw)} bytes in raw_input_contents but {dt.name} shape "
-            f"{list(shape)} needs {expected} ({count} x {dt.dtype.itemsize} bytes)"
-        )
-    return _array(label, raw, dt, shape, "its raw_input_contents hold")
-
-
-def _array(
-    label: str, data: bytes | memoryview, dt: DataType, shape: tuple[int, ...], where: str
-) -> np.ndarray:
-    """A view of `data` as the input's array; a copy where it is not aligned."""
-    try:
-        return codec.view_of(label, data, dt, shape, where)
-    except codec.TensorError as exc:
-        raise InvalidInput(str(exc)) from None
 
 
 class IndexEntry(Protocol):

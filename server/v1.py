@@ -14,7 +14,7 @@ from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.models import Model, Models
 from sluice.server.dataplane.plane import Asked, Request
 from sluice.server.settings import ServerSettings
-from sluice.shm import placement
+from sluice.shm import placement, scan
 from sluice.shm.calls import unserved
 from sluice.shm.registry import Lease
 from sluice.shm.slots import OutputSlot
@@ -52,7 +52,7 @@ class SluiceV1:
             read = facts.read(body, facts.PREDICT)
         except peek.Malformed as exc:
             raise InvalidInput(str(exc)) from None
-        shared = self.shared_memory and facts.uses_regions(body)
+        shared = self.shared_memory and scan.uses_regions(body)
         return Asked(read.model, read.version, None, shared)
 
     def decode(self, body: bytes, lease: Lease | None = None) -> Request[Options]:

@@ -6,7 +6,16 @@ The layout: docs/DESIGN.md."""
 
 from __future__ import annotations
 
+import os
+
+# The real folders, not a path entry's link to sluice/ (scripts/bootstrap) nor the links in it.
+__path__[:] = [os.path.realpath(p) for p in __path__]
+
 from typing import TYPE_CHECKING, Any
+
+from sluice.core import paths
+
+paths.install()
 
 if TYPE_CHECKING:
     from sluice.client import AsyncSluiceClient, Prediction, SluiceClient

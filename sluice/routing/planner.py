@@ -1,7 +1,7 @@
 """The drivers: the one attempt loop that the balancer, the client (given several servers)
 and the load generator run, over a `Plan` (sluice.routing.plan), with asyncio (`run`) or
-blocking (`run_sync`) senders. With hedging, each hands the call to the hedge layer's driver
-(sluice.routing.hedge). docs/DESIGN.md says what retries, what is refused and why."""
+blocking (`run_sync`) senders; a layer may wrap the loops (`drive`, `drive_sync`).
+docs/DESIGN.md says what retries, what is refused and why."""
 
 from __future__ import annotations
 
@@ -9,13 +9,38 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
-from typing import Generic
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from sluice.routing.budget import RetryBudget
-from sluice.routing.hedge import Future, Hedging, hedged, hedged_sync
 from sluice.routing.limit import Limits
 from sluice.routing.plan import NO_LOCK, Attempt, LockedPlan, MakeReply, Observer, Plan, R
 from sluice.routing.pool import ANY, Backend, Pool, Want
+
+if TYPE_CHECKING:
+    from sluice.routing.hedge import Hedging
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Future(Protocol[T_co]):
+    """An attempt sent by a blocking transport (grpc's `stub.Method.future(...)` is one)."""
+
+    def add_done_callback(self, fn: Callable[[Any], object]) -> None: ...
+
+    def result(self) -> T_co: ...
+
+    def cancel(self) -> bool: ...
+
+    def done(self) -> bool: ...
+
+
+# An attempt's send (to a backend, with the time left): its answer, or, blocking, its future.
+Send = Callable[[Backend, float | None], Awaitable[R]]
+SendSync = Callable[[Backend, float | None], R]
+Start = Callable[[Backend, float | None], Future[R]]
+# A call's loop over its plan: the answer it ends with.
+Drive = Callable[[Plan[R], Send[R]], Awaitable[R]]
+DriveSync = Callable[[Plan[R], SendSync[R], AbstractContextManager[object], Start[R] | None], R]
 
 
 class Planner(Generic[R]):
@@ -47,7 +72,9 @@ class Planner(Generic[R]):
         self.known: tuple[type[BaseException], ...] = (TimeoutError, *broken)
         # Told of each attempt answered OK (its backend's address, its seconds).
         self.learn: Callable[[str, float], None] | None = None
-        self.hedging = hedging
+        self.drive: Drive[R] = drive
+        self.drive_sync: DriveSync[R] = drive_sync
+        self.hedging = hedging  # the layer around the loops (None: none)
         if hedging is not None:
             hedging.install(self)
 
@@ -61,7 +88,7 @@ class Planner(Generic[R]):
         self,
         key: int | None,
         deadline: float | None,
-        attempt: Callable[[Backend, float | None], Awaitable[R]],
+        attempt: Send[R],
         want: Want = ANY,
         observer: Observer[R] | None = None,
     ) -> R:
@@ -70,18 +97,7 @@ class Planner(Generic[R]):
         call (as span code inside an attempt did), once the plan has recorded the attempt."""
         plan = Plan(self, key, deadline, want, observer)
         try:
-            race = None if self.hedging is None else self.hedging.race(plan)
-            if race is not None:
-                return plan.finish(await hedged(race, attempt))
-            step = plan.next()
-            while isinstance(step, Attempt):
-                try:
-                    answer = await attempt(step.backend, step.timeout)
-                except BaseException as exc:
-                    final = plan.error(step, exc)
-                else:
-                    final = plan.reply(step, answer)
-                step = plan.next() if final is None else final
+            step = await self.drive(plan, attempt)
         except BaseException as exc:
             plan.leave(exc)
             raise
@@ -91,40 +107,54 @@ class Planner(Generic[R]):
         self,
         key: int | None,
         deadline: float | None,
-        attempt: Callable[[Backend, float | None], R],
+        attempt: SendSync[R],
         lock: AbstractContextManager[object] = NO_LOCK,
         want: Want = ANY,
         observer: Observer[R] | None = None,
         *,
-        start: Callable[[Backend, float | None], Future[R]] | None = None,
+        start: Start[R] | None = None,
     ) -> R:
         """`run` for blocking transports; `lock` guards each record (not the sending, nor
-        the observer: it is the call's own). With hedging and `start` (which sends an
-        attempt and returns its future, as grpc's `.future()` does), the call is hedged."""
+        the observer: it is the call's own). `start` sends an attempt and returns its future
+        (as grpc's `.future()` does), for a layer that keeps several out at once."""
         with lock:
             plan = LockedPlan(self, key, deadline, want, observer, lock)
-        hedging = self.hedging if start is not None else None
-        race = None if hedging is None else hedging.race(plan, lock)  # takes the lock itself
         try:
-            if race is not None and start is not None:
-                return plan.finish(hedged_sync(race, start))
-            step = plan.next()
-            while isinstance(step, Attempt):
-                step = _sent(plan, step, attempt)
+            step = self.drive_sync(plan, attempt, lock, start)
         except BaseException as exc:
             plan.leave(exc)
             raise
         return plan.finish(step)
 
 
-def _sent(
-    plan: Plan[R], step: Attempt, attempt: Callable[[Backend, float | None], R]
-) -> Attempt | R:
-    """One blocking attempt sent and recorded: the next step, or the call's answer."""
-    try:
-        answer = attempt(step.backend, step.timeout)
-    except BaseException as exc:
-        final = plan.error(step, exc)
-    else:
-        final = plan.reply(step, answer)
-    return plan.next() if final is None else final
+async def drive(plan: Plan[R], attempt: Send[R]) -> R:
+    """The asyncio loop: one attempt at a time until the plan answers."""
+    step = plan.next()
+    while isinstance(step, Attempt):
+        try:
+            answer = await attempt(step.backend, step.timeout)
+        except BaseException as exc:
+            final = plan.error(step, exc)
+        else:
+            final = plan.reply(step, answer)
+        step = plan.next() if final is None else final
+    return step
+
+
+def drive_sync(
+    plan: Plan[R],
+    attempt: SendSync[R],
+    lock: AbstractContextManager[object] = NO_LOCK,
+    start: Start[R] | None = None,
+) -> R:
+    """The blocking loop: one attempt at a time (`lock` and `start` are a layer's)."""
+    step = plan.next()
+    while isinstance(step, Attempt):
+        try:
+            answer = attempt(step.backend, step.timeout)
+        except BaseException as exc:
+            final = plan.error(step, exc)
+        else:
+            final = plan.reply(step, answer)
+        step = plan.next() if final is None else final
+    return step

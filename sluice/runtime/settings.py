@@ -1,5 +1,6 @@
 """The settings every serving program shares, each declared once (flag, `SLUICE_` variable,
-help and checks); a program's own settings class derives from this one."""
+help and checks); a program's own settings class derives from this one, and this one from
+the groups kept with what they set (TLS and tenants, shared memory)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from dataclasses import dataclass, field
 
 from sluice.runtime.listener import MAX_PENDING_CALLS
 from sluice.runtime.process import LOG_FORMATS
-from sluice.runtime.security import SecuritySettings
+from sluice.shm.setup import SharedMemorySettings
 
 
 @dataclass(frozen=True)
-class ProgramSettings(SecuritySettings):
+class ProgramSettings(SharedMemorySettings):
     PROG = "sluice"
     DESCRIPTION = ""
 
@@ -60,21 +61,6 @@ class ProgramSettings(SecuritySettings):
             "process) on this + i, so N ports from this one"
         },
     )
-    shared_memory: bool = field(
-        default=False,
-        metadata={
-            "help": "take tensors in POSIX shared memory regions that callers on this host "
-            "register (Triton's system shared memory extension, and the sluice.v1 API's); "
-            "off: those calls are refused"
-        },
-    )
-    shared_memory_regions: int = field(
-        default=64, metadata={"help": "most shared memory regions a tenant may register"}
-    )
-    shared_memory_bytes: int = field(
-        default=4 << 30,
-        metadata={"help": "most bytes a tenant's shared memory regions may span together"},
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -94,8 +80,6 @@ class ProgramSettings(SecuritySettings):
             raise ValueError("--grace-s must not be negative")
         if self.default_timeout_s < 0:
             raise ValueError("--default-timeout-s must not be negative")
-        if self.shared_memory_regions < 1 or self.shared_memory_bytes < 1:
-            raise ValueError("--shared-memory-regions and --shared-memory-bytes must be positive")
         if not self.node_id:
             object.__setattr__(self, "node_id", self.default_node_id())
 

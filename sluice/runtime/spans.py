@@ -4,14 +4,13 @@ the call is not sampled. `served`: the SERVER span; `Attempts`: a CLIENT span pe
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterable, Mapping
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
 from sluice.core.errors import status_name
-from sluice.routing.hedge import LOST
+from sluice.routing.hedge import marks
 from sluice.routing.plan import Attempt, ReplyLike
 from sluice.routing.pool import Backend
 from sluice.runtime import tracing
@@ -19,8 +18,6 @@ from sluice.runtime import tracing
 NODE_ID = "sluice.node_id"  # on the SERVER span: the hop's node id
 ATTEMPTS = "sluice.attempts"  # on the SERVER span: how many attempts the call took
 RETRYABLE = "sluice.retryable"  # on an attempt's span: its answer was a refusal before work
-HEDGE = "sluice.hedge"  # on an attempt's span: a second copy of an attempt still out
-CANCELLED = "sluice.cancelled"  # on an attempt's span: why it was cancelled unanswered
 Metadata = Mapping[str, str] | Iterable[tuple[str, str | bytes]]
 
 
@@ -79,7 +76,7 @@ def served(
 class Attempts:
     """A planner Observer: a CLIENT span per attempt, child of `parent`, saying why it went
     where it did (`route(backend)`); its context goes into `headers` before the send. Two
-    may be out at once (a hedge beside its attempt)."""
+    may be out at once (sluice.routing.hedge.marks says what a layer adds)."""
 
     __slots__ = ("_sending", "headers", "name", "parent", "route", "tried")
 
@@ -101,8 +98,9 @@ class Attempts:
         backend = attempt.backend
         routing, why = self.route(backend)
         out = [a.backend.address for a, _ in self._sending.values()]
-        if attempt.hedge and out:
-            why = f"hedge beside {out[0]}, not answered yet; {why}"
+        beside = marks.beside(attempt, out)
+        if beside:
+            why = f"{beside}; {why}"
         elif self.tried:
             why = f"retry after {self.tried[-1]}; {why}"
         attributes: tracing.Attributes = {
@@ -110,7 +108,7 @@ class Attempts:
             "sluice.attempt": len(self.tried) + len(out) + 1,
             "sluice.routing": routing,
             "sluice.routing.why": why,
-            **({HEDGE: True} if attempt.hedge else {}),
+            **marks.marked(attempt),
         }
         sending = tracing.opened(self.name, attributes, kind=SpanKind.CLIENT, parent=self.parent)
         self._sending[id(attempt)] = (attempt, sending)
@@ -125,8 +123,7 @@ class Attempts:
         address = attempt.backend.address
         if reply is None:
             self.tried.append(f"{address}: {type(error).__name__}")
-            if isinstance(error, asyncio.CancelledError) and str(error) == LOST:
-                sending.span.set_attribute(CANCELLED, LOST)
+            sending.span.set_attributes(marks.cancelled(error))
             sending.end(error)
             return
         self.tried.append(f"{address}: {status_name(reply.code)}")

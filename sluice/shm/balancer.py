@@ -20,17 +20,18 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from sluice.core.errors import InvalidInput, SluiceError
+from sluice.core.errors import Code, InvalidInput, SluiceError
 from sluice.core.tenants import Account, tenant_name
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.runtime import door
 from sluice.runtime.status import status_of
-from sluice.shm import placement
+from sluice.shm import placement, scan
 from sluice.shm.calls import KSERVE_CALLS, V1_CALLS, RegionCall, RegionCalls, unserved
 from sluice.shm.registry import Lease, Regions
 from sluice.shm.slots import OutputSlot
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec, facts, peek
+from sluice.wire.mux import Reply
 
 # After what names a region in a body (INVALID_ARGUMENT), the servers' words naming this
 # program.
@@ -61,6 +62,21 @@ class Relay(ABC):
     def answer(self, body: bytes) -> bytes:
         """The caller's answer to the server's (`body`), its placed outputs written;
         SluiceError (its status) when they cannot be."""
+
+    def finish(self, reply: Reply) -> Reply:
+        """The caller's answer to the server's `reply`, its placed outputs written, and the
+        regions let go: a failure in either is the call's answer (counted as it is sent),
+        never an exception past the call, nor in place of the server's own failure."""
+        try:
+            if reply.code == 0:
+                reply = Reply(0, body=self.answer(reply.body), trailers=reply.trailers)
+        except SluiceError as exc:
+            reply = Reply(Code[exc.status], str(exc), trailers=reply.trailers)
+        try:
+            self.release(ok=reply.code == 0)
+        except SluiceError as exc:  # a copy that could not be written back: no answer there
+            return Reply(Code[exc.status], str(exc), trailers=reply.trailers)
+        return reply
 
     def release(self, ok: bool = True) -> None:
         """Let go of the regions (`ok`: the answer was written; a copying lease writes it
@@ -176,7 +192,7 @@ class SharedMemory:
         # takes names none: it goes on to be refused as any other.
         try:
             if kind is facts.PREDICT:
-                if not facts.uses_regions(body):
+                if not scan.uses_regions(body):
                     return None
                 request = pb.PredictRequest.FromString(body)
                 if request.output_memory or any(
@@ -184,7 +200,7 @@ class SharedMemory:
                 ):
                     return self._relay(_predict, request, tenant)
                 return None
-            if not facts.infer_uses_regions(body):
+            if not scan.infer_uses_regions(body):
                 return None
             infer = kpb.ModelInferRequest.FromString(body)
         except DecodeError:

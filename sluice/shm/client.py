@@ -9,7 +9,10 @@ none shrinks, and every object is unlinked on close() or at exit.
 A model's output sizes are known only once it answered: a call of input shapes this client
 has not sent that model before gets its outputs as bytes, the calls after it in the arena,
 sized from that answer (`Learned`). An answer that outgrows them is refused
-(codec.TOO_SMALL) and the call sent again, its outputs as bytes."""
+(codec.TOO_SMALL) and the call sent again, its outputs as bytes.
+
+A call's steps are the client core's (sluice.client.core): `SharedMemory.call` yields the
+Predict and the region calls it is given, for the client's driver to perform."""
 
 from __future__ import annotations
 
@@ -22,20 +25,30 @@ import secrets
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
+from sluice.wire.mux import Reply
 
 ROOT = Path("/dev/shm")  # where Linux keeps POSIX shared memory objects
 PREFIX = "sluice-client-"  # this module's objects' names begin so (and end in random hex)
 LEARNED = 256  # the input signatures whose output sizes a client keeps, newest first
+T = TypeVar("T")
+Steps = Generator[Any, Any, T]  # a client call's steps: what it yields, its driver performs
+# A call's Predict of a body: its OK reply (a failed one raised, as grpc raises it).
+Predict = Callable[[bytes], Steps[Reply]]
+# One call to the target's stub: the method's name and its request.
+Stub = Callable[[str, Any], Steps[Any]]
+# A shared memory call's answer: the reply, the response it holds, and its outputs.
+Answer = tuple[Reply, pb.PredictResponse, dict[str, np.ndarray]]
 # The local addresses a target may name: grpc's unix sockets, loopback IPs and localhost.
 UNIX = ("unix", "unix-abstract")
 LOCAL_NAMES = ("localhost",)
@@ -384,6 +397,44 @@ class SharedMemory:
             arena.registered = False
         return True
 
+    def call(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        outputs: Sequence[str],
+        model: str,
+        version: str,
+        predict: Predict,
+        stub: Stub,
+        where: tuple[str, Enum],
+    ) -> Steps[Answer]:
+        """One call with its tensors in an arena (`planned`), sent once more when the
+        refusal says the next try may not be (`failed`). `where`: the target and the
+        audience a failed registration names."""
+        with self.planned(arrays, outputs, model, version) as plan:
+            try:
+                return (yield from self._send(plan, predict, stub, where))
+            except grpc.RpcError as exc:
+                if not self.failed(plan, exc):
+                    raise
+        with self.planned(arrays, outputs, model, version) as plan:
+            return (yield from self._send(plan, predict, stub, where))
+
+    def _send(
+        self, plan: Layout, predict: Predict, stub: Stub, where: tuple[str, Enum]
+    ) -> Steps[Answer]:
+        if plan.fresh:
+            yield from _register(plan.arena, stub, where)
+        reply = yield from predict(plan.body)
+        response, outputs = self.answer(plan, reply.body)
+        return reply, response, outputs
+
+    def unregister_all(self, stub: Stub) -> Steps[None]:
+        """Unregister this client's regions and unlink their objects."""
+        for name in self.registered():
+            with contextlib.suppress(grpc.RpcError):  # a server gone forgot it anyway
+                yield from stub("UnregisterRegion", pb.UnregisterRegionRequest(name=name))
+        self.close()
+
     def _take(self) -> Arena:
         with self._lock:
             if self._free:
@@ -418,6 +469,16 @@ class SharedMemory:
             arenas, self._all, self._free, self._retired = self._all, [], [], []
         for arena in arenas:
             arena.close()
+
+
+def _register(arena: Arena, stub: Stub, where: tuple[str, Enum]) -> Steps[None]:
+    """Register `arena` as it is now (what the server held under its name dropped first)."""
+    try:
+        yield from stub("UnregisterRegion", pb.UnregisterRegionRequest(name=arena.name))
+        yield from stub("RegisterRegion", arena.registration())
+    except grpc.RpcError as exc:
+        raise registration_error(exc, arena.name, *where) from exc
+    arena.registered_now()
 
 
 # The ends of a call that leave it running on the server, or unknown there.

@@ -1,6 +1,7 @@
 """The tensors a call places in shared memory regions, read and checked: sluice.v1's
-(Tensor.shared_memory, output_memory) and KServe's (Triton's parameters, checks and words),
-and, for KServe, an output's place written into its answer."""
+(Tensor.shared_memory, output_memory) and KServe's (Triton's parameters, checks and words,
+with a ModelInfer's other inputs beside them), and, for KServe, an output's place written
+into its answer."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import numpy as np
 from sluice.core.datatypes import DATATYPES, DataType
 from sluice.core.errors import InvalidInput, SluiceError
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
+from sluice.shm import scan
 from sluice.shm.registry import Lease
 from sluice.shm.slots import Buffer, Memory, OutputSlot, Ref, SlotWrites
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import codec, facts
+from sluice.wire import codec
 
 Input = kpb.ModelInferRequest.InferInputTensor
 Output = kpb.ModelInferRequest.InferRequestedOutputTensor
@@ -22,7 +24,7 @@ OutputTensor = kpb.ModelInferResponse.InferOutputTensor
 Parameters = Mapping[str, kpb.InferParameter]
 
 # Triton's parameters of a tensor in shared memory (an input's bytes, an output's place).
-REGION = facts.INFER_REGION_KEY.decode()
+REGION = scan.REGION_KEY.decode()
 OFFSET = "shared_memory_offset"
 BYTE_SIZE = "shared_memory_byte_size"
 
@@ -278,3 +280,104 @@ def _lacking(name: str) -> SluiceError:
     return SluiceError(
         f"the answer lacks output {name!r}, which the request placed in shared memory"
     )
+
+
+# A ModelInfer's tensors, in regions or in its body, and its answer's.
+
+
+def infer_tensors(
+    request: kpb.ModelInferRequest,
+    raw: Sequence[bytes | memoryview],
+    lease: Lease | None,
+    refusal: str,
+) -> tuple[dict[str, np.ndarray], dict[str, OutputSlot]]:
+    """A ModelInferRequest's inputs (those in regions: views of them, through the call's
+    `lease`; the others from `raw`, its raw_input_contents, or their typed contents) and the
+    views its placed outputs are to be written into, taken now, as `predict_tensors` takes a
+    Predict's. No `lease`: a region named is refused, `refusal` after what names it."""
+    model = request.model_name
+    places = triton_inputs(request.inputs, lease, refusal)
+    check_raw_entries(len(raw), places.count(None))
+    inputs: dict[str, np.ndarray] = {}
+    at = 0
+    for tensor, place in zip(request.inputs, places, strict=True):
+        if tensor.name in inputs:
+            raise InvalidInput(f"input {tensor.name!r} appears more than once")
+        if place is not None:
+            assert lease is not None  # triton_ref refused a region without one
+            view, dt, shape = triton_input(tensor, model, place, lease)
+            where = f"shared memory region '{place.region}' holds"
+            inputs[tensor.name] = _array(input_label(tensor), view, dt, shape, where)
+        else:
+            inputs[tensor.name] = _unplaced(tensor, raw[at] if raw else None)
+            at += 1
+    placements: dict[str, OutputSlot] = {}
+    for output in request.outputs:
+        if not output.parameters:
+            continue
+        if "classification" in output.parameters:
+            raise InvalidInput(
+                f"{output_label(output)} asks for classification, which Sluice "
+                "does not serve; ask for the output itself and take the top classes from it"
+            )
+        placed = triton_output(output, lease, refusal)
+        if placed is not None:
+            placements[output.name] = placed
+    return inputs, placements
+
+
+def _unplaced(tensor: Input, raw: bytes | memoryview | None) -> np.ndarray:
+    """One input's array, from its raw bytes or its typed contents (unchecked: Model.check)."""
+    if raw is None:
+        return triton_contents(tensor)
+    label = input_label(tensor)
+    dt = input_datatype(label, tensor)
+    shape = tuple(tensor.shape)
+    count = element_count(label, shape)
+    present = contents_filled(tensor)
+    if present:
+        raise InvalidInput(
+            f"{label} fills contents.{present[0]} but the request uses "
+            "raw_input_contents; send every input's values there, or none"
+        )
+    expected = count * dt.dtype.itemsize
+    if len(raw) != expected:
+        raise InvalidInput(
+            f"{label} has {len(raw)} bytes in raw_input_contents but {dt.name} shape "
+            f"{list(shape)} needs {expected} ({count} x {dt.dtype.itemsize} bytes)"
+        )
+    return _array(label, raw, dt, shape, "its raw_input_contents hold")
+
+
+def _array(
+    label: str, data: bytes | memoryview, dt: DataType, shape: tuple[int, ...], where: str
+) -> np.ndarray:
+    """A view of `data` as the input's array; a copy where it is not aligned."""
+    try:
+        return codec.view_of(label, data, dt, shape, where)
+    except codec.TensorError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+_NO_VALUES = np.empty(0, np.uint8)  # an output in shared memory
+
+
+def infer_outputs(
+    outputs: Mapping[str, np.ndarray], places: Mapping[str, OutputSlot]
+) -> tuple[list[OutputTensor], list[np.ndarray], SlotWrites | None]:
+    """A ModelInfer answer's tensors and their raw entries' arrays, always raw as Triton
+    answers (an output placed in a region, by `places`, has an empty entry), and the writes
+    of those placed: all checked before any is written, landed by the caller once answered,
+    so that a refusal writes nothing."""
+    tensors, arrays = [], []
+    placed: dict[str, memoryview] = {}
+    for name, array in outputs.items():
+        dt = codec.datatype_of(array.dtype)
+        tensors.append(OutputTensor(name=name, datatype=dt.name, shape=array.shape))
+        if name in places:
+            placed[name] = codec.bytes_of(array)
+            arrays.append(_NO_VALUES)
+        else:
+            arrays.append(np.ascontiguousarray(array, dtype=dt.dtype))
+    writes = triton_writes(places, tensors, placed) if places else None
+    return tensors, arrays, writes

@@ -1,5 +1,5 @@
-"""A program's shared memory registry (sluice.shm.registry) as its settings ask for it
-(--shared-memory and its bounds), and the sweep that lets go of the regions whose objects
+"""A program's shared memory settings (--shared-memory and its bounds), the registry
+(sluice.shm.registry) they ask for, and the sweep that lets go of the regions whose objects
 their callers unlinked: the server's and the balancer's alike."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.runtime.settings import ProgramSettings
+from sluice.runtime.security import SecuritySettings
 from sluice.shm.registry import Regions
 
 SWEEP_S = 2.0  # how often regions whose object its caller unlinked are let go
@@ -21,7 +22,34 @@ ONE_PROCESS = (
 )
 
 
-def regions_of(settings: ProgramSettings) -> Regions | None:
+@dataclass(frozen=True)
+class SharedMemorySettings(SecuritySettings):
+    """The shared memory group of ProgramSettings; over the security group, whose tenants
+    make regions copied rather than mapped (`regions_of`)."""
+
+    shared_memory: bool = field(
+        default=False,
+        metadata={
+            "help": "take tensors in POSIX shared memory regions that callers on this host "
+            "register (Triton's system shared memory extension, and the sluice.v1 API's); "
+            "off: those calls are refused"
+        },
+    )
+    shared_memory_regions: int = field(
+        default=64, metadata={"help": "most shared memory regions a tenant may register"}
+    )
+    shared_memory_bytes: int = field(
+        default=4 << 30,
+        metadata={"help": "most bytes a tenant's shared memory regions may span together"},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.shared_memory_regions < 1 or self.shared_memory_bytes < 1:
+            raise ValueError("--shared-memory-regions and --shared-memory-bytes must be positive")
+
+
+def regions_of(settings: SharedMemorySettings) -> Regions | None:
     """The registry --shared-memory and its bounds ask for (None: off)."""
     if not settings.shared_memory:
         return None

@@ -101,9 +101,8 @@ MODEL_INFER = Kind(
 )
 # KServe v2's raw tensor bytes, read and written by hand (sluice.server.kserve).
 INFER_RAW_INPUTS = _Infer.RAW_INPUT_CONTENTS_FIELD_NUMBER
-# The request's tensors, whose parameters may place them in shared memory (Triton's key).
+# The request's tensors, whose parameters may place them in shared memory (sluice.shm.scan).
 INFER_PLACED = frozenset({_Infer.INPUTS_FIELD_NUMBER, _Infer.OUTPUTS_FIELD_NUMBER})
-INFER_REGION_KEY = b"shared_memory_region"
 INFER_RESPONSE_RAW_OUTPUTS = kpb.ModelInferResponse.RAW_OUTPUT_CONTENTS_FIELD_NUMBER
 METADATA = Kind(
     pb.MetadataRequest.DESCRIPTOR.full_name,
@@ -204,50 +203,3 @@ def _first(body: bytes, start: int, end: int, shape: int, budget: int) -> tuple[
     except peek.Malformed:
         pass
     return None, budget
-
-
-_SHARED_TAG = peek.tag(TENSOR_SHARED_MEMORY)
-_SCAN_MOST = 4 << 10  # bytes of an input scanned for that tag before its fields are walked
-
-
-def uses_regions(body: bytes) -> bool:
-    """Whether a PredictRequest body names shared memory: outputs to write into regions
-    (output_memory), or an input whose bytes lie in one (Tensor.shared_memory). Its answer
-    then depends on what the regions hold, not on the body alone: no cache may keep it.
-    One walk of the top-level fields and of each input's (a raw_data is stepped over, not
-    read). A body this walk cannot read is taken to use them: the decode judges it."""
-    budget = peek.MAX_FIELDS
-    walk = peek.walk  # on every call of a node that takes shared memory: no wrapper
-    try:
-        for _, number, wire, a, b in walk(body, 0, len(body), budget):
-            budget -= 1
-            if wire != 2:
-                continue  # another wire type is an unknown field to the parser, not these
-            if number == PREDICT_OUTPUT_MEMORY:
-                return True
-            # A small input without the tag's byte anywhere in it has no such field: no
-            # walk (a scan of a large one's bytes would cost more than its walk).
-            small = b - a <= _SCAN_MOST
-            if number == PREDICT_INPUTS and not (small and body.find(_SHARED_TAG, a, b) < 0):
-                for _, inner, kind, _, _ in walk(body, a, b, budget):
-                    budget -= 1
-                    if inner == TENSOR_SHARED_MEMORY and kind == 2:
-                        return True
-    except peek.Malformed:
-        return True
-    return False
-
-
-def infer_uses_regions(body: bytes) -> bool:
-    """Whether a ModelInferRequest body may name a shared memory region: a region's
-    parameter key in one of its tensors, found by one walk of its top-level fields (the raw
-    entries stepped over: a scan of a 602 KB body cost 85 us; a typed value that holds those
-    bytes only costs its call the cache). A body the walk cannot read is taken to: the decode
-    judges it."""
-    try:
-        for _, number, wire, a, b in peek.walk(body, 0, len(body), peek.MAX_FIELDS):
-            if wire == 2 and number in INFER_PLACED and body.find(INFER_REGION_KEY, a, b) >= 0:
-                return True
-    except peek.Malformed:
-        return True
-    return False

@@ -64,3 +64,36 @@ def python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=60,
     )
+
+
+# Every module of the product imported, then each one's file: its real path (not a link's),
+# and no file loaded as two modules. (sluice/__init__.py itself is found through the path entry,
+# so outside the checkout through its link.)
+ONE_PATH = """\
+import importlib, os, pkgutil, sys
+import sluice
+for found in pkgutil.walk_packages(sluice.__path__, "sluice."):
+    importlib.import_module(found.name)
+files = {}
+for name, module in sorted(sys.modules.items()):
+    file = getattr(module, "__file__", None)
+    if name.startswith("sluice.") and file:
+        assert file == os.path.realpath(file), (name, file)
+        assert file not in files, (name, files.get(file))
+        files[file] = name
+print(len(files))
+"""
+
+
+@pytest.mark.parametrize("where", ["elsewhere", "checkout"])
+def test_each_module_has_one_file_path(where: str, tmp_path: Path) -> None:
+    done = python(ONE_PATH, tmp_path if where == "elsewhere" else REPO)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) > 100  # every module of the product, not a few
+
+
+@pytest.mark.parametrize("name", ["server", "balancer", "client"])
+def test_a_program_folder_has_one_import_path(name: str) -> None:
+    done = python(f"import {name}", REPO)  # the checkout on sys.path, as in its scripts
+    assert done.returncode != 0
+    assert f"the checkout's {name}/ is the package sluice.{name}: import that" in done.stderr

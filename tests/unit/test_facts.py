@@ -259,9 +259,9 @@ def test_an_id_that_is_not_utf8_is_refused() -> None:
 
 
 # The modules that walk a message's fields by hand: this reader, the tensor codec's and the
-# KServe protocol's large-body decoders, and the stream messages' framing (their field
-# numbers from here).
-WALKERS = {"facts.py", "codec.py", "peek.py", "kserve.py", "stream.py"}
+# KServe protocol's large-body decoders, the stream messages' framing and shared memory's
+# scans (their field numbers from here).
+WALKERS = {"facts.py", "codec.py", "peek.py", "kserve.py", "stream.py", "scan.py"}
 # Importing either makes a module a body reader, where a bare tuple of small ints is suspect.
 WIRE_READERS = {"sluice.wire.facts", "sluice.wire.peek"}
 

@@ -14,8 +14,9 @@ from sluice.balancer.service import ATTEMPT, BalancerService
 from sluice.balancer.settings import BalancerSettings
 from sluice.routing.budget import RetryBudget
 from sluice.routing.hedge import HedgeSettings
+from sluice.routing.hedge.marks import CANCELLED, HEDGE
 from sluice.routing.pool import Pool
-from sluice.runtime.spans import ATTEMPTS, CANCELLED, HEDGE
+from sluice.runtime.spans import ATTEMPTS
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire.mux import Reply
 from tests.unit.test_metrics import scrape, value
@@ -61,8 +62,8 @@ def hedging_balancer(after_ms: str = "1") -> tuple[BalancerService, FirstHangs]:
     service = BalancerService(
         pool, RetryBudget(), node_id="b1", hedge=HedgeSettings.parse(after_ms)
     )
-    assert service.hedging is not None
-    service.hedging.budget.tokens = 1.0  # as if ten calls had gone before
+    assert service.planner.hedging is not None
+    service.planner.hedging.budget.tokens = 1.0  # as if ten calls had gone before
     return service, upstreams
 
 

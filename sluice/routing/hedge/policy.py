@@ -1,7 +1,8 @@
 """Hedging's policy: its settings, its delay (fixed, or `auto` from each backend's recent
 answers), its own budget and its counts, and how it plugs into a planner (`install`: the
-silence rule as the pool's cost, the answers' latencies as the auto delay's samples; `race`:
-a call's hedged driver). Transport-free: the clock, the sleep and the wait are injected.
+silence rule as the pool's cost, the answers' latencies as the auto delay's samples, and
+its loops around the planner's, as tower's hedge wraps a service; `race`: a call's hedged
+driver state). Transport-free: the clock, the sleep and the wait are injected.
 docs/DESIGN.md says why the delay and the budget are what they are."""
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from sluice.routing.budget import RetryBudget
-from sluice.routing.hedge.race import Race
+from sluice.routing.hedge.race import Race, hedged, hedged_sync
 from sluice.routing.hedge.silence import Silence
 from sluice.routing.plan import NO_LOCK, Plan, R
 from sluice.routing.pool import Cost
 
 if TYPE_CHECKING:
-    from sluice.routing.planner import Planner
+    from sluice.routing.planner import Drive, DriveSync, Planner, Send, SendSync, Start
 
 AUTO = "auto"
 WINDOW = 128  # a backend's answered attempts its tail is of
@@ -71,6 +73,13 @@ class Hedging:
     `won`: calls a hedge answered; `cancelled`: attempts cancelled because another answered
     first, hedges or not; `budget.refused`: hedges the budget refused)."""
 
+    @classmethod
+    def of(
+        cls, settings: HedgeSettings | None, clock: Callable[[], float] = time.monotonic
+    ) -> Hedging | None:
+        """The hedging `settings` ask for (None: none)."""
+        return None if settings is None else cls(settings, clock)
+
     def __init__(
         self,
         settings: HedgeSettings,
@@ -92,11 +101,35 @@ class Hedging:
 
     def install(self, planner: Planner[Any]) -> None:
         """Hedge `planner`'s calls: its pool weighs backends by their silence too (unless
-        given another cost), and its OK answers are samples for the auto delay."""
+        given another cost), its OK answers are samples for the auto delay, and its loops
+        hand each call that may be hedged to hedging's own."""
         self.planner = planner
         if type(planner.pool.cost) is Cost:
             planner.pool.cost = Silence(planner.pool)
         planner.learn = self.answered
+        planner.drive = partial(self._drive, planner.drive)
+        planner.drive_sync = partial(self._drive_sync, planner.drive_sync)
+
+    async def _drive(self, plain: Drive[R], plan: Plan[R], attempt: Send[R]) -> R:
+        race = self.race(plan)
+        if race is None:
+            return await plain(plan, attempt)
+        return await hedged(race, attempt)
+
+    def _drive_sync(
+        self,
+        plain: DriveSync[R],
+        plan: Plan[R],
+        attempt: SendSync[R],
+        lock: AbstractContextManager[object],
+        start: Start[R] | None,
+    ) -> R:
+        """Without `start` (which sends an attempt and returns its future), not hedged."""
+        race = None if start is None else self.race(plan, lock)  # takes the lock itself
+        if race is None or start is None:
+            return plain(plan, attempt, lock, start)
+        answer: R = hedged_sync(race, start)
+        return answer
 
     def race(
         self, plan: Plan[R], lock: AbstractContextManager[object] = NO_LOCK

@@ -9,9 +9,10 @@ import asyncio
 import threading
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sluice.routing.plan import NO_LOCK, Attempt, Plan, R
+from sluice.routing.planner import Future
 from sluice.routing.pool import Backend
 
 if TYPE_CHECKING:
@@ -23,19 +24,6 @@ CROWDED_S = 1.0
 LOST = "another attempt answered first"
 
 H = TypeVar("H")  # a driver's handle on an attempt out: a task, a future
-T_co = TypeVar("T_co", covariant=True)
-
-
-class Future(Protocol[T_co]):
-    """An attempt sent by a blocking transport (grpc's `stub.Method.future(...)` is one)."""
-
-    def add_done_callback(self, fn: Callable[[Any], object]) -> None: ...
-
-    def result(self) -> T_co: ...
-
-    def cancel(self) -> bool: ...
-
-    def done(self) -> bool: ...
 
 
 class Race(Generic[R, H]):
@@ -166,7 +154,7 @@ async def hedged(
     race: Race[R, asyncio.Future[R]],
     attempt: Callable[[Backend, float | None], Awaitable[R]],
 ) -> R:
-    """`Planner.run`'s loop with hedging: each attempt a task, the delay a sleep."""
+    """The asyncio loop with hedging: each attempt a task, the delay a sleep."""
     timer: asyncio.Future[None] | None = None
     step: Attempt | R | None = race.plan.next()
     try:
@@ -201,7 +189,7 @@ async def hedged(
 
 
 def hedged_sync(race: Race[R, Future[R]], start: Callable[[Backend, float | None], Future[R]]) -> R:
-    """`Planner.run_sync`'s loop with hedging: each attempt a future whose end wakes the
+    """The blocking loop with hedging: each attempt a future whose end wakes the
     caller's thread; the delay a wait on the same condition."""
     ready = threading.Condition()
     done: list[Future[R]] = []

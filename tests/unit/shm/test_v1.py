@@ -33,10 +33,11 @@ from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.modelsettings import WireType
 from sluice.server.v1 import NO_SHARED_MEMORY, WIRE_READ_FROM, SluiceV1, _specs
 from sluice.shm import client as client_shm
+from sluice.shm import scan
 from sluice.shm.calls import RegionCalls, on_this_host
 from sluice.shm.registry import Regions
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import codec, facts
+from sluice.wire import codec
 
 SHARED = SluiceV1(shared_memory=True)
 V1 = SluiceV1()
@@ -251,19 +252,19 @@ def test_the_route_says_which_bodies_name_regions() -> None:
     plain = request([codec.encode("x", X)])
     inputs = request([codec.encode("x", X), codec.shared_tensor("z", X, codec.Ref("r", 0, 48))])
     outputs = request([codec.encode("x", X)], {"y": codec.Ref("r", 0, 48)})
-    assert [facts.uses_regions(b) for b in (plain, inputs, outputs)] == [False, True, True]
+    assert [scan.uses_regions(b) for b in (plain, inputs, outputs)] == [False, True, True]
     assert not SHARED.route(plain).shared
     assert SHARED.route(inputs).shared and SHARED.route(outputs).shared
     assert not V1.route(inputs).shared  # off: decode refuses it
-    assert facts.uses_regions(b"\x0a\x05\x62")  # a tensor the walk cannot read: the decode's
+    assert scan.uses_regions(b"\x0a\x05\x62")  # a tensor the walk cannot read: the decode's
     # Field 12 of another wire type is an unknown field to the parser, not a region.
     odd = plain + b"\x0a\x02\x60\x01"
     assert not pb.PredictRequest.FromString(odd).inputs[1].HasField("shared_memory")
-    assert not facts.uses_regions(odd)
+    assert not scan.uses_regions(odd)
 
 
 @given(
-    raw=st.binary(max_size=3 * facts._SCAN_MOST),
+    raw=st.binary(max_size=3 * scan._SCAN_MOST),
     shared=st.booleans(),
     memory=st.booleans(),
 )
@@ -276,7 +277,7 @@ def test_whether_a_body_names_regions_is_the_parsers_answer(
     body = request([tensor], {"y": codec.Ref("r", 0, 8)} if memory else None)
     parsed = pb.PredictRequest.FromString(body)
     want = bool(parsed.output_memory) or parsed.inputs[0].HasField("shared_memory")
-    assert facts.uses_regions(body) is want
+    assert scan.uses_regions(body) is want
 
 
 # The region calls.
