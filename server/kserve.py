@@ -201,7 +201,7 @@ class KServeService:
         }
 
     async def model_infer(self, body: bytes, call: Call) -> bytes:
-        return await self.service.infer(body, self.protocol, call)
+        return await self.service.infer(body, call, self.protocol)
 
     async def server_live(self, body: bytes, call: Call) -> bytes:
         parse(kpb.ServerLiveRequest, body)

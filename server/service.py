@@ -96,6 +96,8 @@ class InferenceService:
         # Both faces' region calls (off: refused naming the flag).
         self.region_calls = RegionCalls(regions, ServerSettings.PROG)
         self.v1 = SluiceV1(shared_memory=regions is not None)
+        # Predict: inference in sluice.v1's bodies (a partial: no frame of its own per call).
+        self.predict: Method = functools.partial(self.infer, protocol=self.v1)
         # --max-message-bytes, said in Health: a balancer refuses a larger request itself
         # rather than send it on the stream it shares, which grpc here would end for it.
         self.max_message_bytes = max_message_bytes
@@ -348,9 +350,6 @@ class InferenceService:
 
         await stream.serve(requests, context.write, answer, refuse=refuse, stop=self._draining)
 
-    async def predict(self, body: bytes, call: Call) -> bytes:
-        return await self.infer(body, self.v1, call)
-
     def region_call(self, fn: RegionCall) -> Method:
         """A shared memory region call of either face, on its caller's tenant's regions."""
 
@@ -359,7 +358,7 @@ class InferenceService:
 
         return method
 
-    async def infer(self, body: bytes, protocol: WireProtocol[Any], call: Call) -> bytes:
+    async def infer(self, body: bytes, call: Call, protocol: WireProtocol[Any]) -> bytes:
         """One inference call of any protocol, its trailers added to `call`; with shared
         memory on, it holds a lease on its caller's regions until it is answered."""
         leases = (

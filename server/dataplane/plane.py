@@ -171,7 +171,9 @@ class Dataplane:
         """Compute under single-flight; a hit when another caller's computation answered.
         A shared computation that ran out of its leader's deadline is retried for a follower
         whose own deadline still allows it."""
-        compute = functools.partial(self._store, key, model, body, protocol, deadline, priority)
+        compute = functools.partial(
+            self._answer, model, body, protocol, deadline, priority, key=key
+        )
         while True:
             joined = key in self.flight
             try:
@@ -184,25 +186,6 @@ class Dataplane:
                     tracing.annotate(tracing.CACHE, "shared" if joined else "miss")
                 return entry, HIT if joined else MISS
 
-    async def _store(
-        self,
-        key: bytes,
-        model: Model,
-        body: bytes,
-        protocol: WireProtocol[Opts],
-        deadline: float | None,
-        priority: int,
-    ) -> Entry:
-        # The shared computation holds the model itself: its callers may all cancel and
-        # release theirs while it still runs (or waits in the batcher).
-        model.hold()
-        try:
-            entry = await self._answer(model, body, protocol, deadline, priority)
-        finally:
-            model.release()
-        self.cache.put(key, entry)
-        return entry
-
     async def _answer(
         self,
         model: Model,
@@ -211,11 +194,16 @@ class Dataplane:
         deadline: float | None,
         priority: int,
         leases: Callable[[], Lease] | None = None,
+        key: bytes | None = None,
     ) -> Entry:
         """Decode, run, encode; `leases` takes the call's hold on its regions, released once
-        the answer is encoded (a failed call writes nothing back: its error stands)."""
+        the answer is encoded (a failed call writes nothing back: its error stands). `key`:
+        single-flight's shared computation, kept in the cache under it, which holds the model
+        itself (its callers may all cancel and release theirs while it still runs)."""
         lease = None if leases is None else leases()
         run = None
+        if key is not None:
+            model.hold()
         try:
             request = protocol.decode(body, lease)  # a lease only for a body that names regions
             run = _RunSpans(model) if tracing.ON and tracing.recording() else None
@@ -235,11 +223,17 @@ class Dataplane:
             if lease is not None:
                 lease.release(ok=False)
             raise
+        finally:
+            if key is not None:
+                model.release()
         if run is not None:
             run.ended()
         if lease is not None:  # the outputs land (a copy that cannot be written fails the call)
             lease.release()
-        return Entry(encoded, tuple(nonfinite))
+        entry = Entry(encoded, tuple(nonfinite))
+        if key is not None:
+            self.cache.put(key, entry)
+        return entry
 
     async def close(self) -> None:
         for model in self.models:
