@@ -21,7 +21,9 @@ class LinkedFolders(MetaPathFinder):
         name: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
         parent, _, leaf = name.rpartition(".")
-        for entry in path or () if parent == "sluice" else ():
+        if parent != "sluice" or path is None:  # every other import: the usual finders
+            return None
+        for entry in path:
             folder = os.path.join(entry, leaf)
             if os.path.islink(folder):
                 real = os.path.realpath(folder)
