@@ -10,7 +10,6 @@ from sluice.routing.hedge.flags import HedgeFlags
 from sluice.routing.pool import OutlierSettings
 from sluice.runtime import config
 from sluice.runtime.settings import ProgramSettings
-from sluice.shm.setup import ONE_PROCESS
 
 
 @dataclass(frozen=True)
@@ -152,8 +151,7 @@ class BalancerSettings(HedgeFlags, ProgramSettings):
             raise ValueError("--outlier-factor must be 0 (off) or more than 1")
         if not 0.01 <= self.models_refresh_s <= 3600:
             raise ValueError("--models-refresh-s must be between 0.01 and 3600 seconds")
-        if self.shared_memory and self.workers > 1:
-            raise ValueError(ONE_PROCESS)
+        self.check_processes(self.workers)
         _ = self.hedge  # refused at start if bad
 
     def processes(self) -> int:

@@ -36,7 +36,7 @@ from sluice.server.metrics import DataplaneCollector
 from sluice.server.modelconfig import read_config
 from sluice.server.service import SERVICE, InferenceService
 from sluice.server.settings import ServerSettings
-from sluice.shm.setup import ONE_PROCESS, closers, regions_of, sweeps
+from sluice.shm.setup import closers, regions_of, sweeps
 
 log = logging.getLogger("sluice.server")
 
@@ -49,8 +49,10 @@ async def serve(
 ) -> int:
     """Serve until SIGTERM or SIGINT, or until `stop` is set (then with no signal handlers)."""
     processes = settings.worker_count(gpu=CUDA in choose_providers(settings.device))
-    if settings.shared_memory and processes > 1:
-        log.error(ONE_PROCESS)
+    try:
+        settings.check_processes(processes)
+    except ValueError as exc:
+        log.error("%s", exc)
         return 1
     defaults = settings.model_settings()
     # --model entries: loaded, checked and warmed up once, like a repository's versions.

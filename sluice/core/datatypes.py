@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sluice.core.errors import TensorError
+
 
 @dataclass(frozen=True)
 class DataType:
@@ -35,12 +37,23 @@ DATATYPES: dict[str, DataType] = {
 BY_KIND = {(d.dtype.kind, d.dtype.itemsize): d for d in DATATYPES.values()}
 
 
-def datatype_of(dtype: np.dtype[np.generic]) -> DataType | None:
-    """The API datatype for a numpy dtype, or None if the API has none."""
-    return BY_KIND.get((dtype.kind, dtype.itemsize))
+def datatype_of(dtype: np.dtype[np.generic]) -> DataType:
+    """The API datatype for a numpy dtype, or TensorError if the API has none."""
+    found = BY_KIND.get((dtype.kind, dtype.itemsize))  # on every output: no other call
+    if found is None:
+        supported = ", ".join(DATATYPES)
+        raise TensorError(f"numpy dtype {dtype} has no API datatype (supported: {supported})")
+    return found
 
 
 def name_of(dtype: np.dtype[np.generic]) -> str:
     """The API name for a numpy dtype, or numpy's own name when the API has none."""
-    found = datatype_of(dtype)
+    found = BY_KIND.get((dtype.kind, dtype.itemsize))
     return found.name if found else str(dtype)
+
+
+def bytes_of(array: np.ndarray) -> memoryview:
+    """`array`'s bytes as the API carries them (little-endian, row-major), flat; a view of
+    them where they are so already."""
+    dt = datatype_of(array.dtype)
+    return np.ascontiguousarray(array, dtype=dt.dtype).reshape(-1).view(np.uint8).data

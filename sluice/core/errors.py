@@ -14,6 +14,11 @@ class SluiceError(Exception):
     reason = ""
 
 
+class TensorError(ValueError):
+    """A tensor message that cannot be decoded; the message says why (each face answers it
+    as InvalidInput)."""
+
+
 class InvalidInput(SluiceError):
     """The request does not fit the model or the API."""
 

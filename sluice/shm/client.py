@@ -9,7 +9,7 @@ none shrinks, and every object is unlinked on close() or at exit.
 A model's output sizes are known only once it answered: a call of input shapes this client
 has not sent that model before gets its outputs as bytes, the calls after it in the arena,
 sized from that answer (`Learned`). An answer that outgrows them is refused
-(codec.TOO_SMALL) and the call sent again, its outputs as bytes.
+(refs.TOO_SMALL) and the call sent again, its outputs as bytes.
 
 A call's steps are the client core's (sluice.client.core): `SharedMemory.call` yields the
 Predict and the region calls it is given, for the client's driver to perform."""
@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from sluice.shm import refs
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import codec
 from sluice.wire.mux import Reply
@@ -164,7 +165,7 @@ def _pages(size: int) -> int:
 
 class Arena:
     """A region of this client's: the name the server knows it by, and the object under
-    it. A `codec.Memory` for the replies that name it."""
+    it. A `Memory` for the replies that name it."""
 
     def __init__(self, name: str, root: Path = ROOT) -> None:
         self.name = name
@@ -173,7 +174,7 @@ class Arena:
         self.registered = False  # whether the server holds it under `name` now
         self.previous: Segment | None = None  # replaced; unlinked once unregistered
         # A call's inputs, written once the server holds the object (`registered_now`).
-        self.pending: list[tuple[codec.Ref, np.ndarray]] = []
+        self.pending: list[tuple[refs.Ref, np.ndarray]] = []
 
     def fit(self, size: int) -> bool:
         """Make the arena hold `size` bytes; whether its object was replaced by a larger
@@ -276,7 +277,7 @@ class Layout:
 
     arena: Arena
     key: tuple[object, ...]  # `signature`: what the outputs' sizes depend on
-    outputs: dict[str, codec.Ref]
+    outputs: dict[str, refs.Ref]
     fresh: bool  # the arena is not registered as it is now: register it before the call
     body: bytes
 
@@ -345,9 +346,9 @@ class SharedMemory:
         arena = self._take()
         try:
             fresh = arena.fit(total) or not arena.registered
-            refs = [codec.Ref(arena.name, at, n) for at, n in zip(starts, needs, strict=True)]
-            inputs = dict(zip(arrays, refs[: len(arrays)], strict=True))
-            placed = dict(zip(sizes, refs[len(arrays) :], strict=True))
+            spans = [refs.Ref(arena.name, at, n) for at, n in zip(starts, needs, strict=True)]
+            inputs = dict(zip(arrays, spans[: len(arrays)], strict=True))
+            placed = dict(zip(sizes, spans[len(arrays) :], strict=True))
             arena.pending = [(ref, arrays[name]) for name, ref in inputs.items()]
             if not fresh:
                 arena.registered_now()
@@ -355,7 +356,7 @@ class SharedMemory:
             self.done(arena)
             raise
         request = pb.PredictRequest(
-            inputs=[codec.shared_tensor(n, arrays[n], ref) for n, ref in inputs.items()],
+            inputs=[refs.shared_tensor(n, arrays[n], ref) for n, ref in inputs.items()],
             outputs=outputs,
             model=model,
             version=version,
@@ -389,7 +390,7 @@ class SharedMemory:
         ours = repr(arena.name) in details
         if error.code() != grpc.StatusCode.INVALID_ARGUMENT or not ours:
             return False
-        if codec.TOO_SMALL in details:
+        if refs.TOO_SMALL in details:
             self.learned.forget(plan.key)
         elif arena.segment is not None and f"{UNOPENED}: '{arena.segment.key}'" in details:
             arena.renew()

@@ -13,6 +13,7 @@ from sluice.core.datatypes import DATATYPES, DataType
 from sluice.core.errors import InvalidInput, SluiceError
 from sluice.kserve import grpc_predict_v2_pb2 as kpb
 from sluice.shm import scan
+from sluice.shm.refs import Unshared, led, ref_of
 from sluice.shm.registry import Lease
 from sluice.shm.slots import Buffer, Memory, OutputSlot, Ref, SlotWrites
 from sluice.v1 import inference_pb2 as pb
@@ -37,7 +38,7 @@ def output_slots(memory: Memory | None, refs: Mapping[str, Ref]) -> dict[str, Ou
         return {}
     if memory is None:
         names = ", ".join(repr(n) for n in refs)
-        raise codec.Unshared(f"output_memory names shared memory for output {names}")
+        raise Unshared(f"output_memory names shared memory for output {names}")
     # `memory` refuses two outputs over each other (a lease compares the objects' bytes,
     # whatever region names reach them).
     views: dict[str, OutputSlot] = {}
@@ -46,13 +47,8 @@ def output_slots(memory: Memory | None, refs: Mapping[str, Ref]) -> dict[str, Ou
         try:
             views[name] = OutputSlot(ref, memory.output(*ref), memory)
         except SluiceError as exc:
-            raise _led(f"output_memory of output {name!r}", exc) from None
+            raise led(f"output_memory of output {name!r}", exc) from None
     return {name: views[name] for name in refs}
-
-
-def _led(label: str, exc: SluiceError) -> SluiceError:
-    """A Memory's refusal as it was (its status), its message led by what it refused."""
-    return type(exc)(f"{label}: {exc}")
 
 
 # A Predict's tensors in regions (sluice.v1).
@@ -69,9 +65,9 @@ def predict_tensors(
         inputs = codec.decode_all(request.inputs, lease)
         if not request.output_memory:
             return inputs, {}
-        refs = {name: codec.ref_of(ref) for name, ref in request.output_memory.items()}
+        refs = {name: ref_of(ref) for name, ref in request.output_memory.items()}
         return inputs, output_slots(lease, refs)
-    except codec.Unshared as exc:
+    except Unshared as exc:
         raise InvalidInput(f"{exc}; {refusal}") from None
     except codec.TensorError as exc:
         raise InvalidInput(str(exc)) from None

@@ -48,6 +48,11 @@ class SharedMemorySettings(SecuritySettings):
         if self.shared_memory_regions < 1 or self.shared_memory_bytes < 1:
             raise ValueError("--shared-memory-regions and --shared-memory-bytes must be positive")
 
+    def check_processes(self, processes: int) -> None:
+        """ValueError (ONE_PROCESS) for shared memory on over several processes."""
+        if self.shared_memory and processes > 1:
+            raise ValueError(ONE_PROCESS)
+
 
 def regions_of(settings: SharedMemorySettings) -> Regions | None:
     """The registry --shared-memory and its bounds ask for (None: off)."""

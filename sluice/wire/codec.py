@@ -8,7 +8,7 @@ converted to the input's declared datatype (`array_of`). Predict's request and r
 bodies are written here by hand (`encode_predict`, `encode_predict_response`): the arrays'
 bytes copied once, each request input aligned for the server to read it in place.
 
-A tensor placed in shared memory (sluice.shm.slots) decodes to a view of a `Memory`.
+A tensor placed in shared memory decodes to a view of a `Memory` (sluice.shm.refs).
 """
 
 from __future__ import annotations
@@ -21,31 +21,13 @@ from typing import cast
 import numpy as np
 import numpy.typing as npt
 
-from sluice.core.datatypes import BY_KIND, DATATYPES, DataType
-from sluice.core.errors import SluiceError
-from sluice.shm.slots import Memory, OutputSlot, SlotWrites
-from sluice.shm.slots import Ref as Ref
+from sluice.core.datatypes import DATATYPES, DataType
+from sluice.core.datatypes import bytes_of as bytes_of
+from sluice.core.datatypes import datatype_of as datatype_of
+from sluice.core.errors import TensorError as TensorError
+from sluice.shm import refs
 from sluice.v1 import inference_pb2 as pb
 from sluice.wire import facts, peek
-
-
-class TensorError(ValueError):
-    """A tensor message that cannot be decoded; the message says why."""
-
-
-class Unshared(TensorError):
-    """A tensor (or an output) names a shared memory region where none can be read: the
-    reader was given no `Memory` (a node that takes no shared memory)."""
-
-
-def ref_of(message: pb.SharedMemoryRef) -> Ref:
-    return Ref(message.region, message.offset, message.byte_size)
-
-
-# In the message that refuses an output region too small for its output: a client that
-# sized it from an earlier answer sends that output's bytes instead (sluice.shm.client).
-TOO_SMALL = "too small for"
-
 
 # The most elements a shape may describe, counting its non-zero dimensions only (numpy
 # refuses even an empty array whose other dimensions overflow its sizes); far beyond any
@@ -54,15 +36,6 @@ MAX_ELEMENTS = 2**48
 
 
 _TYPED_FIELDS = sorted({d.typed_field for d in DATATYPES.values()})
-
-
-def datatype_of(dtype: np.dtype[np.generic]) -> DataType:
-    """The API datatype for a numpy dtype, or TensorError if the API has none."""
-    found = BY_KIND.get((dtype.kind, dtype.itemsize))  # on every output: no call of core's
-    if found is None:
-        supported = ", ".join(DATATYPES)
-        raise TensorError(f"numpy dtype {dtype} has no API datatype (supported: {supported})")
-    return found
 
 
 def encode(
@@ -115,20 +88,19 @@ def encode_predict_response(
     version: str,
     outputs: Mapping[str, np.ndarray],
     typed: bool,
-    memory: Mapping[str, OutputSlot] | None = None,
+    memory: Mapping[str, refs.OutputSlot] | None = None,
 ) -> bytes:
     """A PredictResponse's bytes, as protobuf writes them. Raw outputs are written here, the
     arrays' bytes copied once, into the reply (ORT's outputs are views of its own memory;
     through protobuf they were copied three times). Typed outputs go through protobuf. The
-    outputs `memory` places are copied once, into their regions (`SlotWrites`), once
-    the whole answer is made (a refused one writes nothing): their tensors carry a
-    SharedMemoryRef, not their bytes."""
-    writes = _predict_writes(outputs, memory) if memory else None
-    refs = {} if writes is None else writes.refs()
+    outputs `memory` places are written by `refs.output_writes` once the whole answer is
+    made (a refused one writes nothing): their tensors carry only where they lie."""
+    writes = refs.output_writes(outputs, memory) if memory else None
+    placed = {} if writes is None else writes.refs()
     if typed:
         tensors = [
-            shared_tensor(name, array, refs[name])
-            if name in refs
+            refs.shared_tensor(name, array, placed[name])
+            if name in placed
             else encode(name, array, typed=True)
             for name, array in outputs.items()
         ]
@@ -138,11 +110,13 @@ def encode_predict_response(
         parts: list[bytes | memoryview] = [_string(_REPLY_MODEL, model)]
         at = len(parts[0])
         for name, array in outputs.items():
-            ref = refs.get(name)
+            ref = placed.get(name)
             if ref is None:
                 at = _tensor(parts, at, _REPLY_OUTPUTS, name, array, align=False)
             else:
-                at = _shared(parts, at, name, array, ref)
+                tensor = _head(name, datatype_of(array.dtype), array.shape) + refs.ref_field(ref)
+                parts.append(_REPLY_OUTPUTS + peek.varint(len(tensor)) + tensor)
+                at += len(parts[-1])
         parts.append(_string(_REPLY_VERSION, version))
         answer = b"".join(parts)
     if writes is not None:
@@ -186,21 +160,6 @@ def _head(name: str, dt: DataType, dims: tuple[int, ...]) -> bytes:
     return head + _TENSOR_SHAPE + peek.varint(len(shape)) + shape if shape else head
 
 
-def _shared(
-    parts: list[bytes | memoryview], at: int, name: str, array: np.ndarray, ref: Ref
-) -> int:
-    """Append a reply's output Tensor whose bytes lie at `ref` (as `shared_tensor` makes it)
-    to `parts`, whose bytes so far end at `at`; the offset after it."""
-    inner = _string(_MEMORY_REGION, ref.region)
-    inner += _MEMORY_OFFSET + peek.varint(ref.offset) if ref.offset else b""
-    inner += _MEMORY_SIZE + peek.varint(ref.byte_size) if ref.byte_size else b""
-    tensor = _head(name, datatype_of(array.dtype), array.shape)
-    tensor += _TENSOR_MEMORY + peek.varint(len(inner)) + inner
-    field = _REPLY_OUTPUTS + peek.varint(len(tensor)) + tensor
-    parts.append(field)
-    return at + len(field)
-
-
 # The same few strings on every call (a model's name, version and outputs, datatypes):
 # their fields are made once.
 @functools.lru_cache(maxsize=1024)
@@ -222,10 +181,6 @@ _TENSOR_DATATYPE = peek.tag(facts.TENSOR_DATATYPE)
 _TENSOR_SHAPE = peek.tag(facts.TENSOR_SHAPE)
 _TENSOR_RAW = peek.tag(facts.TENSOR_RAW_DATA)
 _TENSOR_PADDING = peek.tag(PADDING)
-_TENSOR_MEMORY = peek.tag(facts.TENSOR_SHARED_MEMORY)
-_MEMORY_REGION = peek.tag(facts.MEMORY_REGION)
-_MEMORY_OFFSET = peek.tag(facts.MEMORY_OFFSET, 0)
-_MEMORY_SIZE = peek.tag(facts.MEMORY_BYTE_SIZE, 0)
 
 
 def encode_all(
@@ -306,7 +261,7 @@ def _check_fits(found: np.ndarray, want: DataType, refuse: Callable[[str], TypeE
             raise refuse(f"it holds finite values outside the range of {want.name}")
 
 
-def decode(tensor: pb.Tensor, memory: Memory | None = None) -> np.ndarray:
+def decode(tensor: pb.Tensor, memory: refs.Memory | None = None) -> np.ndarray:
     """The array a Tensor message carries; TensorError names the tensor and the fault. One
     in shared memory is a view of `memory`'s bytes (no copy; Unshared without `memory`);
     `memory`'s own refusals are raised as they are, their message led by the tensor's."""
@@ -318,12 +273,9 @@ def decode(tensor: pb.Tensor, memory: Memory | None = None) -> np.ndarray:
         if len(getattr(tensor, typed_field)):
             present.append(typed_field)
     if tensor.HasField("shared_memory"):
-        if tensor.raw_data or present:
-            carried = "raw_data" if tensor.raw_data else present[0]
-            raise TensorError(
-                f"{label} carries both {carried} and shared_memory; send its bytes one way"
-            )
-        return shared(label, dt, shape, count, ref_of(tensor.shared_memory), memory)
+        carried = "raw_data" if tensor.raw_data else present[0] if present else ""
+        view = refs.input_bytes(label, dt, shape, count, tensor, carried, memory)
+        return _raw(label, dt, shape, count, view)
     if tensor.raw_data and present:
         raise TensorError(
             f"{label} carries both raw_data and {present[0]}; send exactly one of them"
@@ -402,36 +354,6 @@ def view_of(
     if dt.dtype.kind == "b" and array.view(np.uint8).max(initial=0) > 1:
         raise TensorError(f"{label} is BOOL but {where} bytes other than 0 and 1")
     return array.reshape(shape)
-
-
-def shared(
-    label: str,
-    dt: DataType,
-    shape: tuple[int, ...],
-    count: int,
-    ref: Ref,
-    memory: Memory | None,
-) -> np.ndarray:
-    """The array whose bytes `ref` names in `memory`: a view of them (an unaligned offset:
-    a copy, as `_raw` makes)."""
-    expected = count * dt.dtype.itemsize
-    if ref.byte_size != expected:
-        raise TensorError(
-            f"{label} has shared_memory byte_size {ref.byte_size} but {dt.name} shape "
-            f"{list(shape)} needs {expected} ({count} x {dt.dtype.itemsize} bytes)"
-        )
-    if memory is None:
-        raise Unshared(f"{label} names shared memory region {ref.region!r}")
-    try:
-        view = memory.input(*ref)
-    except SluiceError as exc:
-        raise _led(label, exc) from None
-    return _raw(label, dt, shape, count, view)
-
-
-def _led(label: str, exc: SluiceError) -> SluiceError:
-    """A Memory's refusal as it was (its status), its message led by what it refused."""
-    return type(exc)(f"{label}: {exc}")
 
 
 def decode_predict(
@@ -552,7 +474,9 @@ _WIDE = {
 }
 
 
-def decode_all(tensors: Iterable[pb.Tensor], memory: Memory | None = None) -> dict[str, np.ndarray]:
+def decode_all(
+    tensors: Iterable[pb.Tensor], memory: refs.Memory | None = None
+) -> dict[str, np.ndarray]:
     """Decode tensors by name (`memory`: as `decode`); TensorError on a fault or a repeated
     name."""
     arrays: dict[str, np.ndarray] = {}
@@ -563,46 +487,9 @@ def decode_all(tensors: Iterable[pb.Tensor], memory: Memory | None = None) -> di
     return arrays
 
 
-def shared_tensor(name: str, array: np.ndarray, ref: Ref) -> pb.Tensor:
-    """A Tensor message for `array` whose bytes lie at `ref` (its writer put them there)."""
-    dt = datatype_of(array.dtype)
-    memory = pb.SharedMemoryRef(region=ref.region, offset=ref.offset, byte_size=ref.byte_size)
-    return pb.Tensor(name=name, datatype=dt.name, shape=array.shape, shared_memory=memory)
-
-
 def write(view: memoryview, array: np.ndarray) -> int:
     """Copy `array`'s bytes (little-endian, row-major) to the start of `view`, which must
     hold them; how many."""
     data = bytes_of(array)
     view[: len(data)] = data
     return len(data)
-
-
-def bytes_of(array: np.ndarray) -> memoryview:
-    """`array`'s bytes as the API carries them (little-endian, row-major), flat; a view of
-    them where they are so already."""
-    dt = datatype_of(array.dtype)
-    return np.ascontiguousarray(array, dtype=dt.dtype).reshape(-1).view(np.uint8).data
-
-
-def _predict_writes(
-    outputs: Mapping[str, np.ndarray], memory: Mapping[str, OutputSlot]
-) -> SlotWrites:
-    """sluice.v1's placed outputs (output_memory), checked in its words."""
-
-    def missing(name: str) -> TensorError:
-        return TensorError(
-            f"output_memory names output {name!r}, which this call does not return "
-            f"(it returns {', '.join(repr(o) for o in outputs) or 'nothing'})"
-        )
-
-    def too_small(name: str, placed: OutputSlot, needed: int) -> TensorError:
-        array, ref = outputs[name], placed.ref
-        return TensorError(
-            f"output_memory of output {name!r} ({ref.byte_size} bytes at offset "
-            f"{ref.offset} of region {ref.region!r}) is {TOO_SMALL} its {needed} bytes "
-            f"({datatype_of(array.dtype).name} shape {list(array.shape)})"
-        )
-
-    data = {name: bytes_of(outputs[name]) for name in memory if name in outputs}
-    return SlotWrites(memory, data, too_small, missing)

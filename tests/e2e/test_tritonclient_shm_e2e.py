@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from sluice.server.main import ONE_PROCESS
+from sluice.shm.setup import ONE_PROCESS
 from tests.conftest import SAMPLES
 from tests.e2e.harness import Process, running_server, server_argv
 from tests.e2e.test_tritonclient_e2e import tritonclient_python

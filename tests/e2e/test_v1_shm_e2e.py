@@ -20,6 +20,7 @@ import pytest
 from perf import make_pool
 from sluice.client import AsyncSluiceClient, SluiceClient
 from sluice.shm import client as client_shm
+from sluice.shm import refs
 from sluice.v1 import inference_pb2 as pb
 from sluice.v1 import inference_pb2_grpc as pb_grpc
 from sluice.wire import codec
@@ -167,7 +168,7 @@ def test_a_server_without_the_flag_names_it(server: Process) -> None:
     assert objects() == before
     # A Predict naming a region anyway: refused with the flag too.
     body = pb.PredictRequest(
-        inputs=[codec.shared_tensor("input", X[:1], codec.Ref("r", 0, X[:1].nbytes))]
+        inputs=[refs.shared_tensor("input", X[:1], refs.Ref("r", 0, X[:1].nbytes))]
     )
     with stub_of(server) as stub, pytest.raises(grpc.RpcError) as caught:
         stub.Predict(body)
@@ -204,9 +205,9 @@ def test_bad_references_are_refused_with_their_status(
     stub, segment = region
     x = X[:1]
     codec.write(segment.view, x)
-    ref = codec.Ref("test", 0, x.nbytes)
+    ref = refs.Ref("test", 0, x.nbytes)
 
-    def predict(tensor: pb.Tensor, **memory: codec.Ref) -> tuple[grpc.StatusCode, str]:
+    def predict(tensor: pb.Tensor, **memory: refs.Ref) -> tuple[grpc.StatusCode, str]:
         output_memory = {
             n: pb.SharedMemoryRef(region=r.region, offset=r.offset, byte_size=r.byte_size)
             for n, r in memory.items()
@@ -214,35 +215,35 @@ def test_bad_references_are_refused_with_their_status(
         request = pb.PredictRequest(inputs=[tensor], output_memory=output_memory)
         return code_of(lambda: stub.Predict(request))
 
-    good = codec.shared_tensor("input", x, ref)
-    both = codec.shared_tensor("input", x, ref)
+    good = refs.shared_tensor("input", x, ref)
+    both = refs.shared_tensor("input", x, ref)
     both.raw_data = x.tobytes()
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     cases = [
         (predict(both), "tensor 'input' carries both raw_data and shared_memory"),
         (
-            predict(codec.shared_tensor("input", x, ref._replace(byte_size=8))),
+            predict(refs.shared_tensor("input", x, ref._replace(byte_size=8))),
             "tensor 'input' has shared_memory byte_size 8 but FP32 shape [1, 64] needs 256",
         ),
         (
-            predict(codec.shared_tensor("input", x, ref._replace(region="nobody"))),
+            predict(refs.shared_tensor("input", x, ref._replace(region="nobody"))),
             "tensor 'input': Unable to find shared memory region: 'nobody'",
         ),
         (
-            predict(codec.shared_tensor("input", x, ref._replace(offset=segment.size - 64))),
+            predict(refs.shared_tensor("input", x, ref._replace(offset=segment.size - 64))),
             "tensor 'input': Invalid offset + byte size",
         ),
         (
-            predict(good, nothing=codec.Ref("test", 1024, 64)),
+            predict(good, nothing=refs.Ref("test", 1024, 64)),
             "output_memory names output 'nothing', which this call does not return",
         ),
         (
-            predict(good, label=codec.Ref("test", 1024, 4)),
+            predict(good, label=refs.Ref("test", 1024, 4)),
             "output_memory of output 'label' (4 bytes at offset 1024 of region 'test') is too "
             "small for its 8 bytes",
         ),
         (
-            predict(good, label=codec.Ref("test", segment.size, 8)),
+            predict(good, label=refs.Ref("test", segment.size, 8)),
             "output_memory of output 'label': Invalid offset + byte size",
         ),
     ]
@@ -261,7 +262,7 @@ def test_an_answer_read_from_a_region_is_never_cached(
 ) -> None:
     stub, segment = region
     request = pb.PredictRequest(
-        inputs=[codec.shared_tensor("input", X[:1], codec.Ref("test", 0, X[:1].nbytes))],
+        inputs=[refs.shared_tensor("input", X[:1], refs.Ref("test", 0, X[:1].nbytes))],
         outputs=["label"],
         output_memory={"label": pb.SharedMemoryRef(region="test", offset=4096, byte_size=8)},
     )

@@ -22,6 +22,7 @@ from perf import echo_server
 from perf import shm_figures as shm
 from sluice import AsyncSluiceClient, models
 from sluice.core.errors import InvalidInput
+from sluice.shm import refs
 from sluice.shm.client import signature
 from sluice.shm.registry import Regions
 from sluice.v1 import inference_pb2 as pb
@@ -240,7 +241,7 @@ def in_region(output_bytes: int, region: str = "r") -> bytes:
     """A Predict with X at the start of `region` and its probabilities after it."""
     placed = pb.SharedMemoryRef(region=region, offset=X.nbytes, byte_size=output_bytes)
     return pb.PredictRequest(
-        inputs=[codec.shared_tensor("input", X, codec.Ref(region, 0, X.nbytes))],
+        inputs=[refs.shared_tensor("input", X, refs.Ref(region, 0, X.nbytes))],
         output_memory={"probabilities": placed},
     ).SerializeToString()
 
@@ -270,7 +271,7 @@ def test_the_shm_floor_reads_its_input_in_the_region_and_writes_its_output_there
         assert np.array_equal(codec.decode(tensors["label"]), expected["label"])  # as bytes
         # an output region too small: refused as the server refuses it, for the client to
         # send that output's bytes instead
-        with pytest.raises(InvalidInput, match=codec.TOO_SMALL):
+        with pytest.raises(InvalidInput, match=refs.TOO_SMALL):
             answer(in_region(8))
         with pytest.raises(InvalidInput, match="'elsewhere'"):
             answer(in_region(64, "elsewhere"))

@@ -33,7 +33,7 @@ from sluice.server.dataplane.engine import TensorSpec
 from sluice.server.dataplane.modelsettings import WireType
 from sluice.server.v1 import NO_SHARED_MEMORY, WIRE_READ_FROM, SluiceV1, _specs
 from sluice.shm import client as client_shm
-from sluice.shm import scan
+from sluice.shm import refs, scan
 from sluice.shm.calls import RegionCalls, on_this_host
 from sluice.shm.registry import Regions
 from sluice.v1 import inference_pb2 as pb
@@ -64,11 +64,11 @@ class Region:
     name: str
     segment: client_shm.Segment
 
-    def put(self, offset: int, array: np.ndarray) -> codec.Ref:
+    def put(self, offset: int, array: np.ndarray) -> refs.Ref:
         n = codec.write(self.segment.view[offset:], array)
-        return codec.Ref(self.name, offset, n)
+        return refs.Ref(self.name, offset, n)
 
-    def read(self, ref: codec.Ref, dtype: str) -> np.ndarray:
+    def read(self, ref: refs.Ref, dtype: str) -> np.ndarray:
         end = ref.offset + ref.byte_size
         return np.frombuffer(self.segment.view[ref.offset : end], dtype).copy()
 
@@ -82,12 +82,12 @@ def region(regions: Regions) -> Iterator[Region]:
     segment.close()
 
 
-def memory_ref(ref: codec.Ref) -> pb.SharedMemoryRef:
+def memory_ref(ref: refs.Ref) -> pb.SharedMemoryRef:
     return pb.SharedMemoryRef(region=ref.region, offset=ref.offset, byte_size=ref.byte_size)
 
 
 def request(
-    inputs: list[pb.Tensor], output_memory: dict[str, codec.Ref] | None = None, **fields: object
+    inputs: list[pb.Tensor], output_memory: dict[str, refs.Ref] | None = None, **fields: object
 ) -> bytes:
     memory = {n: memory_ref(r) for n, r in (output_memory or {}).items()}
     message = pb.PredictRequest(inputs=inputs, output_memory=memory, **fields)
@@ -106,7 +106,7 @@ def test_an_input_in_shared_memory_is_a_view_of_the_region(
     regions: Regions, region: Region
 ) -> None:
     ref = region.put(64, X)
-    body = request([codec.shared_tensor("x", X, ref)])
+    body = request([refs.shared_tensor("x", X, ref)])
     with regions.lease("") as lease:
         got = SHARED.decode(body, lease).inputs["x"]
         np.testing.assert_array_equal(got, X)
@@ -119,7 +119,7 @@ def test_outputs_are_written_into_their_regions_and_the_answer_says_where(
     regions: Regions, region: Region
 ) -> None:
     y, z = X * 2, np.array([7, 8], np.int64)
-    out = codec.Ref("r", 1024, 4096)
+    out = refs.Ref("r", 1024, 4096)
     body = request([codec.encode("x", X)], {"y": out})
     with regions.lease("") as lease:
         decoded = SHARED.decode(body, lease)
@@ -128,8 +128,8 @@ def test_outputs_are_written_into_their_regions_and_the_answer_says_where(
     tensor = response.outputs[0]
     assert (tensor.name, tensor.datatype, list(tensor.shape)) == ("y", "FP32", [3, 4])
     assert not tensor.raw_data
-    assert codec.ref_of(tensor.shared_memory) == codec.Ref("r", 1024, y.nbytes)
-    np.testing.assert_array_equal(region.read(codec.ref_of(tensor.shared_memory), "<f4"), y.ravel())
+    assert refs.ref_of(tensor.shared_memory) == refs.Ref("r", 1024, y.nbytes)
+    np.testing.assert_array_equal(region.read(refs.ref_of(tensor.shared_memory), "<f4"), y.ravel())
     assert codec.decode(response.outputs[1]).tolist() == [7, 8]  # not placed: its bytes
     # Written by hand as protobuf writes it; typed outputs alike, through protobuf.
     assert answer == response.SerializeToString()
@@ -146,7 +146,7 @@ def test_a_large_body_with_a_tensor_in_shared_memory_is_read_by_the_parser(
 ) -> None:
     big = np.ones((1, WIRE_READ_FROM), np.uint8)
     ref = region.put(0, X)
-    body = request([codec.encode("big", big), codec.shared_tensor("x", X, ref)])
+    body = request([codec.encode("big", big), refs.shared_tensor("x", X, ref)])
     assert len(body) >= WIRE_READ_FROM
     assert codec.decode_predict(body) is None  # the wire read leaves it to the parser
     with regions.lease("") as lease:
@@ -163,50 +163,50 @@ def refused(body: bytes, regions: Regions) -> SluiceError:
 
 def test_bad_references_are_refused_naming_the_tensor(regions: Regions, region: Region) -> None:
     ref = region.put(0, X)
-    both = codec.shared_tensor("x", X, ref)
+    both = refs.shared_tensor("x", X, ref)
     both.raw_data = X.tobytes()
     error = refused(request([both]), regions)
     assert isinstance(error, InvalidInput)
     assert "tensor 'x' carries both raw_data and shared_memory" in str(error)
-    typed = codec.shared_tensor("x", X, ref)
+    typed = refs.shared_tensor("x", X, ref)
     typed.fp32_data.extend(X.ravel().tolist())
     assert "carries both fp32_data and shared_memory" in str(refused(request([typed]), regions))
-    short = codec.shared_tensor("x", X, ref._replace(byte_size=40))
+    short = refs.shared_tensor("x", X, ref._replace(byte_size=40))
     error = refused(request([short]), regions)
     assert isinstance(error, InvalidInput)
     assert "tensor 'x' has shared_memory byte_size 40 but FP32 shape [3, 4] needs 48" in str(error)
-    unknown = codec.shared_tensor("x", X, ref._replace(region="nobody"))
+    unknown = refs.shared_tensor("x", X, ref._replace(region="nobody"))
     error = refused(request([unknown]), regions)
     assert type(error) is InvalidInput
     assert str(error).startswith("tensor 'x': Unable to find shared memory region: 'nobody'")
-    past = codec.shared_tensor("x", X, ref._replace(offset=region.segment.size - 8))
+    past = refs.shared_tensor("x", X, ref._replace(offset=region.segment.size - 8))
     error = refused(request([past]), regions)
     assert type(error) is InvalidInput
     assert str(error).startswith("tensor 'x': Invalid offset + byte size")
 
 
 def test_bad_output_memory_is_refused_naming_the_output(regions: Regions, region: Region) -> None:
-    body = request([codec.encode("x", X)], {"y": codec.Ref("nobody", 0, 48)})
+    body = request([codec.encode("x", X)], {"y": refs.Ref("nobody", 0, 48)})
     error = refused(body, regions)  # before the model runs
     assert type(error) is InvalidInput
     assert str(error).startswith("output_memory of output 'y': Unable to find")
-    body = request([codec.encode("x", X)], {"y": codec.Ref("r", 1 << 16, 48)})
+    body = request([codec.encode("x", X)], {"y": refs.Ref("r", 1 << 16, 48)})
     assert "output_memory of output 'y': Invalid offset" in str(refused(body, regions))
-    overlap = {"a": codec.Ref("r", 0, 48), "b": codec.Ref("r", 40, 8), "c": codec.Ref("r", 48, 8)}
+    overlap = {"a": refs.Ref("r", 0, 48), "b": refs.Ref("r", 40, 8), "c": refs.Ref("r", 48, 8)}
     error = refused(request([codec.encode("x", X)], overlap), regions)
     assert type(error) is InvalidInput
     assert str(error) == (
         "output_memory of output 'b': shared memory region 'r': bytes [40, 48) overlap bytes "
         "[0, 48) this call writes another output into; give each output its own bytes"
     )
-    apart = {"a": codec.Ref("r", 0, 48), "b": codec.Ref("r", 48, 8)}
+    apart = {"a": refs.Ref("r", 0, 48), "b": refs.Ref("r", 48, 8)}
     with regions.lease("") as lease:
         assert list(SHARED.decode(request([codec.encode("x", X)], apart), lease).options.memory)
     # An output the call does not return, and one too small: refused, nothing written.
     for memory, words in (
-        ({"w": codec.Ref("r", 0, 48), "y": codec.Ref("r", 64, 48)}, "names output 'w', which"),
+        ({"w": refs.Ref("r", 0, 48), "y": refs.Ref("r", 64, 48)}, "names output 'w', which"),
         (
-            {"y": codec.Ref("r", 64, 47)},
+            {"y": refs.Ref("r", 64, 47)},
             "(47 bytes at offset 64 of region 'r') is too small for its 48",
         ),
     ):
@@ -216,7 +216,7 @@ def test_bad_output_memory_is_refused_naming_the_output(regions: Regions, region
             with pytest.raises(InvalidInput, match=re.escape(words)):
                 SHARED.encode(Model(), decoded, {"y": X})
         assert bytes(region.segment.view[:512]) == bytes(512)
-    assert codec.TOO_SMALL in words
+    assert refs.TOO_SMALL in words
 
 
 @pytest.mark.parametrize("typed", [False, True])
@@ -226,7 +226,7 @@ def test_an_answer_refused_after_its_placed_outputs_writes_nothing(
     """An output the API cannot carry refuses the answer: the output placed before it in
     the answer is not written either."""
     region.segment.view[:512] = bytes(512)
-    body = request([codec.encode("x", X)], {"y": codec.Ref("r", 64, 48)}, typed_outputs=typed)
+    body = request([codec.encode("x", X)], {"y": refs.Ref("r", 64, 48)}, typed_outputs=typed)
     with regions.lease("") as lease:
         decoded = SHARED.decode(body, lease)
         outputs = {"y": X, "z": np.zeros(2, np.complex64)}
@@ -236,7 +236,7 @@ def test_an_answer_refused_after_its_placed_outputs_writes_nothing(
 
 
 def test_with_shared_memory_off_a_region_is_refused_with_the_flag_to_start() -> None:
-    segmentless = codec.shared_tensor("x", X, codec.Ref("r", 0, 48))
+    segmentless = refs.shared_tensor("x", X, refs.Ref("r", 0, 48))
     with pytest.raises(InvalidInput) as caught:
         V1.decode(request([segmentless]))
     assert str(caught.value) == f"tensor 'x' names shared memory region 'r'; {NO_SHARED_MEMORY}"
@@ -245,13 +245,13 @@ def test_with_shared_memory_off_a_region_is_refused_with_the_flag_to_start() -> 
         "(for callers on its host), or send the values in the request"
     )
     with pytest.raises(InvalidInput, match="output_memory names shared memory for output 'y'"):
-        V1.decode(request([codec.encode("x", X)], {"y": codec.Ref("r", 0, 48)}))
+        V1.decode(request([codec.encode("x", X)], {"y": refs.Ref("r", 0, 48)}))
 
 
 def test_the_route_says_which_bodies_name_regions() -> None:
     plain = request([codec.encode("x", X)])
-    inputs = request([codec.encode("x", X), codec.shared_tensor("z", X, codec.Ref("r", 0, 48))])
-    outputs = request([codec.encode("x", X)], {"y": codec.Ref("r", 0, 48)})
+    inputs = request([codec.encode("x", X), refs.shared_tensor("z", X, refs.Ref("r", 0, 48))])
+    outputs = request([codec.encode("x", X)], {"y": refs.Ref("r", 0, 48)})
     assert [scan.uses_regions(b) for b in (plain, inputs, outputs)] == [False, True, True]
     assert not SHARED.route(plain).shared
     assert SHARED.route(inputs).shared and SHARED.route(outputs).shared
@@ -274,7 +274,7 @@ def test_whether_a_body_names_regions_is_the_parsers_answer(
     tensor = pb.Tensor(name="x", datatype="UINT8", shape=[len(raw)], raw_data=raw)
     if shared:
         tensor.shared_memory.region = "r"
-    body = request([tensor], {"y": codec.Ref("r", 0, 8)} if memory else None)
+    body = request([tensor], {"y": refs.Ref("r", 0, 8)} if memory else None)
     parsed = pb.PredictRequest.FromString(body)
     want = bool(parsed.output_memory) or parsed.inputs[0].HasField("shared_memory")
     assert scan.uses_regions(body) is want
