@@ -217,8 +217,12 @@ class Instance:
     def run_inline(
         self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int
     ) -> dict[str, np.ndarray] | None:
-        lengths = self.padding.extent(inputs) if self.padding is not None else ()
-        if self.stage_always or not self._inline(rows, lengths):
+        if self.stage_always:
+            return None
+        if self.padding is None:  # rows alone price the run: the common case, tested here
+            if self.row_seconds * rows > self.inline_max_s:
+                return None
+        elif not self._inline(rows, self.padding.extent(inputs)):
             return None
         return self.run_sync(inputs, outputs, rows)[0]
 

@@ -329,28 +329,28 @@ def _unplaced(tensor: Input, raw: bytes | memoryview | None) -> np.ndarray:
     label = input_label(tensor)
     dt = input_datatype(label, tensor)
     shape = tuple(tensor.shape)
-    count = element_count(label, shape)
+    element_count(label, shape)  # a shape no message could carry: before its contents
     present = contents_filled(tensor)
     if present:
         raise InvalidInput(
             f"{label} fills contents.{present[0]} but the request uses "
             "raw_input_contents; send every input's values there, or none"
         )
-    expected = count * dt.dtype.itemsize
-    if len(raw) != expected:
-        raise InvalidInput(
-            f"{label} has {len(raw)} bytes in raw_input_contents but {dt.name} shape "
-            f"{list(shape)} needs {expected} ({count} x {dt.dtype.itemsize} bytes)"
-        )
-    return _array(label, raw, dt, shape, "its raw_input_contents hold")
+    return _array(label, raw, dt, shape, "its raw_input_contents hold", "in raw_input_contents")
 
 
 def _array(
-    label: str, data: bytes | memoryview, dt: DataType, shape: tuple[int, ...], where: str
+    label: str,
+    data: bytes | memoryview,
+    dt: DataType,
+    shape: tuple[int, ...],
+    where: str,
+    field: str = "",
 ) -> np.ndarray:
-    """A view of `data` as the input's array; a copy where it is not aligned."""
+    """A view of `data` as the input's array (`field`: as codec.view_of); a copy where it is
+    not aligned."""
     try:
-        return codec.view_of(label, data, dt, shape, where)
+        return codec.view_of(label, data, dt, shape, where, field)
     except codec.TensorError as exc:
         raise InvalidInput(str(exc)) from None
 

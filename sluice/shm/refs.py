@@ -15,7 +15,6 @@ from sluice.shm.slots import OutputSlot as OutputSlot
 from sluice.shm.slots import Ref as Ref
 from sluice.shm.slots import SlotWrites
 from sluice.v1 import inference_pb2 as pb
-from sluice.wire import facts, peek
 
 
 class Unshared(TensorError):
@@ -73,22 +72,6 @@ def shared_tensor(name: str, array: np.ndarray, ref: Ref) -> pb.Tensor:
     dt = datatype_of(array.dtype)
     memory = pb.SharedMemoryRef(region=ref.region, offset=ref.offset, byte_size=ref.byte_size)
     return pb.Tensor(name=name, datatype=dt.name, shape=array.shape, shared_memory=memory)
-
-
-def ref_field(ref: Ref) -> bytes:
-    """A Tensor's shared_memory field naming `ref`, as protobuf writes it (a reply written by
-    hand: the codec's)."""
-    region = ref.region.encode()
-    inner = _REGION + peek.varint(len(region)) + region if region else b""
-    inner += _OFFSET + peek.varint(ref.offset) if ref.offset else b""
-    inner += _SIZE + peek.varint(ref.byte_size) if ref.byte_size else b""
-    return _TENSOR_MEMORY + peek.varint(len(inner)) + inner
-
-
-_TENSOR_MEMORY = peek.tag(facts.TENSOR_SHARED_MEMORY)
-_REGION = peek.tag(facts.MEMORY_REGION)
-_OFFSET = peek.tag(facts.MEMORY_OFFSET, 0)
-_SIZE = peek.tag(facts.MEMORY_BYTE_SIZE, 0)
 
 
 def output_writes(

@@ -21,7 +21,7 @@ from typing import cast
 import numpy as np
 import numpy.typing as npt
 
-from sluice.core.datatypes import DATATYPES, DataType
+from sluice.core.datatypes import BY_KIND, DATATYPES, DataType
 from sluice.core.datatypes import bytes_of as bytes_of
 from sluice.core.datatypes import datatype_of as datatype_of
 from sluice.core.errors import TensorError as TensorError
@@ -114,7 +114,8 @@ def encode_predict_response(
             if ref is None:
                 at = _tensor(parts, at, _REPLY_OUTPUTS, name, array, align=False)
             else:
-                tensor = _head(name, datatype_of(array.dtype), array.shape) + refs.ref_field(ref)
+                # Protobuf writes it: only a few bytes, where it lies.
+                tensor = refs.shared_tensor(name, array, ref).SerializeToString()
                 parts.append(_REPLY_OUTPUTS + peek.varint(len(tensor)) + tensor)
                 at += len(parts[-1])
         parts.append(_string(_REPLY_VERSION, version))
@@ -130,8 +131,13 @@ def _tensor(
     """Append the Tensor field `tag` carrying `array` as raw_data to `parts`, whose bytes so
     far end at offset `at`; with `align`, raw_data padded to start at a multiple of ALIGN.
     The offset after it."""
-    dt = datatype_of(array.dtype)
-    head = _head(name, dt, array.shape)  # before ascontiguousarray: it makes a [] a [1]
+    # On every output: the datatype looked up here, datatype_of only to refuse one.
+    dt = BY_KIND.get((array.dtype.kind, array.dtype.itemsize)) or datatype_of(array.dtype)
+    dims = array.shape  # before ascontiguousarray: it makes a [] a [1]
+    # Dimensions under 128 are their own varints: the common case, without a call each.
+    shape = bytes(dims) if max(dims, default=0) < 0x80 else b"".join(peek.varint(d) for d in dims)
+    head = _string(_TENSOR_NAME, name) + _string(_TENSOR_DATATYPE, dt.name)
+    head += _TENSOR_SHAPE + peek.varint(len(shape)) + shape if shape else b""
     array = np.ascontiguousarray(array, dtype=dt.dtype)  # ORT's outputs as they are
     n = array.nbytes
     raw = _TENSOR_RAW + peek.varint(n) if n else b""  # proto3 leaves an empty one out
@@ -150,14 +156,6 @@ def _tensor(
     outer = tag + peek.varint(size)
     parts += [outer, head, raw, array.data]  # a view of the array's bytes, whatever its shape
     return at + len(outer) + size
-
-
-def _head(name: str, dt: DataType, dims: tuple[int, ...]) -> bytes:
-    """A Tensor's name, datatype and shape fields."""
-    # Dimensions under 128 are their own varints: the common case, without a call each.
-    shape = bytes(dims) if max(dims, default=0) < 0x80 else b"".join(peek.varint(d) for d in dims)
-    head = _string(_TENSOR_NAME, name) + _string(_TENSOR_DATATYPE, dt.name)
-    return head + _TENSOR_SHAPE + peek.varint(len(shape)) + shape if shape else head
 
 
 # The same few strings on every call (a model's name, version and outputs, datatypes):
@@ -265,9 +263,9 @@ def decode(tensor: pb.Tensor, memory: refs.Memory | None = None) -> np.ndarray:
     """The array a Tensor message carries; TensorError names the tensor and the fault. One
     in shared memory is a view of `memory`'s bytes (no copy; Unshared without `memory`);
     `memory`'s own refusals are raised as they are, their message led by the tensor's."""
-    label = _label(tensor.name)
+    label = f"tensor {tensor.name!r}" if tensor.name else NAMELESS
     shape = tuple(tensor.shape)
-    dt, count = datatype_named(label, tensor.datatype), element_count(label, shape)
+    dt, count = _checked(label, tensor.datatype, shape)
     present = []  # a loop: a comprehension would be one more call on every decode
     for typed_field in _TYPED_FIELDS:
         if len(getattr(tensor, typed_field)):
@@ -275,7 +273,7 @@ def decode(tensor: pb.Tensor, memory: refs.Memory | None = None) -> np.ndarray:
     if tensor.HasField("shared_memory"):
         carried = "raw_data" if tensor.raw_data else present[0] if present else ""
         view = refs.input_bytes(label, dt, shape, count, tensor, carried, memory)
-        return _raw(label, dt, shape, count, view)
+        return view_of(label, view, dt, shape, RAW_DATA)
     if tensor.raw_data and present:
         raise TensorError(
             f"{label} carries both raw_data and {present[0]}; send exactly one of them"
@@ -294,11 +292,22 @@ def decode(tensor: pb.Tensor, memory: refs.Memory | None = None) -> np.ndarray:
                 f"but shape {list(shape)} needs {count}"
             )
         return typed_array(values, dt, label).reshape(shape)
-    return _raw(label, dt, shape, count, tensor.raw_data)
+    return view_of(label, tensor.raw_data, dt, shape, RAW_DATA, "of raw_data")
 
 
-def _label(name: str) -> str:
-    return f"tensor {name!r}" if name else "a tensor with no name"
+NAMELESS = "a tensor with no name"  # a tensor's label without one (else "tensor 'x'")
+
+
+def _checked(label: str, datatype: str, shape: tuple[int, ...]) -> tuple[DataType, int]:
+    """`datatype_named` and `element_count` at once: a shape of common sizes passes on one
+    test; any other is judged by both, which name the fault."""
+    dt = DATATYPES.get(datatype)
+    count = math.prod(shape)
+    if dt is None or not 0 < count <= MAX_ELEMENTS or len(shape) > facts.MAX_RANK:
+        return datatype_named(label, datatype), element_count(label, shape)
+    if min(shape, default=0) < 0:  # an even number of negative dimensions
+        element_count(label, shape)
+    return dt, count
 
 
 def datatype_named(label: str, datatype: str) -> DataType:
@@ -329,23 +338,23 @@ def element_count(label: str, shape: tuple[int, ...]) -> int:
     return count
 
 
-def _raw(
-    label: str, dt: DataType, shape: tuple[int, ...], count: int, raw: bytes | memoryview
-) -> np.ndarray:
-    expected = count * dt.dtype.itemsize
-    if len(raw) != expected:
-        raise TensorError(
-            f"{label} has {len(raw)} bytes of raw_data but {dt.name} "
-            f"shape {list(shape)} needs {expected} ({count} x {dt.dtype.itemsize} bytes)"
-        )
-    return view_of(label, raw, dt, shape, "its raw_data holds")
-
-
 def view_of(
-    label: str, data: bytes | memoryview, dt: DataType, shape: tuple[int, ...], where: str
+    label: str,
+    data: bytes | memoryview,
+    dt: DataType,
+    shape: tuple[int, ...],
+    where: str,
+    field: str = "",
 ) -> np.ndarray:
     """A view of `data` as the tensor's array; TensorError for BOOL bytes other than 0 and 1
-    (`where`: whose bytes they are, "its raw_data holds")."""
+    (`where`: whose bytes they are, RAW_DATA) and, given the `field` they came in ("of
+    raw_data"), for a size other than the shape's."""
+    itemsize = dt.dtype.itemsize
+    if field and len(data) != (count := math.prod(shape)) * itemsize:
+        raise TensorError(
+            f"{label} has {len(data)} bytes {field} but {dt.name} shape {list(shape)} "
+            f"needs {count * itemsize} ({count} x {itemsize} bytes)"
+        )
     array = np.frombuffer(data, dtype=dt.dtype)
     # A view at an odd offset (a body not written by encode_predict): ORT runs it, but
     # slower and rounded differently, so it gets an aligned copy.
@@ -354,6 +363,9 @@ def view_of(
     if dt.dtype.kind == "b" and array.view(np.uint8).max(initial=0) > 1:
         raise TensorError(f"{label} is BOOL but {where} bytes other than 0 and 1")
     return array.reshape(shape)
+
+
+RAW_DATA = "its raw_data holds"
 
 
 def decode_predict(
@@ -442,9 +454,9 @@ def _predict(given: bytes | memoryview) -> tuple[dict[str, np.ndarray], list[str
     for name, datatype, shape, raw in found:
         if name in arrays:
             raise TensorError(f"tensor {name!r} appears more than once")
-        label, dims = _label(name), tuple(shape)
-        dt, count = datatype_named(label, datatype), element_count(label, dims)
-        arrays[name] = _raw(label, dt, dims, count, view[raw[0] : raw[1]])
+        label, dims = f"tensor {name!r}" if name else NAMELESS, tuple(shape)
+        dt, _ = _checked(label, datatype, dims)
+        arrays[name] = view_of(label, view[raw[0] : raw[1]], dt, dims, RAW_DATA, "of raw_data")
     return arrays, outputs, typed
 
 
