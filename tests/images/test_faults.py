@@ -133,13 +133,18 @@ def explain(
 def test_a_server_fault_under_load(containers: Cluster, kind: str, tmp_path: Path) -> None:
     make, undo = FAULTS[kind]
     victim = containers.servers[0]
+    made: list[bool] = []  # undone only if asked for: else undo's error hides the first
+
+    def fault() -> None:
+        made.append(True)
+        make(containers, victim)
+
     try:
-        asked, at, found = loaded(
-            containers, tmp_path / "load.json", lambda: make(containers, victim)
-        )
+        asked, at, found = loaded(containers, tmp_path / "load.json", fault)
         effects = took_effect(containers, kind, victim, asked)
     finally:
-        undo(containers, victim)
+        if made:
+            undo(containers, victim)
         containers.wait_healthy()
     records, samples = found["records"], found["samples"]
     assert effects, f"the engine reported no {EFFECT[kind]} of {victim} after the fault"
