@@ -4,9 +4,10 @@ one Sluice client given every --target (two balancers: the client's own planner 
 one that is down), each call kept with its start, latency, status and the node that answered;
 the first target's Health is sampled meanwhile, to time when a backend leaves or joins.
 
-It waits until every target reports --ready backends serving, prints `started T0`
-(time.monotonic(), one clock for every process of the machine), loads for --seconds, and
-writes its records and samples as JSON to --out."""
+It waits until every target reports --ready backends serving with their breakers closed
+(sending unrecorded calls, one at a time, while a breaker is on probation: only answered
+calls close one), prints `started T0` (time.monotonic(), one clock for every process of the
+machine), loads for --seconds, and writes its records and samples as JSON to --out."""
 
 from __future__ import annotations
 
