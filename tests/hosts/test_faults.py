@@ -63,9 +63,15 @@ def test_fifty_ms_delay_loses_its_share(lab: Lab, tmp_path: Path) -> None:
     # A slow probe after each cooldown ejects it again (sluice.routing.pool), so the slow
     # server's calls are too few to be the p99 (11-14 ms here; 57-62 when each probe let
     # ~20 slow calls follow). The floor is half the delay: noise below it, the fault above.
-    assert p99(run.after) < 1.5 * max(p99(run.before), DELAY_FLOOR_S), (
+    # Measured against the other servers' calls in the same stretch, not against the calls
+    # before the delay: a loaded machine's p99 moves 25-50 ms from one stretch to the next,
+    # and a noisier stretch after than before read as the slow server's calls.
+    others = [c for c in run.after if c.node != run.victim]
+    slow = [round(c.latency, 3) for c in run.after if c.node == run.victim]
+    assert p99(run.after) < 1.5 * max(p99(others), DELAY_FLOOR_S), (
         p99(run.after),
-        p99(run.before),
+        p99(others),
+        f"{len(slow)} of {len(run.after)} calls to {run.victim}: {slow[:40]}",
     )
 
 
