@@ -73,7 +73,8 @@ class SingleFlight:
     """Runs one computation per key at a time; callers arriving meanwhile share its result.
 
     The computation runs in its own task, so a caller that cancels leaves it running for the
-    others; its outcome (result or exception) goes to every caller."""
+    others; its outcome (result or exception) goes to every caller, each told whether it
+    shared another's (as Go's singleflight tells)."""
 
     def __init__(self) -> None:
         self._flights: dict[bytes, asyncio.Task[Entry]] = {}
@@ -82,29 +83,40 @@ class SingleFlight:
     def __len__(self) -> int:
         return len(self._flights)
 
-    def __contains__(self, key: bytes) -> bool:
-        """Whether `key` is being computed now."""
-        return key in self._flights
+    async def run(
+        self,
+        key: bytes,
+        compute: Callable[[], Awaitable[Entry]],
+        retry: Callable[[Exception], bool] | None = None,
+    ) -> tuple[Entry, bool]:
+        """The entry for `key`, and whether it was shared: another caller's computation,
+        already running, answered (`compute` is then not called). A shared computation's
+        failure that `retry` takes for its leader's own (its deadline) is tried again."""
+        while True:
+            task = self._flights.get(key)
+            shared = task is not None
+            if task is None:
+                task = asyncio.ensure_future(compute())
+                self._flights[key] = task
 
-    async def run(self, key: bytes, compute: Callable[[], Awaitable[Entry]]) -> Entry:
-        task = self._flights.get(key)
-        if task is None:
-            task = asyncio.ensure_future(compute())
-            self._flights[key] = task
+                def done(finished: asyncio.Task[Entry]) -> None:
+                    self._flights.pop(key, None)
+                    # Every caller may have gone (cancelled): the outcome is then read here,
+                    # so asyncio does not log it as an exception nobody retrieved.
+                    if not finished.cancelled():
+                        finished.exception()
 
-            def done(finished: asyncio.Task[Entry]) -> None:
-                self._flights.pop(key, None)
-                # Every caller may have gone (cancelled): the outcome is then read here, so
-                # asyncio does not log it as an exception nobody retrieved.
-                if not finished.cancelled():
-                    finished.exception()
-
-            task.add_done_callback(done)
-        else:
-            self.joined += 1
-        try:
-            return await asyncio.shield(task)
-        finally:
-            # The frame would otherwise sit in a cycle (task -> exception -> traceback ->
-            # this frame -> task) that keeps a large request alive until the next collection.
-            del task, compute
+                task.add_done_callback(done)
+            else:
+                self.joined += 1
+            try:
+                return await asyncio.shield(task), shared
+            except Exception as exc:
+                if not (shared and retry is not None and retry(exc)):
+                    del compute
+                    raise
+            finally:
+                # The frame would otherwise sit in a cycle (task -> exception -> traceback ->
+                # this frame -> task) that keeps a large request alive until the next
+                # collection.
+                del task

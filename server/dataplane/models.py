@@ -184,11 +184,12 @@ class Model:
         outputs asked for (all when none are named) and the inputs that held NaN or infinity.
         The batcher fills in `trip`, if given, with the request's queue wait and batch (for
         tracing)."""
-        nonfinite = self._fits(inputs)  # padded lengths are measured below, once
+        nonfinite, rows = self._fits(inputs)  # padded lengths are measured below, once
         if self._cast_now:
             inputs = self.cast(inputs)
         names = self.select(outputs) if outputs else self._output_names
-        rows = staging.rows_of(inputs) if self._batchable else None
+        if not self._batchable:
+            rows = None
         # Requests that cannot share a batch get a group of their own.
         batching = self._batching and rows is not None
         lengths: padding.Lengths = ()
@@ -218,13 +219,14 @@ class Model:
         hold NaN or infinity (allowed, but worth telling the caller). An input sent in one
         of its wire types is checked as sent: the cast keeps NaN and infinity and makes
         none (`wire_inputs`), and integers hold neither (that check costs nothing)."""
-        nonfinite = self._fits(inputs)
+        nonfinite, _ = self._fits(inputs)
         if self.padding is not None:  # padded inputs agree in length, within the longest
             self.padding.measure(inputs)
         return nonfinite
 
-    def _fits(self, inputs: Mapping[str, np.ndarray]) -> list[str]:
-        """`check` but for the padded lengths, which `run` measures itself."""
+    def _fits(self, inputs: Mapping[str, np.ndarray]) -> tuple[list[str], int | None]:
+        """`check` but for the padded lengths, which `run` measures itself; and the request's
+        rows, the first dimension its inputs share (None: none)."""
         if inputs.keys() != self._inputs_by_name.keys():  # compared as sets
             unknown = [n for n in inputs if n not in self._inputs_by_name]
             if unknown:
@@ -237,6 +239,7 @@ class Model:
                 "missing input " + ", ".join(f"{s.name!r} {s.describe()}" for s in missing)
             )
         nonfinite = []
+        firsts: set[int | None] = set()
         for spec in self.inputs:
             array = inputs[spec.name]
             if array.dtype != spec.dtype and (spec.name, array.dtype) not in self._casts:
@@ -263,9 +266,10 @@ class Model:
                     f"input {spec.name!r} is empty (shape {list(array.shape)}); "
                     "the model needs at least one row"
                 )
+            firsts.add(array.shape[0] if array.ndim else None)
             if holds_nonfinite(array):
                 nonfinite.append(spec.name)
-        return nonfinite
+        return nonfinite, firsts.pop() if len(firsts) == 1 else None
 
     def cast(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """Checked `inputs` as the model takes them: each one sent in a wire type cast into

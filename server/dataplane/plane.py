@@ -133,7 +133,14 @@ class Dataplane:
                     entry = await self._answer(found, body, protocol, deadline, priority, held)
                     cached = None
                 else:
-                    entry, cached = await self._once(key, found, body, protocol, deadline, priority)
+                    compute = functools.partial(
+                        self._answer, found, body, protocol, deadline, priority, key=key
+                    )
+                    retry = functools.partial(self._outlived, deadline)
+                    entry, shared = await self.flight.run(key, compute, retry)
+                    if tracing.ON:  # shared: another caller's computation answered
+                        tracing.annotate(tracing.CACHE, "shared" if shared else "miss")
+                    cached = HIT if shared else MISS
             finally:
                 found.release()
         if asked.echo is not None:
@@ -159,32 +166,10 @@ class Dataplane:
         finally:
             found.release()
 
-    async def _once(
-        self,
-        key: bytes,
-        model: Model,
-        body: bytes,
-        protocol: WireProtocol[Opts],
-        deadline: float | None,
-        priority: int,
-    ) -> tuple[Entry, Cached]:
-        """Compute under single-flight; a hit when another caller's computation answered.
-        A shared computation that ran out of its leader's deadline is retried for a follower
-        whose own deadline still allows it."""
-        compute = functools.partial(
-            self._answer, model, body, protocol, deadline, priority, key=key
-        )
-        while True:
-            joined = key in self.flight
-            try:
-                entry = await self.flight.run(key, compute)
-            except DeadlineExpired:
-                if not joined or (deadline is not None and deadline <= self.clock()):
-                    raise
-            else:
-                if tracing.ON:  # shared: another caller's computation answered
-                    tracing.annotate(tracing.CACHE, "shared" if joined else "miss")
-                return entry, HIT if joined else MISS
+    def _outlived(self, deadline: float | None, exc: Exception) -> bool:
+        """Whether a follower whose deadline is `deadline` tries again after the shared
+        computation failed with `exc`: one that ran out of its leader's deadline, not its."""
+        return isinstance(exc, DeadlineExpired) and (deadline is None or deadline > self.clock())
 
     async def _answer(
         self,

@@ -196,14 +196,6 @@ def _cut(
     return array if view else array.copy()
 
 
-def rows_of(inputs: Mapping[str, np.ndarray]) -> int | None:
-    """The batch rows of a request: the shared first dimension of its inputs, else None."""
-    firsts: set[int | None] = set()
-    for array in inputs.values():
-        firsts.add(array.shape[0] if array.ndim else None)
-    return firsts.pop() if len(firsts) == 1 else None
-
-
 def key_dtype(name: str, array: np.ndarray, casts: Casts) -> str:
     """The datatype an input batches as: the model's where it is cast, so uint8 and FP32
     requests share a batch."""

@@ -265,7 +265,12 @@ def decode(tensor: pb.Tensor, memory: refs.Memory | None = None) -> np.ndarray:
     `memory`'s own refusals are raised as they are, their message led by the tensor's."""
     label = f"tensor {tensor.name!r}" if tensor.name else NAMELESS
     shape = tuple(tensor.shape)
-    dt, count = _checked(label, tensor.datatype, shape)
+    dt, count = DATATYPES.get(tensor.datatype), math.prod(shape)
+    # The common shape passes on one test; any other (and an unknown datatype) is judged.
+    if dt is None or not 0 < count <= MAX_ELEMENTS or len(shape) > facts.MAX_RANK:
+        dt, count = _checked(label, tensor.datatype, shape)
+    elif min(shape, default=0) < 0:  # an even number of negative dimensions
+        element_count(label, shape)
     present = []  # a loop: a comprehension would be one more call on every decode
     for typed_field in _TYPED_FIELDS:
         if len(getattr(tensor, typed_field)):
@@ -299,15 +304,8 @@ NAMELESS = "a tensor with no name"  # a tensor's label without one (else "tensor
 
 
 def _checked(label: str, datatype: str, shape: tuple[int, ...]) -> tuple[DataType, int]:
-    """`datatype_named` and `element_count` at once: a shape of common sizes passes on one
-    test; any other is judged by both, which name the fault."""
-    dt = DATATYPES.get(datatype)
-    count = math.prod(shape)
-    if dt is None or not 0 < count <= MAX_ELEMENTS or len(shape) > facts.MAX_RANK:
-        return datatype_named(label, datatype), element_count(label, shape)
-    if min(shape, default=0) < 0:  # an even number of negative dimensions
-        element_count(label, shape)
-    return dt, count
+    """`datatype_named` and `element_count` at once, which name a fault."""
+    return datatype_named(label, datatype), element_count(label, shape)
 
 
 def datatype_named(label: str, datatype: str) -> DataType:
